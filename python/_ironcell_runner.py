@@ -1,0 +1,152 @@
+"""Runs one cell of agent code inside a worker, notebook-style.
+
+Loaded once into the zygote (so every forked worker already has it) and called by the worker's
+Rust frame loop with the GIL held. It never touches the session socket: it returns a plain dict
+and the Rust side turns it into the `done` frame.
+
+What a cell gets:
+- one persistent namespace per session (globals, imports and functions survive between cells);
+- the value of a trailing expression, like a notebook (`_` holds it afterwards);
+- top-level `await`, driven on one event loop that lives as long as the session;
+- exceptions as type, message and a short traceback of the cell's own frames.
+"""
+
+import ast
+import asyncio
+import inspect
+import signal
+import sys
+import traceback
+import types
+
+CELL_FILENAME = "<cell>"
+MAX_RESULT_CHARS = 20_000
+MAX_TRACEBACK_FRAMES = 12
+
+_main_module = types.ModuleType("__main__")
+_main_module.__dict__["__builtins__"] = __builtins__
+_loop = None
+_cell_sources = {}
+
+
+def prepare_worker(env):
+    """Called once in a fresh worker, before the first cell."""
+    import os
+
+    os.environ.clear()
+    os.environ.update(env)
+    # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
+    sys.modules["__main__"] = _main_module
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Fresh streams over the worker's captured fd 1 and 2 (pipes now; the zygote's streams were
+    # made for whatever its fds were). Line-buffered so output streams while a cell runs.
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        setattr(sys, name, stream)
+        setattr(sys, "__%s__" % name, stream)
+
+
+def _globals():
+    return _main_module.__dict__
+
+
+def _run_awaitable(obj):
+    global _loop
+    if _loop is None or _loop.is_closed():
+        _loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(_loop)
+    try:
+        return _loop.run_until_complete(obj)
+    finally:
+        asyncio.set_event_loop(None)
+
+
+def _short_traceback(exc):
+    tb_exc = traceback.TracebackException.from_exception(exc, limit=None)
+    # Drop the runner's own frames; keep the tail the user can act on.
+    frames = [f for f in tb_exc.stack if f.filename != __file__]
+    tb_exc.stack = traceback.StackSummary.from_list(frames[-MAX_TRACEBACK_FRAMES:])
+    return "".join(tb_exc.format())
+
+
+def _error(exc):
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": _short_traceback(exc),
+    }
+
+
+def _repr(value):
+    try:
+        text = repr(value)
+    except Exception as exc:  # a broken __repr__ must not lose the cell
+        text = f"<repr failed: {type(exc).__name__}: {exc}>"
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + f"... [{len(text) - MAX_RESULT_CHARS} more characters]"
+    return text
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _register_source(code):
+    # linecache lets tracebacks show the offending line of the cell.
+    import linecache
+
+    linecache.cache[CELL_FILENAME] = (len(code), None, code.splitlines(True), CELL_FILENAME)
+
+
+def run_cell(code):
+    """Runs `code`; returns {"status", "result", "error", "exit_code"}."""
+    out = {"status": "ok", "result": None, "error": None, "exit_code": None}
+    try:
+        _register_source(code)
+        try:
+            tree = ast.parse(code, CELL_FILENAME, "exec")
+        except SyntaxError as exc:
+            out["status"] = "error"
+            out["error"] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": "".join(traceback.format_exception_only(type(exc), exc)),
+            }
+            return out
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        g = _globals()
+        body = compile(tree, CELL_FILENAME, "exec", flags=flags, dont_inherit=True)
+        value = eval(body, g)
+        if inspect.iscoroutine(value):
+            _run_awaitable(value)
+        if last is not None:
+            expr = compile(last, CELL_FILENAME, "eval", flags=flags, dont_inherit=True)
+            value = eval(expr, g)
+            if inspect.iscoroutine(value) and expr.co_flags & inspect.CO_COROUTINE:
+                value = _run_awaitable(value)
+            if value is not None:
+                g["_"] = value
+                out["result"] = _repr(value)
+    except KeyboardInterrupt as exc:
+        out["status"] = "interrupted"
+        out["error"] = _error(exc)
+        out["error"]["message"] = "interrupted"
+    except SystemExit as exc:
+        out["status"] = "exit"
+        code_ = exc.code
+        out["exit_code"] = code_ if isinstance(code_, int) else (0 if code_ is None else 1)
+        if code_ is not None and not isinstance(code_, int):
+            print(code_, file=sys.stderr)
+    except BaseException as exc:
+        out["status"] = "error"
+        out["error"] = _error(exc)
+    finally:
+        _flush()
+    return out

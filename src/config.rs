@@ -1,0 +1,167 @@
+//! Settings: command-line flags, each with an environment variable (the bridge's names where the
+//! meaning carries over, `IRONCELL_*` otherwise), and the parsers for durations and sizes.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// How the text block of a result is written for the model. `structuredContent` always carries
+/// the full record regardless.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputMode {
+    /// Plain text: output, then `=> value`, then any error. Fewest tokens.
+    Compact,
+    /// Token-Oriented Object Notation of the record.
+    Toon,
+    /// The record as one JSON object.
+    Json,
+}
+
+/// Settings shared by `serve`, `exec` and `demo`.
+#[derive(Debug, Clone, Args)]
+pub struct Settings {
+    /// Text format of results: compact, toon or json.
+    #[arg(
+        long,
+        env = "MCP_BRIDGE_OUTPUT_MODE",
+        value_enum,
+        default_value = "compact",
+        ignore_case = true
+    )]
+    pub output_mode: OutputMode,
+
+    /// Default wall-clock limit of one run (`30`, `30s`, `2m`, `500ms`).
+    #[arg(long = "timeout", env = "MCP_BRIDGE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub default_timeout: Duration,
+
+    /// Largest timeout a call may ask for; larger requests are clamped and told so.
+    #[arg(long = "max-timeout", env = "MCP_BRIDGE_MAX_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
+    pub max_timeout: Duration,
+
+    /// After a timeout or cancel interrupts a run, how long it may take to stop before the
+    /// worker is killed (its session's state is then lost).
+    #[arg(long, env = "IRONCELL_INTERRUPT_GRACE", default_value = "2s", value_parser = parse_duration)]
+    pub interrupt_grace: Duration,
+
+    /// Most sessions with a live worker at once. A new session past the cap evicts the least
+    /// recently used idle one; if all are busy the call is refused.
+    #[arg(long, env = "IRONCELL_MAX_SESSIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_sessions: u32,
+
+    /// Idle time after which a session's worker and files are discarded.
+    #[arg(long, env = "IRONCELL_SESSION_TTL", default_value = "30m", value_parser = parse_duration)]
+    pub session_ttl: Duration,
+
+    /// Largest `code` accepted, in bytes (`1m`, `256k`).
+    #[arg(long, env = "IRONCELL_MAX_CODE", default_value = "1m", value_parser = parse_size)]
+    pub max_code_bytes: u64,
+
+    /// Output kept inline in a result (head and tail); the rest is saved to a file.
+    #[arg(long, env = "IRONCELL_INLINE_OUTPUT", default_value = "16k", value_parser = parse_size)]
+    pub inline_output_bytes: u64,
+
+    /// Output one run may produce in all; past it the run is stopped ("output limit").
+    #[arg(long, env = "IRONCELL_MAX_OUTPUT", default_value = "32m", value_parser = parse_size)]
+    pub max_output_bytes: u64,
+
+    /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
+    /// ~/.local/state/ironcell).
+    #[arg(long, env = "MCP_BRIDGE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+}
+
+impl Settings {
+    /// The state directory to use, resolved from the flag, XDG, HOME, or /tmp.
+    pub fn resolved_state_dir(&self) -> PathBuf {
+        if let Some(d) = &self.state_dir {
+            return d.clone();
+        }
+        if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+            return PathBuf::from(x).join("ironcell");
+        }
+        if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+            return PathBuf::from(h).join(".local/state/ironcell");
+        }
+        PathBuf::from(format!("/tmp/ironcell-{}", nix::unistd::getuid()))
+    }
+}
+
+/// Parses `30`, `30s`, `1.5s`, `500ms`, `2m`, `1h` (a bare number means seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t.as_str(), 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (try 30, 30s, 500ms, 2m)"))?;
+    if !v.is_finite() || v <= 0.0 || v * scale > 86_400.0 * 7.0 {
+        return Err(format!(
+            "{s:?} is out of range (more than 0, at most a week)"
+        ));
+    }
+    Ok(Duration::from_secs_f64(v * scale))
+}
+
+/// Parses `1024`, `512k`, `512m`, `2g` (also `kb`/`mib`/`gib`; binary units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let digits_end = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits_end);
+    let scale: u64 = match unit.trim() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("{s:?}: unknown unit {other:?} (use k, m or g)")),
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (try 512m, 2g)"))?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(format!("{s:?} must be more than 0"));
+    }
+    Ok((v * scale as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_accept_the_bridge_spellings() {
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(
+            parse_duration(" 1.5S ").unwrap(),
+            Duration::from_millis(1500)
+        );
+        assert!(parse_duration("0").is_err());
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("-3s").is_err());
+    }
+
+    #[test]
+    fn sizes_use_binary_units() {
+        assert_eq!(parse_size("512m").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2g").unwrap(), 2 << 30);
+        assert_eq!(parse_size("16k").unwrap(), 16 << 10);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("0").is_err());
+    }
+}

@@ -1,0 +1,31 @@
+//! ironcell: an MCP server that runs Python in persistent, kernel-sandboxed sessions.
+//!
+//! The host speaks MCP on stdio and never runs untrusted code. It exec's its own binary once as
+//! a *zygote* with a clean environment; the zygote initializes CPython (embedded with pyo3),
+//! warms it up, and forks one *worker* per session. Workers talk to the host over their own
+//! socketpair with length-prefixed frames; their fd 1 and 2 are captured, so nothing they write
+//! can reach the MCP stream.
+//!
+//! # Layout
+//!
+//! - [`cli`]: the command line (`serve`, `exec`, `demo`) and what each command does.
+//! - [`config`]: settings, their flags and environment variables, duration and size parsing.
+//! - [`server`]: the rmcp `ServerHandler`: the `run_python` tool and the `system://info` resource.
+//! - [`session`]: the session table, timeouts, cancellation, caps, and the per-cell run loop.
+//! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
+//! - [`zygote`]: the clean, exec'd, single-threaded forker, and the host's handle on it.
+//! - [`worker`]: the child side: setup order, output capture, the frame loop.
+//! - [`frame`]: the framing and messages on a session socket.
+//! - [`system_info`]: what `system://info` reports.
+//! - `python/_ironcell_runner.py`: the notebook-style cell runner, embedded in the binary.
+
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod frame;
+pub mod output;
+pub mod server;
+pub mod session;
+pub mod system_info;
+pub mod worker;
+pub mod zygote;

@@ -1,0 +1,658 @@
+//! Sessions: the table of named sessions, each with at most one live worker, and the run loop
+//! that feeds a cell to a worker and turns what comes back into a [`RunRecord`].
+//!
+//! The host enforces what a worker cannot enforce on itself: the wall-clock timeout (SIGINT
+//! first, so the session survives; SIGKILL after a grace period), cancellation, the output cap,
+//! the cap on live sessions, and the idle TTL. A worker that dies for any reason is reported
+//! once, in the result of the run it died in or, if it died between runs, in the next one.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use nix::sys::signal::Signal;
+use tokio::sync::oneshot;
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::frame::{
+    self, CellStatus, FromWorker, KIND_JSON, KIND_STDERR, KIND_STDOUT, PyErrorInfo, ToWorker,
+};
+use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
+use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
+
+/// How long a new worker may take to report `ready`.
+const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long to wait for the zygote's report after a worker's socket closed.
+const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why a call was refused before any code ran. Shown to the model as an `isError` result.
+#[derive(Debug, thiserror::Error)]
+pub enum RunRefusal {
+    #[error("invalid session name {0:?}: use 1-64 letters, digits, '-', '_' or '.'")]
+    InvalidSession(String),
+    #[error(
+        "code is {size} bytes; the limit is {limit} bytes (IRONCELL_MAX_CODE). Split it, or write data to a file in an earlier run"
+    )]
+    CodeTooLarge { size: usize, limit: u64 },
+    #[error(
+        "all {0} sessions are busy running code; wait for one to finish, or reuse a session name"
+    )]
+    Busy(u32),
+    #[error("could not start a Python worker: {0}")]
+    WorkerStart(String),
+}
+
+/// One `run_python` call, validated by the server.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    pub code: String,
+    pub session: String,
+    pub timeout: Option<Duration>,
+    pub reset: bool,
+}
+
+struct LiveWorker {
+    pid: i32,
+    io: Framed<tokio::net::UnixStream, LengthDelimitedCodec>,
+    exit: oneshot::Receiver<ExitInfo>,
+}
+
+impl LiveWorker {
+    /// The worker's exit status if the zygote has already reported it.
+    fn exited(&mut self) -> Option<ExitInfo> {
+        self.exit.try_recv().ok()
+    }
+
+    fn signal(&self, sig: Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), sig);
+    }
+
+    /// Kills the worker and waits (briefly) for the zygote to confirm.
+    async fn kill(mut self) -> Option<ExitInfo> {
+        if let Some(status) = self.exited() {
+            return Some(status);
+        }
+        self.signal(Signal::SIGKILL);
+        tokio::time::timeout(EXIT_REPORT_TIMEOUT, self.exit)
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// After the socket closed: how did the process end?
+    async fn wait_exit(self) -> Option<ExitInfo> {
+        tokio::time::timeout(EXIT_REPORT_TIMEOUT, self.exit)
+            .await
+            .ok()?
+            .ok()
+    }
+}
+
+struct SessionState {
+    worker: Option<LiveWorker>,
+    /// Told to the model in the next run of this session (why its state was lost).
+    pending_notice: Option<String>,
+}
+
+/// A named session: a scratch directory and at most one worker process.
+pub struct Session {
+    name: String,
+    scratch: PathBuf,
+    state: tokio::sync::Mutex<SessionState>,
+    last_used: Mutex<Instant>,
+}
+
+/// The session table and everything needed to give a session a worker.
+pub struct SessionManager {
+    settings: Settings,
+    exe: PathBuf,
+    zygote: Mutex<Arc<Zygote>>,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    live_workers: AtomicUsize,
+    run_counter: AtomicU64,
+    root: PathBuf,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Session names become directory names, so only a safe alphabet is accepted.
+pub fn valid_session_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && name != "."
+        && name != ".."
+}
+
+impl SessionManager {
+    /// Starts the zygote (it warms up in the background) and prepares this server's directory
+    /// of session scratch dirs.
+    pub fn start(settings: Settings, exe: PathBuf) -> anyhow::Result<Arc<SessionManager>> {
+        let root = settings
+            .resolved_state_dir()
+            .join(format!("sessions-{}", std::process::id()));
+        std::fs::create_dir_all(&root)
+            .map_err(|e| anyhow::anyhow!("creating {}: {e}", root.display()))?;
+        set_private(&root);
+        let zygote = Zygote::start(&exe)?;
+        Ok(Arc::new(SessionManager {
+            settings,
+            exe,
+            zygote: Mutex::new(Arc::new(zygote)),
+            sessions: Mutex::new(HashMap::new()),
+            live_workers: AtomicUsize::new(0),
+            run_counter: AtomicU64::new(0),
+            root,
+        }))
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Waits for the interpreter to be warm and returns what it reported.
+    pub async fn python_info(&self) -> anyhow::Result<ZygoteInfo> {
+        let z = self.current_zygote()?;
+        z.ready().await
+    }
+
+    /// Pids of the zygote and all live workers (for tests and `system://info`).
+    pub fn live_worker_count(&self) -> usize {
+        self.live_workers.load(Ordering::SeqCst)
+    }
+
+    pub fn session_count(&self) -> usize {
+        lock(&self.sessions).len()
+    }
+
+    fn current_zygote(&self) -> anyhow::Result<Arc<Zygote>> {
+        let mut z = lock(&self.zygote);
+        if z.is_dead() {
+            tracing::warn!("the zygote is gone; starting a new one");
+            *z = Arc::new(Zygote::start(&self.exe)?);
+        }
+        Ok(z.clone())
+    }
+
+    /// Kills the zygote (and so every worker) and removes all scratch directories.
+    pub fn shutdown(&self) {
+        lock(&self.zygote).kill();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+
+    fn session(&self, name: &str) -> Arc<Session> {
+        let mut table = lock(&self.sessions);
+        table
+            .entry(name.to_string())
+            .or_insert_with(|| {
+                Arc::new(Session {
+                    name: name.to_string(),
+                    scratch: self.root.join(name),
+                    state: tokio::sync::Mutex::new(SessionState {
+                        worker: None,
+                        pending_notice: None,
+                    }),
+                    last_used: Mutex::new(Instant::now()),
+                })
+            })
+            .clone()
+    }
+
+    /// Runs one cell. `cancel` fires when the client cancels the call.
+    pub async fn run(
+        &self,
+        req: RunRequest,
+        cancel: CancellationToken,
+    ) -> Result<RunRecord, RunRefusal> {
+        if !valid_session_name(&req.session) {
+            return Err(RunRefusal::InvalidSession(req.session));
+        }
+        if req.code.len() as u64 > self.settings.max_code_bytes {
+            return Err(RunRefusal::CodeTooLarge {
+                size: req.code.len(),
+                limit: self.settings.max_code_bytes,
+            });
+        }
+        let mut notices = Vec::new();
+        let timeout = match req.timeout {
+            Some(t) if t > self.settings.max_timeout => {
+                notices.push(format!(
+                    "timeout_s {:.0} is above the maximum; using {:.0} s (MCP_BRIDGE_MAX_TIMEOUT)",
+                    t.as_secs_f64(),
+                    self.settings.max_timeout.as_secs_f64()
+                ));
+                self.settings.max_timeout
+            }
+            Some(t) => t,
+            None => self.settings.default_timeout,
+        };
+        let session = self.session(&req.session);
+        let mut state = session.state.lock().await;
+        *lock(&session.last_used) = Instant::now();
+
+        if req.reset {
+            if let Some(w) = state.worker.take() {
+                self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                w.kill().await;
+            }
+            state.pending_notice = None;
+            let _ = std::fs::remove_dir_all(&session.scratch);
+            notices.push("session reset: fresh interpreter, empty working directory".into());
+        }
+        if let Some(mut w) = state.worker.take() {
+            match w.exited() {
+                Some(status) => {
+                    self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                    state.pending_notice = Some(format!(
+                        "this session's worker {status} while idle; variables and imports were lost (files are kept)"
+                    ));
+                }
+                None => state.worker = Some(w),
+            }
+        }
+        let mut session_state = "kept";
+        if state.worker.is_none() {
+            if let Some(n) = state.pending_notice.take() {
+                notices.push(n);
+            }
+            let w = self.spawn_worker(&session).await?;
+            state.worker = Some(w);
+            session_state = "restarted";
+            if notices.is_empty() {
+                session_state = "new";
+            }
+        }
+        let run_no = self.run_counter.fetch_add(1, Ordering::Relaxed) + 1;
+        let started = Instant::now();
+        let outcome = self
+            .drive_cell(&session, &mut state, run_no, &req.code, timeout, cancel)
+            .await;
+        *lock(&session.last_used) = Instant::now();
+
+        let mut record = outcome.record;
+        record.session = session.name.clone();
+        record.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+        record.session_state = if outcome.worker_lost {
+            "lost"
+        } else {
+            session_state
+        };
+        notices.append(&mut record.notices);
+        record.notices = notices;
+        if outcome.worker_lost {
+            state.pending_notice = Some(format!(
+                "this session's previous worker was lost ({}); variables and imports start fresh (files are kept)",
+                outcome.loss_reason.unwrap_or_else(|| "it stopped".into())
+            ));
+        }
+        Ok(record)
+    }
+
+    async fn spawn_worker(&self, session: &Session) -> Result<LiveWorker, RunRefusal> {
+        if self.live_workers.load(Ordering::SeqCst) >= self.settings.max_sessions as usize {
+            self.evict_one_idle_session(&session.name).await?;
+        }
+        std::fs::create_dir_all(&session.scratch).map_err(|e| {
+            RunRefusal::WorkerStart(format!("creating {}: {e}", session.scratch.display()))
+        })?;
+        set_private(&session.scratch);
+        let zygote = self
+            .current_zygote()
+            .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let spec = WorkerSpec {
+            session: session.name.clone(),
+            scratch: session.scratch.clone(),
+            env: worker_environment(&session.name, &session.scratch),
+        };
+        let spawned = zygote
+            .spawn_worker(spec)
+            .await
+            .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        spawned
+            .socket
+            .set_nonblocking(true)
+            .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
+        let socket = tokio::net::UnixStream::from_std(spawned.socket)
+            .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
+        let mut worker = LiveWorker {
+            pid: spawned.pid,
+            io: Framed::new(socket, frame::host_codec()),
+            exit: spawned.exit,
+        };
+        let ready = tokio::time::timeout(WORKER_READY_TIMEOUT, async {
+            loop {
+                match worker.io.next().await {
+                    Some(Ok(f)) if f.first() == Some(&KIND_JSON) => {
+                        match serde_json::from_slice::<FromWorker>(&f[1..]) {
+                            Ok(FromWorker::Ready { .. }) => return Ok(()),
+                            Ok(FromWorker::Fatal { message }) => return Err(message),
+                            _ => continue,
+                        }
+                    }
+                    Some(Ok(f)) => {
+                        tracing::warn!(output = %String::from_utf8_lossy(&f[1..]), "worker wrote during setup");
+                    }
+                    Some(Err(e)) => return Err(e.to_string()),
+                    None => return Err("the worker exited during setup".into()),
+                }
+            }
+        })
+        .await;
+        match ready {
+            Ok(Ok(())) => {
+                self.live_workers.fetch_add(1, Ordering::SeqCst);
+                tracing::debug!(session = %session.name, pid = worker.pid, "worker ready");
+                Ok(worker)
+            }
+            Ok(Err(message)) => {
+                let status = worker.kill().await;
+                let status = status.map(|s| format!(" ({s})")).unwrap_or_default();
+                Err(RunRefusal::WorkerStart(format!("{message}{status}")))
+            }
+            Err(_) => {
+                worker.kill().await;
+                Err(RunRefusal::WorkerStart(format!(
+                    "the worker did not become ready within {} s",
+                    WORKER_READY_TIMEOUT.as_secs()
+                )))
+            }
+        }
+    }
+
+    /// Makes room for one more worker by stopping the least recently used idle session.
+    async fn evict_one_idle_session(&self, except: &str) -> Result<(), RunRefusal> {
+        let mut candidates: Vec<Arc<Session>> = lock(&self.sessions)
+            .values()
+            .filter(|s| s.name != except)
+            .cloned()
+            .collect();
+        candidates.sort_by_key(|s| *lock(&s.last_used));
+        for s in candidates {
+            let Ok(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if let Some(w) = st.worker.take() {
+                self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                w.kill().await;
+                st.pending_notice = Some(format!(
+                    "this session was stopped to make room for another (at most {} live sessions, IRONCELL_MAX_SESSIONS); variables were lost, files are kept",
+                    self.settings.max_sessions
+                ));
+                tracing::info!(session = %s.name, "evicted idle session");
+                return Ok(());
+            }
+        }
+        Err(RunRefusal::Busy(self.settings.max_sessions))
+    }
+
+    /// Stops the workers of sessions idle longer than the TTL and deletes their files.
+    pub async fn expire_idle_sessions(&self) {
+        let ttl = self.settings.session_ttl;
+        let idle: Vec<Arc<Session>> = lock(&self.sessions)
+            .values()
+            .filter(|s| lock(&s.last_used).elapsed() >= ttl)
+            .cloned()
+            .collect();
+        for s in idle {
+            let Ok(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            let had_worker = st.worker.is_some();
+            if let Some(w) = st.worker.take() {
+                self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                w.kill().await;
+            }
+            let had_files = s.scratch.exists();
+            let _ = std::fs::remove_dir_all(&s.scratch);
+            if had_worker || had_files {
+                st.pending_notice = Some(format!(
+                    "this session expired after {} s idle (IRONCELL_SESSION_TTL); variables and files were discarded",
+                    ttl.as_secs()
+                ));
+                tracing::info!(session = %s.name, "session expired");
+            }
+        }
+    }
+
+    /// Feeds one cell to the session's worker and collects everything until it is done, dead,
+    /// or killed.
+    async fn drive_cell(
+        &self,
+        session: &Session,
+        state: &mut SessionState,
+        run_no: u64,
+        code: &str,
+        timeout: Duration,
+        cancel: CancellationToken,
+    ) -> CellOutcome {
+        let s = &self.settings;
+        let (p, d) = spill_location(&session.scratch, run_no, "stdout");
+        let mut stdout = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
+        let (p, d) = spill_location(&session.scratch, run_no, "stderr");
+        let mut stderr = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
+        let Some(worker) = state.worker.as_mut() else {
+            return CellOutcome::lost(stdout, stderr, RunStatus::Crashed, "no worker".into(), None);
+        };
+
+        let sent = match frame::json_body(&ToWorker::Run {
+            id: run_no,
+            code: code.to_string(),
+        }) {
+            Ok(body) => worker.io.send(body).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, "sending a cell failed");
+        }
+
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
+        loop {
+            let wake_at = stopping.map(|(_, kill_at)| kill_at).unwrap_or(deadline);
+            tokio::select! {
+                next = worker.io.next() => match next {
+                    Some(Ok(f)) => {
+                        let (kind, body) = match f.split_first() { Some((k, b)) => (*k, b), None => continue };
+                        match kind {
+                            KIND_STDOUT => stdout.push(body),
+                            KIND_STDERR => stderr.push(body),
+                            KIND_JSON => {
+                                if let Ok(FromWorker::Done { status, result, error, exit_code, .. }) =
+                                    serde_json::from_slice::<FromWorker>(body)
+                                {
+                                    let status = match (stopping, status) {
+                                        (Some((RunStatus::OutputLimit, _)), _) => RunStatus::OutputLimit,
+                                        (Some((reason, _)), CellStatus::Interrupted) => reason,
+                                        (_, CellStatus::Ok) => RunStatus::Ok,
+                                        (_, CellStatus::Error) | (_, CellStatus::Interrupted) => RunStatus::Error,
+                                        (_, CellStatus::Exit) => RunStatus::Exit,
+                                    };
+                                    let error = if matches!(status, RunStatus::Timeout | RunStatus::Cancelled | RunStatus::OutputLimit) {
+                                        None
+                                    } else {
+                                        error
+                                    };
+                                    return CellOutcome::finished(stdout, stderr, status, result, error, exit_code);
+                                }
+                            }
+                            _ => {}
+                        }
+                        if stopping.is_none() && stdout.total() + stderr.total() > s.max_output_bytes {
+                            worker.signal(Signal::SIGINT);
+                            stopping = Some((RunStatus::OutputLimit, tokio::time::Instant::now() + s.interrupt_grace));
+                        }
+                    }
+                    Some(Err(_)) | None => {
+                        // The worker is gone mid-cell.
+                        let Some(w) = state.worker.take() else { break };
+                        self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                        let exit = w.wait_exit().await;
+                        let why = exit.map(|e| e.to_string()).unwrap_or_else(|| "ended".into());
+                        let status = match stopping { Some((reason, _)) => reason, None => RunStatus::Crashed };
+                        let reason = crash_reason(exit);
+                        return CellOutcome::lost(stdout, stderr, status, format!("the worker process {why}{reason}"), Some(why));
+                    }
+                },
+                _ = tokio::time::sleep_until(wake_at) => {
+                    match stopping {
+                        None => {
+                            worker.signal(Signal::SIGINT);
+                            stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + s.interrupt_grace));
+                        }
+                        Some((reason, _)) => {
+                            let Some(w) = state.worker.take() else { break };
+                            self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                            let exit = w.kill().await;
+                            let why = format!(
+                                "did not stop within {:.1} s of an interrupt and was killed",
+                                s.interrupt_grace.as_secs_f64()
+                            );
+                            let _ = exit;
+                            return CellOutcome::lost(stdout, stderr, reason, format!("the worker {why}"), Some(why));
+                        }
+                    }
+                },
+                _ = cancel.cancelled(), if stopping.is_none() => {
+                    worker.signal(Signal::SIGINT);
+                    stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + s.interrupt_grace));
+                },
+            }
+        }
+        CellOutcome::lost(
+            stdout,
+            stderr,
+            RunStatus::Crashed,
+            "the worker vanished".into(),
+            None,
+        )
+    }
+}
+
+fn crash_reason(exit: Option<ExitInfo>) -> &'static str {
+    match exit {
+        Some(ExitInfo::Signal(s)) if s == libc::SIGSEGV || s == libc::SIGBUS => {
+            " (a crash in native code, e.g. ctypes or a C extension)"
+        }
+        Some(ExitInfo::Signal(s)) if s == libc::SIGKILL => {
+            " (killed: out of memory or by the supervisor)"
+        }
+        Some(ExitInfo::Signal(s)) if s == libc::SIGXCPU => " (CPU time limit)",
+        Some(ExitInfo::Code(_)) => " (os._exit() or a fatal interpreter error)",
+        _ => "",
+    }
+}
+
+struct CellOutcome {
+    record: RunRecord,
+    worker_lost: bool,
+    loss_reason: Option<String>,
+}
+
+impl CellOutcome {
+    fn base(stdout: StreamCollector, stderr: StreamCollector, status: RunStatus) -> RunRecord {
+        let (out, out_cut) = stdout.finish();
+        let (err, err_cut) = stderr.finish();
+        RunRecord {
+            session: String::new(),
+            status,
+            stdout: out,
+            stderr: err,
+            result: None,
+            error: None,
+            exit_code: None,
+            duration_ms: 0.0,
+            session_state: "kept",
+            notices: Vec::new(),
+            stdout_truncated: out_cut,
+            stderr_truncated: err_cut,
+        }
+    }
+
+    fn finished(
+        stdout: StreamCollector,
+        stderr: StreamCollector,
+        status: RunStatus,
+        result: Option<String>,
+        error: Option<PyErrorInfo>,
+        exit_code: Option<i64>,
+    ) -> CellOutcome {
+        let mut record = Self::base(stdout, stderr, status);
+        record.result = result;
+        record.error = error;
+        record.exit_code = exit_code;
+        CellOutcome {
+            record,
+            worker_lost: false,
+            loss_reason: None,
+        }
+    }
+
+    fn lost(
+        stdout: StreamCollector,
+        stderr: StreamCollector,
+        status: RunStatus,
+        message: String,
+        reason: Option<String>,
+    ) -> CellOutcome {
+        let mut record = Self::base(stdout, stderr, status);
+        if status == RunStatus::Crashed {
+            record.error = Some(PyErrorInfo {
+                kind: "WorkerCrashed".into(),
+                message,
+                traceback: String::new(),
+            });
+        } else {
+            record.notices.push(message);
+        }
+        CellOutcome {
+            record,
+            worker_lost: true,
+            loss_reason: reason,
+        }
+    }
+}
+
+/// The whole environment of a worker: fixed values and the session's own directories.
+fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
+    let dir = scratch.display().to_string();
+    let mut env: Vec<(String, String)> = crate::zygote::zygote_environment()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    env.extend([
+        ("HOME".to_string(), dir.clone()),
+        ("TMPDIR".to_string(), dir.clone()),
+        ("PWD".to_string(), dir),
+        ("TERM".to_string(), "dumb".to_string()),
+        ("IRONCELL_SESSION".to_string(), session.to_string()),
+    ]);
+    env
+}
+
+fn set_private(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_names_cannot_escape_the_state_dir() {
+        for ok in ["default", "a-b_c.d", "S1"] {
+            assert!(valid_session_name(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../x", "a/b", "a b", "é", &"x".repeat(65)] {
+            assert!(!valid_session_name(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! The `system://info` resource: what this ironcell runs on and what it enforces.
+
+use serde_json::{Value, json};
+use sysinfo::System;
+
+use crate::session::SessionManager;
+
+/// Gathers the machine, interpreter and limit facts a model (or a person) needs to know.
+pub async fn collect(sessions: &SessionManager) -> Value {
+    let (cpu, cores, total_mem, avail_mem) = match System::new() {
+        Ok(mut sys) => {
+            sys.refresh_memory();
+            sys.refresh_cpu_all();
+            let cpu = sys
+                .cpus()
+                .first()
+                .map(|c| c.brand().trim().to_string())
+                .unwrap_or_default();
+            (
+                cpu,
+                sys.cpus().len(),
+                sys.total_memory(),
+                sys.available_memory(),
+            )
+        }
+        Err(e) => (format!("unknown: {e}"), 0, 0, 0),
+    };
+    let python = match sessions.python_info().await {
+        Ok(info) => {
+            json!({"version": info.python_version, "prefix": info.prefix, "warm_start_ms": info.warm_ms})
+        }
+        Err(e) => json!({"error": format!("{e:#}")}),
+    };
+    let s = sessions.settings();
+    json!({
+        "ironcell": env!("CARGO_PKG_VERSION"),
+        "os": System::long_os_version().unwrap_or_default(),
+        "kernel": System::kernel_version().unwrap_or_default(),
+        "arch": System::cpu_arch(),
+        "cpu": {"model": cpu, "logical_cores": cores},
+        "memory": {"total_bytes": total_mem, "available_bytes": avail_mem},
+        "python": python,
+        "limits": {
+            "default_timeout_s": s.default_timeout.as_secs_f64(),
+            "max_timeout_s": s.max_timeout.as_secs_f64(),
+            "interrupt_grace_s": s.interrupt_grace.as_secs_f64(),
+            "max_sessions": s.max_sessions,
+            "session_ttl_s": s.session_ttl.as_secs_f64(),
+            "max_code_bytes": s.max_code_bytes,
+            "inline_output_bytes": s.inline_output_bytes,
+            "max_output_bytes": s.max_output_bytes,
+        },
+        "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
+        "output_mode": format!("{:?}", s.output_mode).to_lowercase(),
+    })
+}

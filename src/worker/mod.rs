@@ -1,0 +1,255 @@
+//! The worker: the child the zygote forks for one session. It runs agent code.
+//!
+//! The order of [`run_worker_process`] is the security argument, so it is spelled out here.
+//! Everything up to "serve" happens while the worker has exactly one thread, because the kernel
+//! applies Landlock and seccomp per thread and a thread started earlier would escape them.
+//!
+//! 1. Keep only the session socket (moved to fd 3) and close every other inherited fd.
+//! 2. Point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C extensions all
+//!    land in this session's output and can never reach the host's MCP stream.
+//! 3. `setsid` (own session, no terminal) and a parent-death signal (the worker dies with the
+//!    zygote, which dies with the host).
+//! 4. Enter the scratch directory and replace the environment with the session's fixed one.
+//! 5. Lock down (see `crate::sandbox`, applied by the sandbox layer once it is configured).
+//! 6. Only now start the output pump thread, say `ready`, and serve `run` frames.
+
+mod output_pump;
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, anyhow};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo, ToWorker};
+use crate::zygote::WorkerSpec;
+
+/// The fd the session socket lives on inside a worker.
+const SESSION_FD: RawFd = 3;
+
+/// Exit status of a worker that could not set itself up.
+const EXIT_SETUP_FAILED: i32 = 70;
+
+/// Runs in the freshly forked child with the GIL held. Never returns.
+pub fn run_worker_process(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> ! {
+    let code = match serve_session(py, spec, session_fd) {
+        Ok(()) => 0,
+        Err(e) => {
+            // fd 3 may or may not be a usable socket at this point; try to tell the host.
+            // SAFETY: fd 3 is owned by this process for the rest of its (short) life.
+            let mut sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
+            let msg = FromWorker::Fatal {
+                message: format!("{e:#}"),
+            };
+            if let Ok(body) = serde_json::to_vec(&msg) {
+                let _ = frame::write_frame(&mut sock, KIND_JSON, &body);
+            }
+            std::mem::forget(sock);
+            let _ = writeln!(std::io::stderr(), "ironcell worker: {e:#}");
+            EXIT_SETUP_FAILED
+        }
+    };
+    flush_python_streams(py);
+    // SAFETY: _exit skips the zygote's inherited atexit handlers and destructors, which belong
+    // to the zygote, not to this child.
+    unsafe { libc::_exit(code) }
+}
+
+fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyhow::Result<()> {
+    // Step 1: the session socket on fd 3, nothing else.
+    move_fd_to(session_fd, SESSION_FD)?;
+    close_fds_from(SESSION_FD + 1)?;
+
+    // Step 2: capture fd 1 and fd 2.
+    let (stdout_r, stdout_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let (stderr_r, stderr_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    move_fd_to(stdout_w, libc::STDOUT_FILENO)?;
+    move_fd_to(stderr_w, libc::STDERR_FILENO)?;
+
+    // Step 3: own session; die with the zygote.
+    nix::unistd::setsid().context("setsid")?;
+    let zygote = nix::unistd::getppid();
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
+    }
+    if nix::unistd::getppid() != zygote {
+        anyhow::bail!("the zygote exited while the worker started");
+    }
+
+    // Step 4: scratch directory and environment.
+    std::env::set_current_dir(&spec.scratch)
+        .with_context(|| format!("entering scratch dir {}", spec.scratch.display()))?;
+    let runner = py
+        .import("_ironcell_runner")
+        .map_err(|e| anyhow!("the cell runner is missing: {e}"))?;
+    let env = PyDict::new(py);
+    for (k, v) in &spec.env {
+        env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
+    }
+    runner
+        .call_method1("prepare_worker", (env,))
+        .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
+
+    // Step 6: threads and code only from here on.
+    // SAFETY: fd 3 is the session socket; from here this UnixStream owns it.
+    let sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
+    let mut reader = sock.try_clone().context("cloning the session socket")?;
+    let writer = Arc::new(Mutex::new(sock));
+    let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
+    send_json(
+        &writer,
+        &FromWorker::Ready {
+            pid: std::process::id() as i32,
+        },
+    )?;
+
+    loop {
+        let next = py.detach(|| frame::read_frame(&mut reader));
+        let Some((kind, body)) = next.context("reading from the host")? else {
+            return Ok(()); // the host closed the session
+        };
+        if kind != KIND_JSON {
+            continue;
+        }
+        match serde_json::from_slice::<ToWorker>(&body) {
+            Ok(ToWorker::Run { id, code }) => {
+                let done = run_cell(py, &runner, id, &code);
+                flush_python_streams(py);
+                // Everything the cell wrote is in the pipes now; send it before `done`.
+                pump.drain_then(|| send_json(&writer, &done))?;
+            }
+            Err(e) => tracing::warn!(error = %e, "ignoring an undecodable frame"),
+        }
+    }
+}
+
+fn run_cell(_py: Python<'_>, runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
+    // A SIGINT that arrived between cells must not interrupt this one.
+    // SAFETY: called with the GIL held; a pending KeyboardInterrupt is cleared right away.
+    unsafe {
+        if pyo3::ffi::PyErr_CheckSignals() != 0 {
+            pyo3::ffi::PyErr_Clear();
+        }
+    }
+    let outcome = runner.call_method1("run_cell", (code,));
+    match outcome.and_then(|d| d.cast_into::<PyDict>().map_err(PyErr::from)) {
+        Ok(d) => done_from_dict(id, &d),
+        Err(e) => FromWorker::Done {
+            id,
+            status: CellStatus::Error,
+            result: None,
+            error: Some(PyErrorInfo {
+                kind: "RunnerError".into(),
+                message: e.to_string(),
+                traceback: String::new(),
+            }),
+            exit_code: None,
+        },
+    }
+}
+
+fn done_from_dict(id: u64, d: &Bound<'_, PyDict>) -> FromWorker {
+    let get_str = |k: &str| -> Option<String> {
+        d.get_item(k)
+            .ok()
+            .flatten()
+            .and_then(|v| v.extract::<String>().ok())
+    };
+    let status = match get_str("status").as_deref() {
+        Some("ok") => CellStatus::Ok,
+        Some("interrupted") => CellStatus::Interrupted,
+        Some("exit") => CellStatus::Exit,
+        _ => CellStatus::Error,
+    };
+    let error = d.get_item("error").ok().flatten().and_then(|e| {
+        let e = e.cast_into::<PyDict>().ok()?;
+        let field = |k: &str| -> String {
+            e.get_item(k)
+                .ok()
+                .flatten()
+                .and_then(|v| v.extract().ok())
+                .unwrap_or_default()
+        };
+        Some(PyErrorInfo {
+            kind: field("type"),
+            message: field("message"),
+            traceback: field("traceback"),
+        })
+    });
+    let exit_code = d
+        .get_item("exit_code")
+        .ok()
+        .flatten()
+        .and_then(|v| v.extract::<i64>().ok());
+    FromWorker::Done {
+        id,
+        status,
+        result: get_str("result"),
+        error,
+        exit_code,
+    }
+}
+
+fn send_json(writer: &Mutex<UnixStream>, msg: &FromWorker) -> anyhow::Result<()> {
+    let body = serde_json::to_vec(msg)?;
+    let mut w = writer
+        .lock()
+        .map_err(|_| anyhow!("session socket lock poisoned"))?;
+    frame::write_frame(&mut *w, KIND_JSON, &body).context("writing to the host")
+}
+
+fn flush_python_streams(py: Python<'_>) {
+    if let Ok(sys) = py.import("sys") {
+        for name in ["stdout", "stderr"] {
+            if let Ok(stream) = sys.getattr(name) {
+                let _ = stream.call_method0("flush");
+            }
+        }
+    }
+}
+
+/// Moves `fd` to the number `target` (which must be free or hold something we may replace).
+fn move_fd_to(fd: OwnedFd, target: RawFd) -> anyhow::Result<()> {
+    let raw = fd.as_raw_fd();
+    if raw == target {
+        // Keep it, but make sure it survives (it arrived with O_CLOEXEC).
+        std::mem::forget(fd);
+        return Ok(());
+    }
+    // SAFETY: dup2 onto a descriptor number this process controls; errno checked at once.
+    if unsafe { libc::dup2(raw, target) } < 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("dup2 onto fd {target}"));
+    }
+    drop(fd);
+    Ok(())
+}
+
+/// Closes every descriptor numbered `first` or higher.
+fn close_fds_from(first: RawFd) -> anyhow::Result<()> {
+    // SAFETY: close_range(2) with integer arguments; errno checked at once.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            0,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    // close_range needs Linux 5.9; older kernels close one by one up to the fd limit.
+    let max = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft.min(1 << 16) as RawFd)
+        .unwrap_or(1024);
+    for fd in first..max {
+        // SAFETY: closing descriptors this process owns; EBADF for unused numbers is fine.
+        unsafe { libc::close(fd) };
+    }
+    Ok(())
+}

@@ -1,0 +1,110 @@
+//! Forwards what the worker writes to fd 1 and fd 2 to the host as `O`/`E` frames.
+//!
+//! A thread (not the cell's thread) reads the pipes, so a cell that writes more than a pipe
+//! holds never blocks on itself. At the end of a cell the main thread takes the pump's lock and
+//! drains whatever is left before it sends `done`: the host then knows it has every byte the
+//! cell wrote, in order per stream.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, anyhow};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+
+use crate::frame::{self, KIND_STDERR, KIND_STDOUT};
+
+const CHUNK: usize = 64 * 1024;
+
+pub struct OutputPump {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Held while reading-and-forwarding, so the drain at the end of a cell cannot interleave.
+    lock: Mutex<()>,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+    writer: Arc<Mutex<UnixStream>>,
+}
+
+impl OutputPump {
+    pub fn start(
+        stdout: OwnedFd,
+        stderr: OwnedFd,
+        writer: Arc<Mutex<UnixStream>>,
+    ) -> anyhow::Result<OutputPump> {
+        for fd in [&stdout, &stderr] {
+            let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL)?;
+            let flags =
+                nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+            nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        }
+        let inner = Arc::new(Inner {
+            lock: Mutex::new(()),
+            stdout,
+            stderr,
+            writer,
+        });
+        let thread_inner = inner.clone();
+        std::thread::Builder::new()
+            .name("output-pump".into())
+            .spawn(move || thread_inner.pump_forever())
+            .context("starting the output pump thread")?;
+        Ok(OutputPump { inner })
+    }
+
+    /// Forwards everything still buffered in the pipes, then runs `then` before any newer output
+    /// can be forwarded.
+    pub fn drain_then<T>(&self, then: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        let _guard = self
+            .inner
+            .lock
+            .lock()
+            .map_err(|_| anyhow!("output pump lock poisoned"))?;
+        self.inner.forward_available()?;
+        then()
+    }
+}
+
+impl Inner {
+    fn pump_forever(&self) {
+        loop {
+            let mut fds = [
+                PollFd::new(self.stdout.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.stderr.as_fd(), PollFlags::POLLIN),
+            ];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(_) => return,
+            }
+            let Ok(_guard) = self.lock.lock() else { return };
+            if self.forward_available().is_err() {
+                // The host is gone; the worker's main loop will notice and exit.
+                return;
+            }
+        }
+    }
+
+    fn forward_available(&self) -> anyhow::Result<()> {
+        let mut buf = vec![0u8; CHUNK];
+        for (fd, kind) in [(&self.stdout, KIND_STDOUT), (&self.stderr, KIND_STDERR)] {
+            loop {
+                match nix::unistd::read(fd, &mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        let mut w = self
+                            .writer
+                            .lock()
+                            .map_err(|_| anyhow!("socket lock poisoned"))?;
+                        frame::write_frame(&mut *w, kind, &buf[..n])?;
+                    }
+                    Err(nix::errno::Errno::EAGAIN) => break,
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(())
+    }
+}
