@@ -4,15 +4,14 @@
 //! every turn (budget: about 300 tokens at bytes/4). Errors in the user's code, and bad
 //! arguments, are `isError: true` results the model can read and act on, never JSON-RPC errors.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, DiscoverRequestMethod,
     DiscoverResult, Implementation, JsonObject, ListResourcesResult, ListToolsResult,
-    PaginatedRequestParams, ProtocolVersion, ReadResourceRequestParams, ReadResourceResponse,
-    ReadResourceResult, Resource, ResourceContents, ServerCapabilities, ServerConfig, Tool,
+    PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
+    Resource, ResourceContents, ServerCapabilities, ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -163,19 +162,9 @@ impl ServerHandler for IroncellServer {
         )
     }
 
-    /// Only protocol versions with an `initialize` handshake: sessions are stateful.
-    fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
-        Cow::Owned(
-            ProtocolVersion::KNOWN_VERSIONS
-                .iter()
-                .filter(|v| v.has_initialize())
-                .cloned()
-                .collect(),
-        )
-    }
-
     /// SDK 2.x clients probe with `server/discover` first and fall back to `initialize` on an
-    /// error; answering at once (rather than not at all) saves them a 10 s stall.
+    /// error; answering at once (rather than not at all) saves them a 10 s stall. Sessions are
+    /// stateful, so ironcell asks for the `initialize` lifecycle: "method not found".
     async fn discover(
         &self,
         _context: RequestContext<RoleServer>,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs every test: formatting, clippy, Rust unit tests, and the end-to-end suite that starts the
+# real binary and drives it with real MCP clients (the official Python SDK) and real peers.
+# Installs the test peers on first use (scripts/install_test_peers.sh; needs npm and PyPI once).
+#   IRONCELL_HARNESS  where the peers live (default ~/.cache/mcp-harness)
+#   PYTEST_ARGS       extra pytest arguments, e.g. "-k timeout -x"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+H=${IRONCELL_HARNESS:-$HOME/.cache/mcp-harness}
+if [[ ! -x "$H/venv/bin/python" ]] || ! "$H/venv/bin/python" -c 'import mcp, pytest' 2>/dev/null; then
+  echo "== installing test peers into $H"
+  bash scripts/install_test_peers.sh "$H"
+  "$H/venv/bin/pip" install -q 'pytest==9.2.0'
+fi
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --release --all-targets -- -D warnings
+echo "== cargo test"
+cargo test --release
+echo "== end-to-end (real binary, official MCP SDK)"
+cargo build --release
+export IRONCELL_BIN=$PWD/target/release/ironcell
+# shellcheck disable=SC2086
+"$H/venv/bin/python" -m pytest -q tests/e2e ${PYTEST_ARGS:-}

@@ -1,0 +1,179 @@
+"""Shared helpers: start the real ironcell binary and talk to it with the official MCP SDK."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+IRONCELL = Path(os.environ.get("IRONCELL_BIN", REPO / "target" / "release" / "ironcell"))
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    d = tmp_path / "state"
+    d.mkdir()
+    return d
+
+
+def server_env(state_dir: Path, **overrides: str) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "MCP_BRIDGE_STATE_DIR": str(state_dir),
+        "MCP_BRIDGE_LOG_LEVEL": "info",
+    }
+    env.update(overrides)
+    return env
+
+
+@contextlib.asynccontextmanager
+async def connect(state_dir: Path, **env: str):
+    """A `ClientSession` over stdio to a fresh ironcell, initialized."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    params = StdioServerParameters(command=str(IRONCELL), args=["serve"], env=server_env(state_dir, **env))
+    errlog = open(state_dir / "server.log", "a")
+    try:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                yield session
+    finally:
+        errlog.close()
+
+
+class Run:
+    """One run_python result, unpacked."""
+
+    def __init__(self, result: Any):
+        self.raw = result
+        # SDK 2.x names fields in snake_case, 1.x in camelCase.
+        self.is_error = bool(_field(result, "is_error", "isError"))
+        self.text = "\n".join(c.text for c in result.content if getattr(c, "type", None) == "text")
+        self.record: dict[str, Any] = _field(result, "structured_content", "structuredContent") or {}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.record[key]
+
+    def __repr__(self) -> str:
+        return f"Run(is_error={self.is_error}, text={self.text!r}, record={self.record!r})"
+
+
+def _field(obj: Any, *names: str) -> Any:
+    for n in names:
+        if hasattr(obj, n):
+            return getattr(obj, n)
+    return None
+
+
+async def run(client, code: str, **args: Any) -> Run:
+    return Run(await client.call_tool("run_python", {"code": code, **args}))
+
+
+class RawServer:
+    """ironcell driven with hand-written JSON-RPC lines, for protocol-level checks."""
+
+    def __init__(self, state_dir: Path, **env: str):
+        self.proc = subprocess.Popen(
+            [str(IRONCELL), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(state_dir / "raw-server.log", "ab"),
+            env=server_env(state_dir, **env),
+        )
+        self.next_id = 1
+
+    def send_line(self, line: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.rstrip(b"\n") + b"\n")
+        self.proc.stdin.flush()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.send_line(json.dumps(msg).encode())
+
+    def read(self, timeout: float = 30.0) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError("no message from ironcell")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError("ironcell closed stdout")
+        msg = json.loads(line)  # anything but one JSON-RPC message per line fails here
+        assert msg.get("jsonrpc") == "2.0", msg
+        return msg
+
+    def request(self, method: str, params: dict[str, Any] | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        rid = self.next_id
+        self.next_id += 1
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            msg["params"] = params
+        self.send(msg)
+        return self.wait_for(rid, timeout)
+
+    def wait_for(self, rid: Any, timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.read(max(0.01, deadline - time.monotonic()))
+            if msg.get("id") == rid and ("result" in msg or "error" in msg):
+                return msg
+
+    def initialize(self) -> dict[str, Any]:
+        r = self.request(
+            "initialize",
+            {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}},
+        )
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return r
+
+    def call(self, code: str, **args: Any) -> dict[str, Any]:
+        r = self.request("tools/call", {"name": "run_python", "arguments": {"code": code, **args}})
+        return r["result"]
+
+    def close(self, timeout: float = 5.0) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(pred, timeout: float = 5.0, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+sys.path.insert(0, str(Path(__file__).parent))
