@@ -49,6 +49,9 @@ enum Command {
     /// Start ironcell as an MCP server, connect to it as a client, and show a short scripted
     /// session: output, state that persists, an error, a timeout, and what the server reports.
     Demo,
+    /// Show, layer by layer, what the sandbox enforces on this host, and prove it by locking
+    /// down a test worker. Exits non-zero if `serve` would refuse to run code.
+    Doctor,
     /// Internal: the clean, forking interpreter process. Started by ironcell itself.
     #[command(name = crate::zygote::ZYGOTE_SUBCOMMAND, hide = true)]
     Zygote,
@@ -85,6 +88,7 @@ pub fn main() -> ExitCode {
             Some(Command::Demo) => crate::demo::run(cli.settings)
                 .await
                 .map(|_| ExitCode::SUCCESS),
+            Some(Command::Doctor) => crate::doctor::run(cli.settings).await,
             Some(Command::Zygote) => Ok(ExitCode::SUCCESS),
         }
     });

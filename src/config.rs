@@ -65,6 +65,30 @@ pub struct Settings {
     #[arg(long, env = "IRONCELL_MAX_OUTPUT", default_value = "32m", value_parser = parse_size)]
     pub max_output_bytes: u64,
 
+    /// `enforce` refuses to run code unless every sandbox layer is in force; `best-effort` runs
+    /// with what this kernel supports and says what is missing in every result.
+    #[arg(
+        long,
+        env = "IRONCELL_SANDBOX",
+        value_enum,
+        default_value = "enforce",
+        ignore_case = true
+    )]
+    pub sandbox: crate::sandbox::SandboxMode,
+
+    /// Sandbox policy: `default`, `strict`, or a path to a policy TOML file.
+    #[arg(long, env = "IRONCELL_POLICY", default_value = "default")]
+    pub policy: String,
+
+    /// Memory limit per worker (`512m`, `2g`); overrides the policy's `limits.memory_mib`.
+    #[arg(long, env = "MCP_BRIDGE_MEMORY_LIMIT", value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
+
+    /// Use at most this Landlock ABI even if the kernel has a newer one (testing what older
+    /// kernels get: 1 = Linux 5.13, 3 = 6.2/WSL2, 4 = 6.7).
+    #[arg(long, env = "IRONCELL_LANDLOCK_ABI_MAX", value_parser = clap::value_parser!(i32).range(0..=7))]
+    pub landlock_abi_max: Option<i32>,
+
     /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
     /// ~/.local/state/ironcell).
     #[arg(long, env = "MCP_BRIDGE_STATE_DIR")]
@@ -72,6 +96,17 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// Loads the policy file and probes the kernel: the sandbox this server will apply.
+    pub fn sandbox(&self) -> Result<crate::sandbox::Sandbox, crate::sandbox::policy::PolicyError> {
+        let policy = crate::sandbox::policy::Policy::load(&self.policy)?;
+        Ok(crate::sandbox::Sandbox::new(
+            policy,
+            self.sandbox,
+            self.landlock_abi_max,
+            self.memory_limit,
+        ))
+    }
+
     /// The state directory to use, resolved from the flag, XDG, HOME, or /tmp.
     pub fn resolved_state_dir(&self) -> PathBuf {
         if let Some(d) = &self.state_dir {

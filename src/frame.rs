@@ -48,7 +48,12 @@ pub struct PyErrorInfo {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum FromWorker {
     /// The worker finished its lockdown and accepts code.
-    Ready { pid: i32 },
+    Ready {
+        pid: i32,
+        /// Sandbox layers skipped (best-effort mode only).
+        #[serde(default)]
+        missing_layers: Vec<String>,
+    },
     /// The worker could not set itself up and is about to exit.
     Fatal { message: String },
     /// A cell finished. Everything it wrote was sent before this frame.
@@ -118,7 +123,12 @@ mod tests {
     fn a_frame_written_by_the_worker_reads_back_whole() {
         let mut buf = Vec::new();
         write_frame(&mut buf, KIND_STDOUT, b"hello\n").unwrap();
-        write_frame(&mut buf, KIND_JSON, br#"{"op":"ready","pid":7}"#).unwrap();
+        write_frame(
+            &mut buf,
+            KIND_JSON,
+            br#"{"op":"ready","pid":7,"missing_layers":[]}"#,
+        )
+        .unwrap();
         let mut r = &buf[..];
         assert_eq!(
             read_frame(&mut r).unwrap(),
@@ -127,7 +137,7 @@ mod tests {
         let (kind, body) = read_frame(&mut r).unwrap().unwrap();
         assert_eq!(kind, KIND_JSON);
         let msg: FromWorker = serde_json::from_slice(&body).unwrap();
-        assert!(matches!(msg, FromWorker::Ready { pid: 7 }));
+        assert!(matches!(msg, FromWorker::Ready { pid: 7, .. }));
         assert_eq!(read_frame(&mut r).unwrap(), None);
     }
 

@@ -8,13 +8,15 @@
 //!
 //! # Layout
 //!
-//! - [`cli`]: the command line (`serve`, `exec`, `demo`) and what each command does.
+//! - [`cli`]: the command line (`serve`, `exec`, `demo`, `doctor`) and what each command does.
 //! - [`config`]: settings, their flags and environment variables, duration and size parsing.
 //! - [`server`]: the rmcp `ServerHandler`: the `run_python` tool and the `system://info` resource.
 //! - [`session`]: the session table, timeouts, cancellation, caps, and the per-cell run loop.
 //! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
 //! - [`zygote`]: the clean, exec'd, single-threaded forker, and the host's handle on it.
 //! - [`worker`]: the child side: setup order, output capture, the frame loop.
+//! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, and the lockdown order.
+//! - [`doctor`]: `ironcell doctor`, which shows each sandbox layer on this host.
 //! - [`frame`]: the framing and messages on a session socket.
 //! - [`system_info`]: what `system://info` reports.
 //! - `python/_ironcell_runner.py`: the notebook-style cell runner, embedded in the binary.
@@ -22,8 +24,10 @@
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod doctor;
 pub mod frame;
 pub mod output;
+pub mod sandbox;
 pub mod server;
 pub mod session;
 pub mod system_info;

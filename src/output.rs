@@ -31,6 +31,8 @@ pub enum RunStatus {
     Crashed,
     /// The cell wrote more than the output limit.
     OutputLimit,
+    /// The session directory outgrew its quota; the worker was killed and the files removed.
+    ScratchQuota,
 }
 
 /// Where a stream was cut, and where its whole text is.
@@ -162,6 +164,7 @@ impl RunRecord {
                 None => "worker crashed".to_string(),
             },
             RunStatus::OutputLimit => "stopped: output limit reached".to_string(),
+            RunStatus::ScratchQuota => "killed: scratch quota exceeded".to_string(),
         };
         format!("{what}; {state}")
     }

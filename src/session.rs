@@ -23,10 +23,13 @@ use crate::frame::{
     self, CellStatus, FromWorker, KIND_JSON, KIND_STDERR, KIND_STDOUT, PyErrorInfo, ToWorker,
 };
 use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
+use crate::sandbox::Sandbox;
 use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
 
 /// How long a new worker may take to report `ready`.
 const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often a running cell's scratch dir is measured against the quota.
+const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How long to wait for the zygote's report after a worker's socket closed.
 const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -45,6 +48,8 @@ pub enum RunRefusal {
     Busy(u32),
     #[error("could not start a Python worker: {0}")]
     WorkerStart(String),
+    #[error("{0}")]
+    SandboxUnavailable(String),
 }
 
 /// One `run_python` call, validated by the server.
@@ -58,6 +63,8 @@ pub struct RunRequest {
 
 struct LiveWorker {
     pid: i32,
+    /// Sandbox layers this worker runs without (best-effort mode only).
+    missing_layers: Vec<String>,
     io: Framed<tokio::net::UnixStream, LengthDelimitedCodec>,
     exit: oneshot::Receiver<ExitInfo>,
 }
@@ -110,6 +117,7 @@ pub struct Session {
 /// The session table and everything needed to give a session a worker.
 pub struct SessionManager {
     settings: Settings,
+    sandbox: Sandbox,
     exe: PathBuf,
     zygote: Mutex<Arc<Zygote>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
@@ -142,9 +150,14 @@ impl SessionManager {
         std::fs::create_dir_all(&root)
             .map_err(|e| anyhow::anyhow!("creating {}: {e}", root.display()))?;
         set_private(&root);
+        let sandbox = settings.sandbox()?;
+        if let Err(refusal) = sandbox.preflight() {
+            tracing::error!("{refusal}");
+        }
         let zygote = Zygote::start(&exe)?;
         Ok(Arc::new(SessionManager {
             settings,
+            sandbox,
             exe,
             zygote: Mutex::new(Arc::new(zygote)),
             sessions: Mutex::new(HashMap::new()),
@@ -156,6 +169,10 @@ impl SessionManager {
 
     pub fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.sandbox
     }
 
     /// Waits for the interpreter to be warm and returns what it reported.
@@ -221,6 +238,9 @@ impl SessionManager {
                 limit: self.settings.max_code_bytes,
             });
         }
+        self.sandbox
+            .preflight()
+            .map_err(RunRefusal::SandboxUnavailable)?;
         let mut notices = Vec::new();
         let timeout = match req.timeout {
             Some(t) if t > self.settings.max_timeout => {
@@ -270,6 +290,16 @@ impl SessionManager {
                 session_state = "new";
             }
         }
+        if let Some(w) = state
+            .worker
+            .as_ref()
+            .filter(|w| !w.missing_layers.is_empty())
+        {
+            notices.push(format!(
+                "sandbox is best-effort; running WITHOUT: {}",
+                w.missing_layers.join("; ")
+            ));
+        }
         let run_no = self.run_counter.fetch_add(1, Ordering::Relaxed) + 1;
         let started = Instant::now();
         let outcome = self
@@ -307,10 +337,17 @@ impl SessionManager {
         let zygote = self
             .current_zygote()
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let python = zygote
+            .ready()
+            .await
+            .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
         let spec = WorkerSpec {
             session: session.name.clone(),
             scratch: session.scratch.clone(),
             env: worker_environment(&session.name, &session.scratch),
+            sandbox: self
+                .sandbox
+                .plan_for(&session.scratch, &python.python_paths),
         };
         let spawned = zygote
             .spawn_worker(spec)
@@ -324,6 +361,7 @@ impl SessionManager {
             .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
         let mut worker = LiveWorker {
             pid: spawned.pid,
+            missing_layers: Vec::new(),
             io: Framed::new(socket, frame::host_codec()),
             exit: spawned.exit,
         };
@@ -332,7 +370,7 @@ impl SessionManager {
                 match worker.io.next().await {
                     Some(Ok(f)) if f.first() == Some(&KIND_JSON) => {
                         match serde_json::from_slice::<FromWorker>(&f[1..]) {
-                            Ok(FromWorker::Ready { .. }) => return Ok(()),
+                            Ok(FromWorker::Ready { missing_layers, .. }) => return Ok(missing_layers),
                             Ok(FromWorker::Fatal { message }) => return Err(message),
                             _ => continue,
                         }
@@ -347,7 +385,8 @@ impl SessionManager {
         })
         .await;
         match ready {
-            Ok(Ok(())) => {
+            Ok(Ok(missing_layers)) => {
+                worker.missing_layers = missing_layers;
                 self.live_workers.fetch_add(1, Ordering::SeqCst);
                 tracing::debug!(session = %session.name, pid = worker.pid, "worker ready");
                 Ok(worker)
@@ -455,6 +494,9 @@ impl SessionManager {
 
         let deadline = tokio::time::Instant::now() + timeout;
         let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
+        let quota = self.sandbox.scratch_quota_bytes();
+        let mut quota_check = tokio::time::interval(QUOTA_CHECK_EVERY);
+        quota_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             let wake_at = stopping.map(|(_, kill_at)| kill_at).unwrap_or(deadline);
             tokio::select! {
@@ -520,6 +562,20 @@ impl SessionManager {
                         }
                     }
                 },
+                _ = quota_check.tick() => {
+                    let used = directory_size(&session.scratch, quota + 1);
+                    if used > quota {
+                        let Some(w) = state.worker.take() else { break };
+                        self.live_workers.fetch_sub(1, Ordering::SeqCst);
+                        w.kill().await;
+                        let _ = std::fs::remove_dir_all(&session.scratch);
+                        let why = format!(
+                            "killed: the session directory grew past its quota ({} MiB); its files were removed",
+                            quota >> 20
+                        );
+                        return CellOutcome::lost(stdout, stderr, RunStatus::ScratchQuota, why.clone(), Some(why));
+                    }
+                },
                 _ = cancel.cancelled(), if stopping.is_none() => {
                     worker.signal(Signal::SIGINT);
                     stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + s.interrupt_grace));
@@ -545,6 +601,9 @@ fn crash_reason(exit: Option<ExitInfo>) -> &'static str {
             " (killed: out of memory or by the supervisor)"
         }
         Some(ExitInfo::Signal(s)) if s == libc::SIGXCPU => " (CPU time limit)",
+        Some(ExitInfo::Signal(s)) if s == libc::SIGSYS => {
+            " (a forbidden system call: the sandbox's seccomp filter ended it)"
+        }
         Some(ExitInfo::Code(_)) => " (os._exit() or a fatal interpreter error)",
         _ => "",
     }
@@ -635,6 +694,31 @@ fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
         ("IRONCELL_SESSION".to_string(), session.to_string()),
     ]);
     env
+}
+
+/// Bytes used beneath `dir`, counting at most up to `stop_at` (the walk ends there).
+fn directory_size(dir: &Path, stop_at: u64) -> u64 {
+    let mut total = 0u64;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.metadata() else { continue };
+            if meta.is_dir() {
+                pending.push(entry.path());
+            } else {
+                use std::os::unix::fs::MetadataExt;
+                // Allocated blocks (sparse files count as what they use), plus an inode's worth.
+                total += meta.blocks() * 512 + 4096;
+            }
+            if total > stop_at {
+                return total;
+            }
+        }
+    }
+    total
 }
 
 fn set_private(dir: &Path) {

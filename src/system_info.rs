@@ -50,7 +50,29 @@ pub async fn collect(sessions: &SessionManager) -> Value {
             "inline_output_bytes": s.inline_output_bytes,
             "max_output_bytes": s.max_output_bytes,
         },
+        "sandbox": sandbox_summary(sessions.sandbox()),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
         "output_mode": format!("{:?}", s.output_mode).to_lowercase(),
+    })
+}
+
+/// The sandbox in force: mode, policy, layers, and which layer provides each protection.
+pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
+    json!({
+        "mode": match sb.mode { crate::sandbox::SandboxMode::Enforce => "enforce", crate::sandbox::SandboxMode::BestEffort => "best-effort" },
+        "policy": {"name": sb.policy.name, "source": sb.policy.source, "description": sb.policy.description},
+        "landlock": {"kernel_abi": sb.kernel_landlock_abi, "abi_in_use": sb.landlock_abi, "abi_cap": sb.landlock_abi_cap},
+        "seccomp": sb.seccomp_available,
+        "missing_layers": sb.missing_layers(),
+        "refuses_to_run": sb.preflight().err(),
+        "limits": {
+            "cpu_seconds": sb.policy.limits.cpu_seconds,
+            "memory_bytes": sb.memory_bytes,
+            "file_size_bytes": sb.policy.limits.file_size_mib << 20,
+            "open_files": sb.policy.limits.open_files,
+            "scratch_quota_bytes": sb.scratch_quota_bytes(),
+        },
+        "protections": sb.protections(),
+        "network": "none",
     })
 }

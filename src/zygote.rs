@@ -85,6 +85,8 @@ pub struct WorkerSpec {
     pub scratch: PathBuf,
     /// The worker's whole environment. Nothing else from any process reaches it.
     pub env: Vec<(String, String)>,
+    /// The lockdown the worker applies to itself before it runs anything.
+    pub sandbox: crate::sandbox::SandboxPlan,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -98,6 +100,7 @@ pub enum ZygoteRequest {
 pub enum ZygoteEvent {
     /// CPython is initialized and warm; the zygote accepts spawn requests.
     Ready {
+        python_paths: Vec<PathBuf>,
         python_version: String,
         prefix: String,
         warm_ms: f64,
@@ -131,7 +134,7 @@ impl fmt::Display for ExitInfo {
                 let name = nix::sys::signal::Signal::try_from(s)
                     .map(|s| s.as_str().to_string())
                     .unwrap_or_else(|_| format!("signal {s}"));
-                write!(f, "killed by {name}")
+                write!(f, "was killed by {name}")
             }
         }
     }
@@ -166,10 +169,11 @@ pub fn run_zygote_process() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     pyo3::Python::initialize();
     pyo3::Python::attach(|py| -> anyhow::Result<()> {
-        let (version, prefix) = warm_up_interpreter(py)?;
+        let (version, prefix, python_paths) = warm_up_interpreter(py)?;
         let ready = ZygoteEvent::Ready {
             python_version: version,
             prefix,
+            python_paths,
             warm_ms: started.elapsed().as_secs_f64() * 1000.0,
         };
         send_event(ctl.as_raw_fd(), &ready)?;
@@ -186,7 +190,24 @@ fn set_parent_death_signal() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn warm_up_interpreter(py: pyo3::Python<'_>) -> anyhow::Result<(String, String)> {
+/// Directories of the Python installation a worker must read: stdlib, lib-dynload and
+/// site-packages (from sysconfig and sys.path), not the whole prefix (which is /usr on Debian).
+const PYTHON_PATHS_SOURCE: &str = r#"
+import os, sys, sysconfig
+paths = set()
+for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+    p = sysconfig.get_paths().get(key)
+    if p:
+        paths.add(p)
+for p in sys.path:
+    if p and os.path.isabs(p):
+        paths.add(p)
+result = sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
+"#;
+
+type InterpreterFacts = (String, String, Vec<PathBuf>);
+
+fn warm_up_interpreter(py: pyo3::Python<'_>) -> anyhow::Result<InterpreterFacts> {
     use pyo3::prelude::*;
     use pyo3::types::PyModule;
     let source = CString::new(RUNNER_SOURCE)?;
@@ -219,7 +240,22 @@ fn warm_up_interpreter(py: pyo3::Python<'_>) -> anyhow::Result<(String, String)>
         .next()
         .unwrap_or_default()
         .to_string();
-    Ok((version, prefix))
+    let globals = pyo3::types::PyDict::new(py);
+    let source = CString::new(PYTHON_PATHS_SOURCE)?;
+    py.run(&source, Some(&globals), None)
+        .map_err(|e| anyhow!("{e}"))?;
+    let paths: Vec<String> = globals
+        .get_item("result")
+        .map_err(|e| anyhow!("{e}"))?
+        .map(|v| v.extract())
+        .transpose()
+        .map_err(|e| anyhow!("{e}"))?
+        .unwrap_or_default();
+    Ok((
+        version,
+        prefix,
+        paths.into_iter().map(PathBuf::from).collect(),
+    ))
 }
 
 fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
@@ -403,6 +439,7 @@ fn recv_message(fd: RawFd) -> anyhow::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
 pub struct ZygoteInfo {
     pub python_version: String,
     pub prefix: String,
+    pub python_paths: Vec<PathBuf>,
     pub warm_ms: f64,
 }
 
@@ -592,12 +629,14 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
             ZygoteEvent::Ready {
                 python_version,
                 prefix,
+                python_paths,
                 warm_ms,
             } => {
                 tracing::info!(%python_version, %prefix, warm_ms, "zygote ready");
                 *lock(&shared.info) = Some(Ok(ZygoteInfo {
                     python_version,
                     prefix,
+                    python_paths,
                     warm_ms,
                 }));
                 shared.ready.notify_waiters();

@@ -10,7 +10,8 @@
 //! 3. `setsid` (own session, no terminal) and a parent-death signal (the worker dies with the
 //!    zygote, which dies with the host).
 //! 4. Enter the scratch directory and replace the environment with the session's fixed one.
-//! 5. Lock down (see `crate::sandbox`, applied by the sandbox layer once it is configured).
+//! 5. Lock down: capabilities, no_new_privs, non-dumpable, rlimits, Landlock, seccomp
+//!    ([`crate::sandbox::apply_lockdown_to_current_process`] explains the order).
 //! 6. Only now start the output pump thread, say `ready`, and serve `run` frames.
 
 mod output_pump;
@@ -94,6 +95,10 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         .call_method1("prepare_worker", (env,))
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
 
+    // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
+    let missing_layers =
+        crate::sandbox::apply_lockdown_to_current_process(&spec.sandbox).map_err(|e| anyhow!(e))?;
+
     // Step 6: threads and code only from here on.
     // SAFETY: fd 3 is the session socket; from here this UnixStream owns it.
     let sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
@@ -104,6 +109,7 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         &writer,
         &FromWorker::Ready {
             pid: std::process::id() as i32,
+            missing_layers,
         },
     )?;
 

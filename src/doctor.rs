@@ -1,0 +1,145 @@
+//! `ironcell doctor`: what the sandbox would enforce on this host, layer by layer, proven by
+//! locking down a real worker and reading its `/proc/<pid>/status` from outside.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::sandbox::SandboxMode;
+use crate::session::{RunRequest, SessionManager};
+
+pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
+    let sandbox = settings.sandbox()?;
+    let mut ok = true;
+    println!("ironcell {} doctor", env!("CARGO_PKG_VERSION"));
+    println!(
+        "kernel        {} {}",
+        sysinfo::System::kernel_long_version().unwrap_or_default(),
+        std::env::consts::ARCH
+    );
+    println!(
+        "policy        {} — {} [{}]",
+        sandbox.policy.name, sandbox.policy.description, sandbox.policy.source
+    );
+    println!(
+        "mode          {}",
+        match sandbox.mode {
+            SandboxMode::Enforce => "enforce (refuse to run unless every layer is in force)",
+            SandboxMode::BestEffort => "best-effort (run with the layers available, and say so)",
+        }
+    );
+    let cap = sandbox
+        .landlock_abi_cap
+        .map(|c| format!(", capped at {c}"))
+        .unwrap_or_default();
+    println!(
+        "landlock      kernel ABI {}; using ABI {}{cap}",
+        sandbox.kernel_landlock_abi, sandbox.landlock_abi
+    );
+    println!(
+        "seccomp       {}",
+        if sandbox.seccomp_available {
+            "available"
+        } else {
+            "NOT available"
+        }
+    );
+    println!(
+        "limits        cpu {} s, memory {} MiB, file size {} MiB, open files {}, scratch {} MiB",
+        sandbox.policy.limits.cpu_seconds,
+        sandbox.memory_bytes >> 20,
+        sandbox.policy.limits.file_size_mib,
+        sandbox.policy.limits.open_files,
+        sandbox.policy.limits.scratch_quota_mib
+    );
+    println!("\n{:<58}provided by", "protection");
+    for p in sandbox.protections() {
+        let by = if p.layers.is_empty() {
+            "NOTHING on this host".to_string()
+        } else {
+            p.layers.join(" + ")
+        };
+        if p.layers.is_empty() {
+            ok = false;
+        }
+        println!("  {:<56}{by}", p.protection);
+    }
+    let refusal = sandbox.preflight().err();
+
+    let sessions = SessionManager::start(settings, std::env::current_exe()?)?;
+    match sessions.python_info().await {
+        Ok(info) => {
+            println!(
+                "\npython        {} (prefix {}), warm in {:.0} ms",
+                info.python_version, info.prefix, info.warm_ms
+            );
+            for p in &info.python_paths {
+                println!("  read-only   {}", p.display());
+            }
+        }
+        Err(e) => {
+            ok = false;
+            println!("\npython        NOT usable: {e:#}");
+        }
+    }
+    for p in sandbox.policy.existing_read_only() {
+        println!("  read-only   {}", p.display());
+    }
+
+    if let Some(r) = &refusal {
+        println!("\nverdict       run_python would REFUSE: {r}");
+        sessions.shutdown();
+        return Ok(ExitCode::FAILURE);
+    }
+    let started = Instant::now();
+    let probe = RunRequest {
+        code: "import os\nos.getpid()".into(),
+        session: "doctor".into(),
+        timeout: None,
+        reset: false,
+    };
+    match sessions.run(probe, CancellationToken::new()).await {
+        Ok(record) if !record.is_error() => {
+            let pid = record.result.clone().unwrap_or_default();
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let field = |name: &str| {
+                status
+                    .lines()
+                    .find(|l| l.starts_with(name))
+                    .map(|l| l[name.len()..].trim().to_string())
+                    .unwrap_or_else(|| "?".into())
+            };
+            println!(
+                "\ntest worker   pid {pid} locked down and ran code in {:.0} ms: NoNewPrivs {}, Seccomp {}, CapEff {}",
+                started.elapsed().as_secs_f64() * 1000.0,
+                field("NoNewPrivs:"),
+                field("Seccomp:"),
+                field("CapEff:")
+            );
+            for n in &record.notices {
+                println!("  note        {n}");
+            }
+        }
+        Ok(record) => {
+            ok = false;
+            println!(
+                "\ntest worker   FAILED: {}",
+                record.render(crate::config::OutputMode::Compact)
+            );
+        }
+        Err(e) => {
+            ok = false;
+            println!("\ntest worker   FAILED: {e}");
+        }
+    }
+    sessions.shutdown();
+    if ok {
+        println!("\nverdict       ready: run_python runs code with every layer above in force");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("\nverdict       NOT ready (see above)");
+        Ok(ExitCode::FAILURE)
+    }
+}

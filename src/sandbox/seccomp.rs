@@ -1,0 +1,330 @@
+//! The system-call part of the lockdown, with `seccompiler`.
+//!
+//! Three filters are stacked. The kernel runs all of them and the most severe verdict wins;
+//! between two errno verdicts, the filter installed last wins. So:
+//!
+//! 1. **allow-list** (installed first): the syscalls ordinary Python needs — taken from an
+//!    strace census of stdlib, asyncio, threads, sqlite3 and numpy/pandas workloads — and
+//!    nothing else. Anything unknown gets `ENOSYS`, so libc and CPython fall back or raise
+//!    cleanly. Being default-deny, it also rejects x32 syscall numbers, which a default-allow
+//!    filter would miss.
+//! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
+//!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
+//!    process, identity changes, `TIOCSTI`.
+//! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
+//!    kernel exploits end the process at once.
+//!
+//! These rules do not depend on the kernel's Landlock ABI: they are what provides the
+//! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
+    SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("building the seccomp filter: {0}")]
+    Build(#[from] seccompiler::BackendError),
+    #[error("installing the seccomp filter: {0}")]
+    Install(#[from] seccompiler::Error),
+    #[error("seccomp filters are only built for x86_64 and aarch64")]
+    UnsupportedArch,
+}
+
+fn arch() -> Result<TargetArch, SeccompError> {
+    if cfg!(target_arch = "x86_64") {
+        Ok(TargetArch::x86_64)
+    } else if cfg!(target_arch = "aarch64") {
+        Ok(TargetArch::aarch64)
+    } else {
+        Err(SeccompError::UnsupportedArch)
+    }
+}
+
+type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+
+fn always(rules: &mut Rules, syscalls: &[libc::c_long]) {
+    for &nr in syscalls {
+        rules.insert(nr, Vec::new());
+    }
+}
+
+fn when(rules: &mut Rules, nr: libc::c_long, conds: Vec<Cond>) -> Result<(), SeccompError> {
+    rules.entry(nr).or_default().push(SeccompRule::new(conds)?);
+    Ok(())
+}
+
+fn arg32(index: u8, op: Op, value: u64) -> Result<Cond, SeccompError> {
+    Ok(Cond::new(index, Len::Dword, op, value)?)
+}
+
+/// Syscalls allowed without conditions, grouped by why.
+#[rustfmt::skip]
+const ALLOWED: &[libc::c_long] = &[
+    // Files and directories (Landlock decides which paths).
+    libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64,
+    libc::SYS_pwrite64, libc::SYS_preadv, libc::SYS_pwritev, libc::SYS_preadv2, libc::SYS_pwritev2,
+    libc::SYS_lseek, libc::SYS_close, libc::SYS_close_range, libc::SYS_openat, libc::SYS_openat2,
+    libc::SYS_newfstatat, libc::SYS_fstat, libc::SYS_statx, libc::SYS_statfs, libc::SYS_fstatfs,
+    libc::SYS_faccessat, libc::SYS_faccessat2, libc::SYS_readlinkat, libc::SYS_getdents64,
+    libc::SYS_getcwd, libc::SYS_chdir, libc::SYS_fchdir, libc::SYS_mkdirat, libc::SYS_renameat,
+    libc::SYS_renameat2, libc::SYS_unlinkat, libc::SYS_symlinkat, libc::SYS_linkat,
+    libc::SYS_fchmod, libc::SYS_fchmodat, libc::SYS_fchown, libc::SYS_fchownat, libc::SYS_utimensat,
+    libc::SYS_fsync, libc::SYS_fdatasync, libc::SYS_ftruncate, libc::SYS_fallocate, libc::SYS_flock,
+    libc::SYS_fcntl, libc::SYS_dup, libc::SYS_dup3, libc::SYS_pipe2, libc::SYS_sendfile,
+    libc::SYS_copy_file_range, libc::SYS_splice, libc::SYS_memfd_create, libc::SYS_fadvise64,
+    libc::SYS_getxattr, libc::SYS_lgetxattr, libc::SYS_fgetxattr, libc::SYS_listxattr,
+    libc::SYS_llistxattr, libc::SYS_flistxattr, libc::SYS_umask,
+    // Memory (PROT_EXEC is needed to load extension modules).
+    libc::SYS_mmap, libc::SYS_mprotect, libc::SYS_munmap, libc::SYS_mremap, libc::SYS_madvise,
+    libc::SYS_brk, libc::SYS_msync, libc::SYS_mincore, libc::SYS_mbind, libc::SYS_get_mempolicy,
+    libc::SYS_set_mempolicy, libc::SYS_mlock, libc::SYS_munlock, libc::SYS_membarrier,
+    // Threads, futexes, signals to itself (Python threads, ThreadPoolExecutor, asyncio.to_thread).
+    libc::SYS_futex, libc::SYS_set_robust_list, libc::SYS_get_robust_list, libc::SYS_rseq,
+    libc::SYS_set_tid_address, libc::SYS_rt_sigaction, libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn, libc::SYS_sigaltstack, libc::SYS_rt_sigtimedwait,
+    libc::SYS_rt_sigsuspend, libc::SYS_rt_sigpending, libc::SYS_sched_yield,
+    libc::SYS_sched_getaffinity, libc::SYS_sched_getparam, libc::SYS_sched_getscheduler,
+    libc::SYS_sched_get_priority_max, libc::SYS_sched_get_priority_min, libc::SYS_exit,
+    libc::SYS_exit_group, libc::SYS_kill, libc::SYS_tgkill, libc::SYS_clone, libc::SYS_prlimit64,
+    // Identity and system facts (read-only).
+    libc::SYS_getpid, libc::SYS_gettid, libc::SYS_getppid, libc::SYS_getuid, libc::SYS_geteuid,
+    libc::SYS_getgid, libc::SYS_getegid, libc::SYS_getresuid, libc::SYS_getresgid,
+    libc::SYS_getgroups, libc::SYS_getpgid, libc::SYS_getsid, libc::SYS_getrandom,
+    libc::SYS_uname, libc::SYS_sysinfo, libc::SYS_getpriority, libc::SYS_getrusage,
+    libc::SYS_getrlimit, libc::SYS_setrlimit, libc::SYS_times,
+    // More filters can only narrow what is allowed (the lockdown installs three in a row).
+    libc::SYS_seccomp,
+    // Time.
+    libc::SYS_clock_gettime, libc::SYS_clock_getres, libc::SYS_clock_nanosleep,
+    libc::SYS_nanosleep, libc::SYS_gettimeofday, libc::SYS_setitimer, libc::SYS_getitimer,
+    libc::SYS_timer_create, libc::SYS_timer_settime, libc::SYS_timer_gettime,
+    libc::SYS_timer_delete, libc::SYS_timerfd_create, libc::SYS_timerfd_settime,
+    libc::SYS_timerfd_gettime,
+    // Event loops (asyncio's selector and self-pipe socketpair; the session socket).
+    libc::SYS_eventfd2, libc::SYS_epoll_create1, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait,
+    libc::SYS_epoll_pwait2, libc::SYS_ppoll, libc::SYS_pselect6, libc::SYS_sendto,
+    libc::SYS_recvfrom, libc::SYS_sendmsg, libc::SYS_recvmsg, libc::SYS_getsockname,
+    libc::SYS_getpeername, libc::SYS_getsockopt, libc::SYS_setsockopt, libc::SYS_shutdown,
+    // Refused by the second filter with EPERM; listed so they get that answer, not ENOSYS.
+    libc::SYS_socket, libc::SYS_connect, libc::SYS_bind, libc::SYS_listen, libc::SYS_accept,
+    libc::SYS_accept4, libc::SYS_execve, libc::SYS_execveat, libc::SYS_setpriority,
+    libc::SYS_chroot, libc::SYS_setuid, libc::SYS_setgid, libc::SYS_setreuid, libc::SYS_setregid,
+    libc::SYS_setresuid, libc::SYS_setresgid, libc::SYS_setgroups, libc::SYS_setsid,
+    libc::SYS_setpgid, libc::SYS_tkill, libc::SYS_truncate, libc::SYS_mknodat,
+    libc::SYS_sched_setaffinity, libc::SYS_sched_setscheduler, libc::SYS_capset,
+];
+
+/// x86_64 keeps the old path-based calls; glibc and CPython still use some of them.
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+const ALLOWED_LEGACY: &[libc::c_long] = &[
+    libc::SYS_open, libc::SYS_stat, libc::SYS_lstat, libc::SYS_access, libc::SYS_readlink,
+    libc::SYS_mkdir, libc::SYS_rmdir, libc::SYS_rename, libc::SYS_unlink, libc::SYS_symlink,
+    libc::SYS_link, libc::SYS_chmod, libc::SYS_chown, libc::SYS_lchown, libc::SYS_dup2,
+    libc::SYS_pipe, libc::SYS_poll, libc::SYS_select, libc::SYS_epoll_wait,
+    libc::SYS_epoll_create, libc::SYS_getdents, libc::SYS_time, libc::SYS_arch_prctl,
+    libc::SYS_alarm, libc::SYS_pause, libc::SYS_getpgrp, libc::SYS_utimes, libc::SYS_futimesat,
+    libc::SYS_fork, libc::SYS_vfork, libc::SYS_mknod, libc::SYS_eventfd, libc::SYS_signalfd4,
+];
+#[cfg(not(target_arch = "x86_64"))]
+const ALLOWED_LEGACY: &[libc::c_long] = &[];
+
+/// Always refused with EPERM.
+#[rustfmt::skip]
+const REFUSED: &[libc::c_long] = &[
+    libc::SYS_socket, libc::SYS_connect, libc::SYS_bind, libc::SYS_listen, libc::SYS_accept,
+    libc::SYS_accept4, libc::SYS_execve, libc::SYS_execveat, libc::SYS_setpriority,
+    libc::SYS_chroot, libc::SYS_setuid, libc::SYS_setgid, libc::SYS_setreuid, libc::SYS_setregid,
+    libc::SYS_setresuid, libc::SYS_setresgid, libc::SYS_setgroups, libc::SYS_setsid,
+    libc::SYS_setpgid, libc::SYS_tkill, libc::SYS_truncate, libc::SYS_mknodat,
+    libc::SYS_sched_setaffinity, libc::SYS_sched_setscheduler, libc::SYS_capset,
+];
+#[cfg(target_arch = "x86_64")]
+const REFUSED_LEGACY: &[libc::c_long] = &[libc::SYS_fork, libc::SYS_vfork, libc::SYS_mknod];
+#[cfg(not(target_arch = "x86_64"))]
+const REFUSED_LEGACY: &[libc::c_long] = &[];
+
+/// End the process: debugging, other processes' memory, kernel attack surface, namespaces,
+/// mounts, keys, modules.
+#[rustfmt::skip]
+const KILLED: &[libc::c_long] = &[
+    libc::SYS_ptrace, libc::SYS_process_vm_readv, libc::SYS_process_vm_writev, libc::SYS_bpf,
+    libc::SYS_perf_event_open, libc::SYS_userfaultfd, libc::SYS_keyctl, libc::SYS_add_key,
+    libc::SYS_request_key, libc::SYS_unshare, libc::SYS_setns, libc::SYS_mount, libc::SYS_umount2,
+    libc::SYS_pivot_root, libc::SYS_fsopen, libc::SYS_fsmount, libc::SYS_fsconfig,
+    libc::SYS_fspick, libc::SYS_move_mount, libc::SYS_open_tree, libc::SYS_mount_setattr,
+    libc::SYS_io_uring_setup, libc::SYS_io_uring_enter, libc::SYS_io_uring_register,
+    libc::SYS_kexec_load, libc::SYS_kexec_file_load, libc::SYS_init_module,
+    libc::SYS_finit_module, libc::SYS_delete_module, libc::SYS_reboot, libc::SYS_swapon,
+    libc::SYS_swapoff, libc::SYS_acct, libc::SYS_quotactl, libc::SYS_name_to_handle_at,
+    libc::SYS_open_by_handle_at, libc::SYS_syslog, libc::SYS_settimeofday,
+    libc::SYS_clock_settime, libc::SYS_clock_adjtime, libc::SYS_adjtimex, libc::SYS_sethostname,
+    libc::SYS_setdomainname, libc::SYS_pidfd_open, libc::SYS_pidfd_getfd,
+    libc::SYS_pidfd_send_signal, libc::SYS_process_madvise, libc::SYS_kcmp,
+    libc::SYS_lookup_dcookie, libc::SYS_personality, libc::SYS_vhangup,
+];
+#[cfg(target_arch = "x86_64")]
+const KILLED_LEGACY: &[libc::c_long] = &[
+    libc::SYS_iopl,
+    libc::SYS_ioperm,
+    libc::SYS_uselib,
+    libc::SYS_modify_ldt,
+];
+#[cfg(not(target_arch = "x86_64"))]
+const KILLED_LEGACY: &[libc::c_long] = &[];
+
+// The request constants are `c_ulong` on some targets and `c_int` on others.
+#[allow(clippy::unnecessary_cast)]
+/// ioctl requests a Python program legitimately makes: terminal queries from `isatty()` and
+/// `os.get_terminal_size()`, and close-on-exec / non-blocking toggles.
+const IOCTL_ALLOWED: &[u64] = &[
+    libc::TCGETS as u64,
+    libc::TIOCGWINSZ as u64,
+    libc::TIOCGPGRP as u64,
+    libc::FIOCLEX as u64,
+    libc::FIONCLEX as u64,
+    libc::FIONBIO as u64,
+    libc::FIONREAD as u64,
+];
+
+/// prctl options user code may use; the rest (e.g. making itself dumpable again) get ENOSYS.
+const PRCTL_ALLOWED: &[u64] = &[
+    libc::PR_SET_NAME as u64,
+    libc::PR_GET_NAME as u64,
+    libc::PR_GET_DUMPABLE as u64,
+    libc::PR_GET_SECCOMP as u64,
+    libc::PR_GET_NO_NEW_PRIVS as u64,
+    libc::PR_CAPBSET_READ as u64,
+    libc::PR_GET_PDEATHSIG as u64,
+    0x5356_4d41, // PR_SET_VMA: glibc names anonymous mappings
+    // One-way and harmless; seccompiler sets it before each filter it installs, and the lockdown
+    // installs its second and third filter after the first is in force.
+    libc::PR_SET_NO_NEW_PRIVS as u64,
+];
+
+#[allow(clippy::unnecessary_cast)]
+fn allow_list() -> Result<Rules, SeccompError> {
+    let mut rules = Rules::new();
+    always(&mut rules, ALLOWED);
+    always(&mut rules, ALLOWED_LEGACY);
+    for &cmd in IOCTL_ALLOWED {
+        when(&mut rules, libc::SYS_ioctl, vec![arg32(1, Op::Eq, cmd)?])?;
+    }
+    // TIOCSTI is listed so the refusals filter can answer EPERM (SECURITY.md #24).
+    when(
+        &mut rules,
+        libc::SYS_ioctl,
+        vec![arg32(1, Op::Eq, libc::TIOCSTI as u64)?],
+    )?;
+    for &opt in PRCTL_ALLOWED {
+        when(&mut rules, libc::SYS_prctl, vec![arg32(0, Op::Eq, opt)?])?;
+    }
+    // socketpair(AF_UNIX, ...) only: asyncio's self-pipe and multiprocessing-free IPC.
+    when(
+        &mut rules,
+        libc::SYS_socketpair,
+        vec![arg32(0, Op::Eq, libc::AF_UNIX as u64)?],
+    )?;
+    Ok(rules)
+}
+
+#[allow(clippy::unnecessary_cast)]
+fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
+    let pid = u64::from(own_pid);
+    let mut rules = Rules::new();
+    always(&mut rules, REFUSED);
+    always(&mut rules, REFUSED_LEGACY);
+    // clone without CLONE_THREAD is fork(): refused. Threads are allowed.
+    let thread = libc::CLONE_THREAD as u64;
+    when(
+        &mut rules,
+        libc::SYS_clone,
+        vec![arg32(0, Op::MaskedEq(thread), 0)?],
+    )?;
+    // Signals and rlimits only for itself (0 means "self" for prlimit64).
+    when(&mut rules, libc::SYS_kill, vec![arg32(0, Op::Ne, pid)?])?;
+    when(&mut rules, libc::SYS_tgkill, vec![arg32(0, Op::Ne, pid)?])?;
+    when(
+        &mut rules,
+        libc::SYS_prlimit64,
+        vec![arg32(0, Op::Ne, 0)?, arg32(0, Op::Ne, pid)?],
+    )?;
+    when(
+        &mut rules,
+        libc::SYS_ioctl,
+        vec![arg32(1, Op::Eq, libc::TIOCSTI as u64)?],
+    )?;
+    Ok(rules)
+}
+
+fn kill_list() -> Rules {
+    let mut rules = Rules::new();
+    always(&mut rules, KILLED);
+    always(&mut rules, KILLED_LEGACY);
+    rules
+}
+
+/// The three compiled programs, in installation order.
+pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
+    let arch = arch()?;
+    let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
+    let eperm = SeccompAction::Errno(libc::EPERM as u32);
+    let filters = [
+        SeccompFilter::new(allow_list()?, enosys, SeccompAction::Allow, arch)?,
+        SeccompFilter::new(refusals(own_pid)?, SeccompAction::Allow, eperm, arch)?,
+        SeccompFilter::new(
+            kill_list(),
+            SeccompAction::Allow,
+            SeccompAction::KillProcess,
+            arch,
+        )?,
+    ];
+    let mut programs = Vec::new();
+    for f in filters {
+        programs.push(BpfProgram::try_from(f)?);
+    }
+    Ok(programs)
+}
+
+/// Installs the worker's filters on the calling thread (which must be the only thread;
+/// `no_new_privs` must already be set).
+pub fn install_syscall_filter_on_current_thread(own_pid: u32) -> Result<(), SeccompError> {
+    for program in build_worker_filters(own_pid)? {
+        seccompiler::apply_filter(&program)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_filters_compile_well_under_the_bpf_limit() {
+        let programs = build_worker_filters(1234).unwrap();
+        assert_eq!(programs.len(), 3);
+        for p in &programs {
+            assert!(p.len() < 4096, "{} instructions", p.len());
+        }
+    }
+
+    #[test]
+    fn nothing_is_both_allowed_unconditionally_and_killed() {
+        for nr in KILLED.iter().chain(KILLED_LEGACY) {
+            assert!(
+                !ALLOWED.contains(nr) && !ALLOWED_LEGACY.contains(nr),
+                "syscall {nr}"
+            );
+        }
+        for nr in REFUSED.iter().chain(REFUSED_LEGACY) {
+            assert!(
+                ALLOWED.contains(nr) || ALLOWED_LEGACY.contains(nr),
+                "refused {nr} must be listed"
+            );
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The only raw libc calls of the sandbox. Each `unsafe` block is one call, and its errno is
+//! turned into an `io::Error` on the next line.
+
+use std::io;
+
+/// Landlock ABI version the running kernel supports (0: none, or disabled at boot).
+pub fn landlock_abi_of_kernel() -> i32 {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_ulong = 1;
+    // SAFETY: landlock_create_ruleset(NULL, 0, VERSION) only returns a number.
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<libc::c_void>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    if v < 0 { 0 } else { v as i32 }
+}
+
+/// Whether this kernel can install seccomp filters.
+pub fn seccomp_available() -> bool {
+    // SAFETY: PR_GET_SECCOMP has no pointer arguments.
+    let rc = unsafe { libc::prctl(libc::PR_GET_SECCOMP, 0, 0, 0, 0) };
+    rc >= 0
+}
+
+/// Empties the effective, permitted, inheritable and ambient capability sets, and the bounding
+/// set where the process may change it.
+pub fn drop_all_capabilities() -> io::Result<()> {
+    #[repr(C)]
+    struct CapHeader {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct CapData {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    // SAFETY: PR_CAP_AMBIENT_CLEAR_ALL has no pointer arguments.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(e);
+        }
+    }
+    for cap in 0..64 {
+        // SAFETY: PR_CAPBSET_DROP takes a capability number.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+        if rc != 0 {
+            // EINVAL: no such capability on this kernel; EPERM: not ours to drop (an
+            // unprivileged process has none to lose, and no_new_privs stops it gaining any).
+            let e = io::Error::last_os_error();
+            if !matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EPERM)) {
+                return Err(e);
+            }
+        }
+    }
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: capset with a valid v3 header and two data words, as the ABI requires.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_capset,
+            &mut header as *mut CapHeader,
+            data.as_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `PR_SET_NO_NEW_PRIVS`: no exec can ever grant privileges again (and seccomp needs it).
+pub fn set_no_new_privs() -> io::Result<()> {
+    // SAFETY: integer arguments only.
+    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Not dumpable: no core files, and same-uid processes cannot ptrace it or read its memory.
+pub fn set_not_dumpable() -> io::Result<()> {
+    // SAFETY: integer arguments only.
+    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Ignore SIGXFSZ so that exceeding RLIMIT_FSIZE makes `write` fail with EFBIG (a Python
+/// `OSError`) instead of killing the worker. Embedded CPython does not do this itself.
+pub fn ignore_sigxfsz() -> io::Result<()> {
+    // SAFETY: installing SIG_IGN for a signal number.
+    let prev = unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    if prev == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
