@@ -62,7 +62,9 @@ def _run_awaitable(obj):
 
 
 def _short_traceback(exc):
-    tb_exc = traceback.TracebackException.from_exception(exc, limit=None)
+    # A negative limit keeps only the innermost frames, without formatting a deep recursion's
+    # hundred thousand others first.
+    tb_exc = traceback.TracebackException.from_exception(exc, limit=-(MAX_TRACEBACK_FRAMES + 4))
     # Drop the runner's own frames; keep the tail the user can act on.
     frames = [f for f in tb_exc.stack if f.filename != __file__]
     tb_exc.stack = traceback.StackSummary.from_list(frames[-MAX_TRACEBACK_FRAMES:])
@@ -70,11 +72,15 @@ def _short_traceback(exc):
 
 
 def _error(exc):
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": _short_traceback(exc),
-    }
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "<unprintable exception>"
+    try:
+        tb = _short_traceback(exc)
+    except BaseException:  # e.g. a RecursionError deep enough to break formatting too
+        tb = f"{type(exc).__name__}: {message}\n"
+    return {"type": type(exc).__name__, "message": message, "traceback": tb}
 
 
 def _repr(value):

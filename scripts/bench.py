@@ -150,6 +150,8 @@ def main() -> int:
         t = time.perf_counter()
         c.run("x += 1")
         warm.append((time.perf_counter() - t) * 1000)
+    info = json.loads(c.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    lockdown_ms = info.get("worker_lockdown_ms_median") or 0.0
     # (c) USS of idle sessions
     time.sleep(0.5)
     uss = [uss_kib(p) / 1024 for p in pids]
@@ -162,6 +164,8 @@ def main() -> int:
     ipk = ipykernel_round_trip_ms(min(n_warm, 200))
 
     rows.append(("(a) new session to first output", f"{med(new_sess):.2f} ms", f"python3 -c per call: {med(base_c):.1f} ms"))
+    rows.append(("    of which: kernel lockdown", f"{lockdown_ms:.2f} ms",
+                 f"so without it: {med(new_sess) - lockdown_ms:.2f} ms"))
     b_base = f"python3 -c per call: {med(base_c):.1f} ms"
     if ipk:
         b_base += f"; ipykernel warm: {med(ipk):.2f} ms"

@@ -32,37 +32,37 @@ pub struct Settings {
     pub output_mode: OutputMode,
 
     /// Default wall-clock limit of one run (`30`, `30s`, `2m`, `500ms`).
-    #[arg(long = "timeout", env = "MCP_BRIDGE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long = "timeout", global = true, env = "MCP_BRIDGE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub default_timeout: Duration,
 
     /// Largest timeout a call may ask for; larger requests are clamped and told so.
-    #[arg(long = "max-timeout", env = "MCP_BRIDGE_MAX_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
+    #[arg(long = "max-timeout", global = true, env = "MCP_BRIDGE_MAX_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
     pub max_timeout: Duration,
 
     /// After a timeout or cancel interrupts a run, how long it may take to stop before the
     /// worker is killed (its session's state is then lost).
-    #[arg(long, env = "IRONCELL_INTERRUPT_GRACE", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, global = true, env = "IRONCELL_INTERRUPT_GRACE", default_value = "2s", value_parser = parse_duration)]
     pub interrupt_grace: Duration,
 
     /// Most sessions with a live worker at once. A new session past the cap evicts the least
     /// recently used idle one; if all are busy the call is refused.
-    #[arg(long, env = "IRONCELL_MAX_SESSIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, global = true, env = "IRONCELL_MAX_SESSIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_sessions: u32,
 
     /// Idle time after which a session's worker and files are discarded.
-    #[arg(long, env = "IRONCELL_SESSION_TTL", default_value = "30m", value_parser = parse_duration)]
+    #[arg(long, global = true, env = "IRONCELL_SESSION_TTL", default_value = "30m", value_parser = parse_duration)]
     pub session_ttl: Duration,
 
     /// Largest `code` accepted, in bytes (`1m`, `256k`).
-    #[arg(long, env = "IRONCELL_MAX_CODE", default_value = "1m", value_parser = parse_size)]
+    #[arg(long, global = true, env = "IRONCELL_MAX_CODE", default_value = "1m", value_parser = parse_size)]
     pub max_code_bytes: u64,
 
     /// Output kept inline in a result (head and tail); the rest is saved to a file.
-    #[arg(long, env = "IRONCELL_INLINE_OUTPUT", default_value = "16k", value_parser = parse_size)]
+    #[arg(long, global = true, env = "IRONCELL_INLINE_OUTPUT", default_value = "16k", value_parser = parse_size)]
     pub inline_output_bytes: u64,
 
     /// Output one run may produce in all; past it the run is stopped ("output limit").
-    #[arg(long, env = "IRONCELL_MAX_OUTPUT", default_value = "32m", value_parser = parse_size)]
+    #[arg(long, global = true, env = "IRONCELL_MAX_OUTPUT", default_value = "32m", value_parser = parse_size)]
     pub max_output_bytes: u64,
 
     /// `enforce` refuses to run code unless every sandbox layer is in force; `best-effort` runs
@@ -77,21 +77,26 @@ pub struct Settings {
     pub sandbox: crate::sandbox::SandboxMode,
 
     /// Sandbox policy: `default`, `strict`, or a path to a policy TOML file.
-    #[arg(long, env = "IRONCELL_POLICY", default_value = "default")]
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_POLICY",
+        default_value = "default"
+    )]
     pub policy: String,
 
     /// Memory limit per worker (`512m`, `2g`); overrides the policy's `limits.memory_mib`.
-    #[arg(long, env = "MCP_BRIDGE_MEMORY_LIMIT", value_parser = parse_size)]
+    #[arg(long, global = true, env = "MCP_BRIDGE_MEMORY_LIMIT", value_parser = parse_size)]
     pub memory_limit: Option<u64>,
 
     /// Use at most this Landlock ABI even if the kernel has a newer one (testing what older
     /// kernels get: 1 = Linux 5.13, 3 = 6.2/WSL2, 4 = 6.7).
-    #[arg(long, env = "IRONCELL_LANDLOCK_ABI_MAX", value_parser = clap::value_parser!(i32).range(0..=7))]
+    #[arg(long, global = true, env = "IRONCELL_LANDLOCK_ABI_MAX", value_parser = clap::value_parser!(i32).range(0..=7))]
     pub landlock_abi_max: Option<i32>,
 
     /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
     /// ~/.local/state/ironcell).
-    #[arg(long, env = "MCP_BRIDGE_STATE_DIR")]
+    #[arg(long, global = true, env = "MCP_BRIDGE_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
 }
 

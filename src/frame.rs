@@ -53,6 +53,9 @@ pub enum FromWorker {
         /// Sandbox layers skipped (best-effort mode only).
         #[serde(default)]
         missing_layers: Vec<String>,
+        /// How long the lockdown took (reported in `system://info` and by the benchmark).
+        #[serde(default)]
+        lockdown_us: u64,
     },
     /// The worker could not set itself up and is about to exit.
     Fatal { message: String },

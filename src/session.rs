@@ -123,6 +123,8 @@ pub struct SessionManager {
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     live_workers: AtomicUsize,
     run_counter: AtomicU64,
+    /// How long the last workers took to lock themselves down, in microseconds.
+    recent_lockdown_us: Mutex<Vec<u64>>,
     root: PathBuf,
 }
 
@@ -162,6 +164,7 @@ impl SessionManager {
             zygote: Mutex::new(Arc::new(zygote)),
             sessions: Mutex::new(HashMap::new()),
             live_workers: AtomicUsize::new(0),
+            recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
         }))
@@ -184,6 +187,13 @@ impl SessionManager {
     /// Pids of the zygote and all live workers (for tests and `system://info`).
     pub fn live_worker_count(&self) -> usize {
         self.live_workers.load(Ordering::SeqCst)
+    }
+
+    /// Median lockdown time of the most recent workers, in milliseconds.
+    pub fn median_lockdown_ms(&self) -> Option<f64> {
+        let mut v = lock(&self.recent_lockdown_us).clone();
+        v.sort_unstable();
+        v.get(v.len() / 2).map(|us| *us as f64 / 1000.0)
     }
 
     pub fn session_count(&self) -> usize {
@@ -370,7 +380,18 @@ impl SessionManager {
                 match worker.io.next().await {
                     Some(Ok(f)) if f.first() == Some(&KIND_JSON) => {
                         match serde_json::from_slice::<FromWorker>(&f[1..]) {
-                            Ok(FromWorker::Ready { missing_layers, .. }) => return Ok(missing_layers),
+                            Ok(FromWorker::Ready {
+                                missing_layers,
+                                lockdown_us,
+                                ..
+                            }) => {
+                                let mut recent = lock(&self.recent_lockdown_us);
+                                if recent.len() >= 64 {
+                                    recent.remove(0);
+                                }
+                                recent.push(lockdown_us);
+                                return Ok(missing_layers);
+                            }
                             Ok(FromWorker::Fatal { message }) => return Err(message),
                             _ => continue,
                         }

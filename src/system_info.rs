@@ -51,6 +51,7 @@ pub async fn collect(sessions: &SessionManager) -> Value {
             "max_output_bytes": s.max_output_bytes,
         },
         "sandbox": sandbox_summary(sessions.sandbox()),
+        "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
         "output_mode": format!("{:?}", s.output_mode).to_lowercase(),
     })

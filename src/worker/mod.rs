@@ -96,8 +96,10 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
 
     // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
+    let lockdown_started = std::time::Instant::now();
     let missing_layers =
         crate::sandbox::apply_lockdown_to_current_process(&spec.sandbox).map_err(|e| anyhow!(e))?;
+    let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
 
     // Step 6: threads and code only from here on.
     // SAFETY: fd 3 is the session socket; from here this UnixStream owns it.
@@ -110,6 +112,7 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         &FromWorker::Ready {
             pid: std::process::id() as i32,
             missing_layers,
+            lockdown_us,
         },
     )?;
 

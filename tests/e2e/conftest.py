@@ -85,12 +85,25 @@ async def run(client, code: str, **args: Any) -> Run:
     return Run(await client.call_tool("run_python", {"code": code, **args}))
 
 
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"]
+
+
+def shared_tmp_dir() -> Path:
+    """A fresh directory that an unprivileged user can use (pytest's tmp_path is root-only)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="ironcell-test-", dir="/tmp"))
+    d.chmod(0o777)
+    return d
+
+
 class RawServer:
     """ironcell driven with hand-written JSON-RPC lines, for protocol-level checks."""
 
-    def __init__(self, state_dir: Path, **env: str):
+    def __init__(self, state_dir: Path, *, as_user: str = "root", args: list[str] | None = None, **env: str):
+        prefix = AS_NOBODY if as_user == "nobody" else []
         self.proc = subprocess.Popen(
-            [str(IRONCELL), "serve"],
+            [*prefix, str(IRONCELL), "serve", *(args or [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(state_dir / "raw-server.log", "ab"),

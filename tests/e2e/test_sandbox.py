@@ -1,0 +1,504 @@
+"""SECURITY.md's adversarial catalogue, attacked from inside through run_python.
+
+Every case runs against the real binary, as root and as the unprivileged user `nobody`
+(rlimits and capabilities behave differently for root), and the filesystem/network/signal
+cases again as if the kernel had only Landlock ABI 1, 3 or 4: on those kernels seccomp must
+provide what Landlock cannot. Test names carry the catalogue's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import IRONCELL, RawServer, shared_tmp_dir, wait_until
+
+PRELUDE = r'''
+import os, errno
+def outcome(f):
+    try:
+        r = f()
+        return "ok:" + repr(r)[:300]
+    except BaseException as e:
+        return f"{type(e).__name__}:{getattr(e, 'errno', None)}"
+'''
+
+USERS = ["root", "nobody"]
+
+
+class Sandboxed:
+    """One server (as a given user, optionally with a capped Landlock ABI) and helpers."""
+
+    def __init__(self, as_user: str, abi_max: int | None = None, **env: str):
+        self.dir = shared_tmp_dir()
+        (self.dir / "state").mkdir(mode=0o777)
+        os.chmod(self.dir / "state", 0o777)
+        if abi_max is not None:
+            env["IRONCELL_LANDLOCK_ABI_MAX"] = str(abi_max)
+        self.srv = RawServer(self.dir, as_user=as_user, MCP_BRIDGE_STATE_DIR=str(self.dir / "state"), **env)
+        self.srv.initialize()
+        self.sessions: set[str] = set()
+
+    def run(self, code: str, session: str = "attack", **args) -> dict:
+        if session not in self.sessions:
+            self.sessions.add(session)
+            r = self.srv.call(PRELUDE, session=session)
+            assert not r["isError"], r
+        return self.srv.call(code, session=session, **args)["structuredContent"]
+
+    def outcome(self, expr: str, session: str = "attack") -> str:
+        rec = self.run(f"outcome(lambda: {expr})", session=session)
+        assert rec["status"] == "ok", rec
+        return eval(rec["result"])
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+@pytest.fixture(scope="module", params=USERS)
+def box(request):
+    b = Sandboxed(request.param)
+    yield b
+    b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Filesystem
+# ---------------------------------------------------------------------------------------------
+
+def test_01_etc_passwd_is_unreadable(box):
+    assert box.outcome("open('/etc/passwd').read()") == "PermissionError:13"
+
+
+def test_02_the_real_home_is_unreachable_and_home_is_the_scratch_dir(box):
+    # A key file readable by every user, so only the sandbox stands between it and the code.
+    home = shared_tmp_dir()
+    (home / ".ssh").mkdir(mode=0o755)
+    key = home / ".ssh" / "id_rsa"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    key.chmod(0o644)
+    assert box.outcome(f"open({str(key)!r}).read()") == "PermissionError:13"
+    assert box.outcome("os.listdir('/root')") == "PermissionError:13"
+    assert box.outcome("os.path.expanduser('~') == os.getcwd()") == "ok:True"
+
+
+def test_03_the_root_directory_cannot_be_listed(box):
+    assert box.outcome("os.listdir('/')") == "PermissionError:13"
+
+
+def test_04_a_symlink_in_scratch_does_not_lead_out(box):
+    box.run("os.symlink('/etc/passwd', 'link-to-passwd')")
+    assert box.outcome("open('link-to-passwd').read()") == "PermissionError:13"
+
+
+def test_05_hard_links_to_outside_files_are_refused(box):
+    assert box.outcome("os.link('/etc/passwd', 'h')").split(":")[1] in ("18", "1", "13")
+    assert box.outcome("os.path.exists('h')") == "ok:False"
+
+
+def test_06_proc_is_invisible(box):
+    for path in ("/proc/self/environ", "/proc/{ppid}/environ", "/proc/{ppid}/cmdline", "/proc/1/status"):
+        expr = f"open('{path}'.format(ppid=os.getppid())).read()"
+        assert box.outcome(expr) == "PermissionError:13", path
+
+
+def test_07_another_sessions_files_are_unreachable(box):
+    rec = box.run("open('private.txt','w').write('victim data')\nos.path.abspath('private.txt')", session="victim")
+    victim_path = eval(rec["result"])
+    assert box.outcome(f"open({victim_path!r}).read()") == "PermissionError:13"
+    assert box.outcome(f"os.listdir(os.path.dirname({victim_path!r}))") == "PermissionError:13"
+
+
+def test_08_nothing_outside_scratch_is_writable(box):
+    assert box.outcome("open('/tmp/ironcell-escape','w')") == "PermissionError:13"
+    assert box.outcome("open('/root/.bashrc','a')") == "PermissionError:13"
+    for key in ("purelib", "stdlib"):
+        for name in ("evil.pth", "sitecustomize.py"):
+            expr = f"open(os.path.join(__import__('sysconfig').get_paths()[{key!r}], {name!r}), 'w')"
+            assert box.outcome(expr) == "PermissionError:13", (key, name)
+    assert box.outcome("open(__import__('os').__file__, 'a')") == "PermissionError:13"
+    assert not os.path.exists("/tmp/ironcell-escape")
+
+
+def test_09_the_scratch_dir_works(box):
+    code = "os.makedirs('d/e', exist_ok=True)\nopen('d/e/f.txt','w').write('hello')\n(open('d/e/f.txt').read(), sorted(os.listdir('d/e')))"
+    assert box.run(code)["result"] == "('hello', ['f.txt'])"
+
+
+def test_10_executing_a_script_from_scratch_is_refused(box):
+    box.run("open('s.sh','w').write('#!/bin/sh\\necho pwned > pwned\\n')\nos.chmod('s.sh', 0o755)")
+    assert box.outcome("os.execv('./s.sh', ['s.sh'])") == "PermissionError:1"
+    assert box.outcome("__import__('subprocess').run(['./s.sh'])") == "PermissionError:1"
+    assert box.outcome("os.path.exists('pwned')") == "ok:False"
+
+
+def test_11a_one_file_grown_without_bound_hits_the_file_size_limit(box):
+    code = "f = open('big', 'wb')\ntry:\n    while True: f.write(b'x' * (1 << 20))\nfinally:\n    f.close()"
+    rec = box.run(code)
+    assert rec["status"] == "error" and "File too large" in rec["error"]["message"], rec
+    box.run("os.remove('big')")
+
+
+def test_11b_many_files_past_the_scratch_quota_kill_the_worker(tmp_path):
+    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
+    policy = policy.replace("scratch_quota_mib = 1024", "scratch_quota_mib = 8")
+    b = Sandboxed("root")
+    pfile = b.dir / "small-quota.toml"
+    pfile.write_text(policy)
+    b.close()
+    b = Sandboxed("root", IRONCELL_POLICY=str(pfile))
+    try:
+        rec = b.run("import time\nfor i in range(10_000):\n    open(f'f{i}', 'wb').write(b'x' * 65536)\n    time.sleep(0.001)")
+        assert rec["status"] == "scratch_quota", rec
+        assert rec["session_state"] == "lost"
+        rec = b.run("import os\nlen(os.listdir('.'))")
+        assert rec["result"] == "0", rec["error"]
+    finally:
+        b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------------
+
+class Listener:
+    """A TCP and a UDP socket on loopback that record whether anything reached them."""
+
+    def __init__(self):
+        self.tcp = socket.socket()
+        self.tcp.bind(("127.0.0.1", 0))
+        self.tcp.listen(5)
+        self.tcp.settimeout(0.5)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.udp.settimeout(0.5)
+        self.port = self.tcp.getsockname()[1]
+        self.udp_port = self.udp.getsockname()[1]
+
+    def tcp_got_connection(self) -> bool:
+        try:
+            conn, _ = self.tcp.accept()
+            conn.close()
+            return True
+        except socket.timeout:
+            return False
+
+    def udp_got_datagram(self) -> bool:
+        try:
+            self.udp.recv(100)
+            return True
+        except socket.timeout:
+            return False
+
+
+@pytest.fixture
+def listener():
+    l = Listener()
+    yield l
+    l.tcp.close()
+    l.udp.close()
+
+
+def test_12_tcp_connect_to_a_local_listener_is_refused(box, listener):
+    out = box.outcome(f"__import__('socket').create_connection(('127.0.0.1', {listener.port}), timeout=2)")
+    assert out == "PermissionError:1"
+    assert not listener.tcp_got_connection()
+
+
+def test_13_udp_to_a_local_port_is_refused(box, listener):
+    expr = f"__import__('socket').socket(2, 2).sendto(b'x', ('127.0.0.1', {listener.udp_port}))"
+    assert box.outcome(expr) == "PermissionError:1"
+    assert not listener.udp_got_datagram()
+
+
+def test_14_pathname_unix_sockets_are_refused(box):
+    d = shared_tmp_dir()
+    path = str(d / "s.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(0.5)
+    try:
+        assert box.outcome(f"__import__('socket').socket(1).connect({path!r})") == "PermissionError:1"
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+def test_15_abstract_unix_sockets_are_refused(box):
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind("\0ironcell-test-abstract")
+    srv.listen(1)
+    srv.settimeout(0.5)
+    try:
+        assert box.outcome("__import__('socket').socket(1).connect('\\0ironcell-test-abstract')") == "PermissionError:1"
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+def test_16_netlink_and_packet_sockets_are_refused(box):
+    assert box.outcome("__import__('socket').socket(16, 3, 0)") == "PermissionError:1"  # AF_NETLINK
+    assert box.outcome("__import__('socket').socket(17, 3, 0)") == "PermissionError:1"  # AF_PACKET
+    assert box.outcome("__import__('socket').socket(2, 3, 1)") == "PermissionError:1"   # raw ICMP
+
+
+def test_17_urllib_fails_and_nothing_arrives(box, listener):
+    out = box.outcome(f"__import__('urllib.request').request.urlopen('http://127.0.0.1:{listener.port}/', timeout=2)")
+    assert out.startswith("URLError"), out
+    assert not listener.tcp_got_connection()
+
+
+def test_18_asyncio_with_sleep_queues_and_to_thread_works(box):
+    code = (
+        "import asyncio\n"
+        "async def main():\n"
+        "    q = asyncio.Queue()\n"
+        "    await q.put(1)\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    return await q.get() + await asyncio.to_thread(lambda: 41)\n"
+        "asyncio.run(main())"
+    )
+    assert box.run(code)["result"] == "42"
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes and privilege
+# ---------------------------------------------------------------------------------------------
+
+def test_19_no_new_process_can_be_started(box):
+    assert box.outcome("os.fork()") == "PermissionError:1"
+    assert box.outcome("__import__('subprocess').run(['id'])") == "PermissionError:1"
+    assert box.outcome("os.system('echo pwned > pwned-by-system')") != "ok:0"
+    assert box.outcome("os.path.exists('pwned-by-system')") == "ok:False"
+    out = box.outcome("__import__('multiprocessing').Pool(2)")
+    assert out.startswith(("PermissionError", "OSError")), out
+
+
+def test_20_signals_to_other_processes_are_refused_and_the_host_survives(box):
+    assert box.outcome("os.kill(os.getppid(), 9)") == "PermissionError:1"
+    assert box.outcome("os.kill(-1, 0)") == "PermissionError:1"
+    assert box.outcome("os.kill(1, 0)") == "PermissionError:1"
+    assert box.srv.proc.poll() is None
+    assert box.outcome("os.kill(os.getpid(), 0)") == "ok:None"
+
+
+def test_21_rlimits_of_other_processes_and_raised_hard_limits_are_refused(box):
+    assert box.outcome("__import__('resource').prlimit(os.getppid(), 7, (0, 0))") == "PermissionError:1"
+    out = box.outcome("(lambda r: r.setrlimit(r.RLIMIT_NOFILE, (r.getrlimit(r.RLIMIT_NOFILE)[1] + 1,) * 2))(__import__('resource'))")
+    assert out.startswith(("ValueError", "PermissionError")), out
+
+
+@pytest.mark.parametrize("name,call", [
+    ("ptrace_attach", "libc.ptrace(16, os.getppid(), 0, 0)"),
+    ("process_vm_readv", "libc.syscall(310, os.getppid(), 0, 0, 0, 0, 0)"),
+])
+def test_22_ptrace_and_process_vm_are_killed(box, name, call):
+    rec = box.run(f"import ctypes\nlibc = ctypes.CDLL(None)\n{call}", session=f"kill-{name}")
+    assert rec["status"] == "crashed" and "SIGSYS" in rec["error"]["message"], rec
+
+
+@pytest.mark.parametrize("name,nr,args", [
+    ("unshare_newuser", 272, (0x10000000,)),
+    ("keyctl", 250, (0, 0)),
+    ("bpf", 321, (0, 0, 0)),
+    ("perf_event_open", 298, (0, 0, -1, -1, 0)),
+    ("userfaultfd", 323, (0,)),
+    ("io_uring_setup", 425, (1, 0)),
+    ("mount", 165, (0, 0, 0, 0, 0)),
+])
+def test_23_kernel_attack_surface_syscalls_end_the_worker(box, name, nr, args):
+    rec = box.run(f"import ctypes\nctypes.CDLL(None).syscall({nr}, *{args!r})", session=f"kill-{name}")
+    assert rec["status"] == "crashed" and "SIGSYS" in rec["error"]["message"], rec
+
+
+def test_24_tiocsti_is_refused(box):
+    assert box.outcome("__import__('fcntl').ioctl(0, __import__('termios').TIOCSTI, b'x')") == "PermissionError:1"
+
+
+def test_25_the_worker_is_locked_down_as_seen_from_outside(box):
+    pid = int(box.run("os.getpid()")["result"])
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Seccomp"].strip() == "2"
+    for cap in ("CapEff", "CapPrm", "CapInh", "CapAmb"):
+        assert int(fields[cap].strip(), 16) == 0, cap
+
+
+# ---------------------------------------------------------------------------------------------
+# Resources
+# ---------------------------------------------------------------------------------------------
+
+def test_26_27_busy_loops_and_sleeps_end_at_the_wall_timeout(box):
+    assert box.run("while True: pass", timeout_s=1)["status"] == "timeout"
+    assert box.run("__import__('time').sleep(10**6)", timeout_s=1)["status"] == "timeout"
+
+
+def test_28_memory_exhaustion_is_a_memory_error_and_the_session_survives(box):
+    rec = box.run("keep = 'alive'\nchunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))", session="mem")
+    assert rec["status"] == "error" and rec["error"]["type"] == "MemoryError", rec
+    assert box.run("del chunks\nkeep", session="mem")["result"] == "'alive'"
+
+
+def test_29_ten_thousand_threads_fail_cleanly_and_the_session_survives(box):
+    code = (
+        "import threading\nev = threading.Event()\nthreads = []\n"
+        "for _ in range(10_000):\n    t = threading.Thread(target=ev.wait)\n    t.start()\n    threads.append(t)"
+    )
+    rec = box.run(code, session="threads")
+    assert rec["status"] == "error" and rec["error"]["type"] == "RuntimeError", rec
+    assert "can't start new thread" in rec["error"]["message"]
+    assert box.run("ev.set()\nlen(threads) > 0", session="threads")["result"] == "True"
+
+
+def test_30_opening_files_forever_hits_emfile(box):
+    rec = box.run("fs = []\nwhile True:\n    fs.append(open('/dev/null'))", session="files")
+    assert rec["status"] == "error" and "Too many open files" in rec["error"]["message"], rec
+    box.run("for f in fs: f.close()", session="files")
+
+
+def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
+    rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
+    assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]
+    assert box.run("1 + 1", session="segv")["result"] == "2"
+
+
+def test_35_unbounded_recursion_is_reported(box):
+    rec = box.run("import sys\nsys.setrecursionlimit(10**7)\nf = lambda: f()\nf()", session="recursion")
+    assert rec["status"] in ("error", "crashed"), rec
+    # CPython 3.11 may report the exhausted C stack as a SystemError rather than RecursionError.
+    assert rec["status"] != "error" or rec["error"]["type"] in ("RecursionError", "SystemError"), rec
+    assert box.run("'still serving'", session="recursion")["result"] == "'still serving'"
+
+
+# ---------------------------------------------------------------------------------------------
+# Secrets and isolation
+# ---------------------------------------------------------------------------------------------
+
+TOKEN = "ghp_IRONCELLTESTTOKEN0123456789abcdef"
+
+
+@pytest.fixture(scope="module", params=USERS)
+def box_with_secret(request):
+    b = Sandboxed(request.param, GITHUB_TOKEN=TOKEN, AWS_SECRET_ACCESS_KEY=TOKEN)
+    yield b
+    b.close()
+
+
+def test_36_the_environment_holds_only_the_fixed_variables(box_with_secret):
+    env = eval(box_with_secret.run("dict(os.environ)")["result"])
+    assert set(env) <= {"PATH", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
+                        "PYTHONIOENCODING", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                        "MPLBACKEND", "HOME", "TMPDIR", "PWD", "TERM", "IRONCELL_SESSION"}, env
+    assert TOKEN not in json.dumps(env)
+
+
+def test_37_the_hosts_token_is_not_in_the_workers_memory(box_with_secret):
+    # The initial stack (env block, AT_EXECFN) and the heap are where an inherited secret would be.
+    code = (
+        "import ctypes, gc\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.getauxval.restype = ctypes.c_ulong\n"
+        "top = libc.getauxval(31)\n"                     # AT_EXECFN, near the top of the stack
+        "stack = ctypes.string_at(top - 12000, 12000 + 32)\n"
+        "environ = ctypes.c_char_p.in_dll(libc, 'environ')\n"
+        f"needle = {TOKEN[:12]!r}.encode() + {TOKEN[12:]!r}.encode()\n"
+        "heap_hits = sum(1 for o in gc.get_objects() if isinstance(o, str) and needle.decode() in o and o is not needle)\n"
+        "(needle in stack, len(stack))"
+    )
+    rec = box_with_secret.run(code)
+    assert rec["status"] == "ok", rec
+    found, scanned = eval(rec["result"])
+    assert scanned > 10000 and not found
+
+
+def test_38_sessions_cannot_see_each_others_globals(box):
+    box.run("mine = 'a'", session="iso-a")
+    rec = box.run("'mine' in globals()", session="iso-b")
+    assert rec["result"] == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# Older kernels: cap the Landlock ABI and check every protection still holds
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[1, 3, 4])
+def old_kernel_box(request):
+    b = Sandboxed("nobody", abi_max=request.param)
+    b.abi = request.param
+    yield b
+    b.close()
+
+
+def test_older_landlock_abis_still_provide_every_protection(old_kernel_box, listener):
+    b = old_kernel_box
+    info = b.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"]
+    assert json.loads(info)["sandbox"]["landlock"]["abi_in_use"] == b.abi
+    assert b.outcome("open('/etc/passwd').read()") == "PermissionError:13"
+    assert b.outcome("open('/tmp/ironcell-escape','w')") == "PermissionError:13"
+    assert b.outcome("os.truncate(__import__('os').__file__, 0)") == "PermissionError:1"
+    assert b.outcome(f"__import__('socket').create_connection(('127.0.0.1', {listener.port}), timeout=2)") == "PermissionError:1"
+    assert not listener.tcp_got_connection()
+    assert b.outcome("__import__('socket').socket(1).connect('\\0ironcell-test-abstract')") == "PermissionError:1"
+    assert b.outcome("os.kill(os.getppid(), 9)") == "PermissionError:1"
+    assert b.outcome("__import__('fcntl').ioctl(0, __import__('termios').TIOCSTI, b'x')") == "PermissionError:1"
+    assert b.outcome("os.fork()") == "PermissionError:1"
+    assert b.run("import sqlite3, zoneinfo\nstr(zoneinfo.ZoneInfo('UTC'))")["result"] == "'UTC'"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fail closed
+# ---------------------------------------------------------------------------------------------
+
+def test_without_landlock_run_python_refuses_and_names_the_missing_layer(state_dir):
+    srv = RawServer(state_dir, IRONCELL_LANDLOCK_ABI_MAX="0")
+    srv.initialize()
+    r = srv.call("print('should not run')")
+    assert r["isError"]
+    text = r["content"][0]["text"]
+    assert "Landlock" in text and "--sandbox best-effort" in text and "should not run" not in text
+    srv.close()
+
+
+def test_best_effort_runs_weaker_and_says_so_in_every_result(state_dir):
+    srv = RawServer(state_dir, IRONCELL_LANDLOCK_ABI_MAX="0", IRONCELL_SANDBOX="best-effort")
+    srv.initialize()
+    for _ in range(2):
+        r = srv.call("1 + 1")
+        assert not r["isError"] and r["structuredContent"]["result"] == "2"
+        assert any("WITHOUT" in n and "landlock" in n for n in r["structuredContent"]["notices"]), r
+    info = json.loads(srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    assert info["sandbox"]["missing_layers"] and info["sandbox"]["mode"] == "best-effort"
+    srv.close()
+
+
+def test_doctor_reports_each_layer_and_fails_when_serve_would_refuse(state_dir):
+    import subprocess
+
+    env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state_dir)}
+    ok = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for text in ("landlock", "seccomp", "NoNewPrivs 1, Seccomp 2, CapEff 0000000000000000", "verdict       ready"):
+        assert text in ok.stdout, text
+    bad = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True,
+                         env={**env, "IRONCELL_LANDLOCK_ABI_MAX": "0"}, timeout=60)
+    assert bad.returncode != 0 and "REFUSE" in bad.stdout
+
+
+def test_a_bad_policy_file_is_an_error_naming_the_key(tmp_path):
+    import subprocess
+
+    bad = tmp_path / "bad.toml"
+    text = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
+    bad.write_text(text.replace("open_files = 1024", "open_files = -3"))
+    p = subprocess.run([str(IRONCELL), "doctor", "--policy", str(bad)], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "open_files" in p.stderr and str(bad) in p.stderr
