@@ -29,12 +29,18 @@ _loop = None
 _cell_sources = {}
 
 
-def prepare_worker(env):
+def prepare_worker(env, servers_json="[]"):
     """Called once in a fresh worker, before the first cell."""
+    import json
     import os
+
+    import mcp
 
     os.environ.clear()
     os.environ.update(env)
+    # The proxied MCP servers: `runtime`, `mcp_servers` and `mcp_<name>` globals.
+    mcp._configure(json.loads(servers_json))
+    _main_module.__dict__.update(mcp._globals_for_user())
     # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
     sys.modules["__main__"] = _main_module
     signal.signal(signal.SIGINT, signal.default_int_handler)

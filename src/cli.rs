@@ -142,7 +142,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     }
     .await;
     expiry.abort();
-    sessions.shutdown();
+    sessions.shutdown().await;
     outcome
 }
 
@@ -177,9 +177,10 @@ async fn exec(settings: Settings, code: String) -> anyhow::Result<ExitCode> {
         session: "exec".into(),
         timeout: None,
         reset: false,
+        servers: Vec::new(),
     };
     let outcome = sessions.run(request, CancellationToken::new()).await;
-    sessions.shutdown();
+    sessions.shutdown().await;
     match outcome {
         Ok(record) => {
             println!("{}", record.render(mode));

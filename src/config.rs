@@ -94,6 +94,22 @@ pub struct Settings {
     #[arg(long, global = true, env = "IRONCELL_LANDLOCK_ABI_MAX", value_parser = clap::value_parser!(i32).range(0..=7))]
     pub landlock_abi_max: Option<i32>,
 
+    /// How long a proxied MCP server may take to start and answer `initialize`.
+    #[arg(long, global = true, env = "MCP_BRIDGE_STARTUP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub startup_timeout: Duration,
+
+    /// How long one proxied tool call may take before it fails (and its server is restarted).
+    #[arg(long, global = true, env = "IRONCELL_CALL_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub call_timeout: Duration,
+
+    /// Accepted for compatibility with the container-based bridge; not applicable here.
+    #[arg(long, global = true, env = "MCP_BRIDGE_RUNTIME", hide = true)]
+    pub container_runtime: Option<String>,
+
+    /// Accepted for compatibility with the container-based bridge; not applicable here.
+    #[arg(long, global = true, env = "MCP_BRIDGE_IMAGE", hide = true)]
+    pub container_image: Option<String>,
+
     /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
     /// ~/.local/state/ironcell).
     #[arg(long, global = true, env = "MCP_BRIDGE_STATE_DIR")]

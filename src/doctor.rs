@@ -90,7 +90,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
 
     if let Some(r) = &refusal {
         println!("\nverdict       run_python would REFUSE: {r}");
-        sessions.shutdown();
+        sessions.shutdown().await;
         return Ok(ExitCode::FAILURE);
     }
     let started = Instant::now();
@@ -99,6 +99,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         session: "doctor".into(),
         timeout: None,
         reset: false,
+        servers: Vec::new(),
     };
     match sessions.run(probe, CancellationToken::new()).await {
         Ok(record) if !record.is_error() => {
@@ -134,7 +135,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
             println!("\ntest worker   FAILED: {e}");
         }
     }
-    sessions.shutdown();
+    sessions.shutdown().await;
     if ok {
         println!("\nverdict       ready: run_python runs code with every layer above in force");
         Ok(ExitCode::SUCCESS)

@@ -22,6 +22,9 @@ pub const KIND_STDERR: u8 = b'E';
 pub enum ToWorker {
     /// Run a cell of Python in the session's namespace.
     Run { id: u64, code: String },
+    /// The answer to a [`FromWorker::Request`]: `{"result": ...}` or
+    /// `{"error": {"kind", "message"}}`.
+    Response { id: u64, payload: serde_json::Value },
 }
 
 /// How a cell ended, as the worker saw it.
@@ -59,6 +62,13 @@ pub enum FromWorker {
     },
     /// The worker could not set itself up and is about to exit.
     Fatal { message: String },
+    /// A call from the in-sandbox `mcp` module to the host (and through it to a proxied MCP
+    /// server): `servers`, `tools`, `search` or `call`.
+    Request {
+        id: u64,
+        method: String,
+        params: serde_json::Value,
+    },
     /// A cell finished. Everything it wrote was sent before this frame.
     Done {
         id: u64,

@@ -27,6 +27,8 @@ pub mod demo;
 pub mod doctor;
 pub mod frame;
 pub mod output;
+pub mod proxy;
+pub mod pybridge;
 pub mod sandbox;
 pub mod server;
 pub mod session;

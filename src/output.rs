@@ -68,6 +68,9 @@ pub struct RunRecord {
     pub stdout_truncated: Option<Truncation>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stderr_truncated: Option<Truncation>,
+    /// Calls the code made to proxied MCP servers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub upstream_calls: Vec<crate::proxy::CallSummary>,
 }
 
 impl RunRecord {

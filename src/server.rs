@@ -67,7 +67,7 @@ and saved to a file.";
 pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, String> {
     let empty = JsonObject::new();
     let args = args.unwrap_or(&empty);
-    const KNOWN: &[&str] = &["code", "session", "timeout_s", "reset"];
+    const KNOWN: &[&str] = &["code", "session", "timeout_s", "reset", "servers"];
     if let Some(unknown) = args.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(format!(
             "unknown argument {unknown:?}; run_python takes {}",
@@ -121,11 +121,36 @@ pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, Stri
             ));
         }
     };
+    let servers = match args.get("servers") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => {
+            let mut names = Vec::new();
+            for item in items {
+                match item {
+                    Value::String(s) => names.push(s.clone()),
+                    other => {
+                        return Err(format!(
+                            "`servers` must be a list of server names, got an item that is {}",
+                            type_name(other)
+                        ));
+                    }
+                }
+            }
+            names
+        }
+        Some(other) => {
+            return Err(format!(
+                "`servers` must be a list of server names, got {}",
+                type_name(other)
+            ));
+        }
+    };
     Ok(RunRequest {
         code,
         session,
         timeout,
         reset,
+        servers,
     })
 }
 

@@ -23,6 +23,7 @@ use crate::frame::{
     self, CellStatus, FromWorker, KIND_JSON, KIND_STDERR, KIND_STDOUT, PyErrorInfo, ToWorker,
 };
 use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
+use crate::proxy::{CallSummary, Proxy};
 use crate::sandbox::Sandbox;
 use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
 
@@ -59,6 +60,8 @@ pub struct RunRequest {
     pub session: String,
     pub timeout: Option<Duration>,
     pub reset: bool,
+    /// Proxied servers to start before the code runs (they start on first use anyway).
+    pub servers: Vec<String>,
 }
 
 struct LiveWorker {
@@ -118,6 +121,7 @@ pub struct Session {
 pub struct SessionManager {
     settings: Settings,
     sandbox: Sandbox,
+    proxy: Arc<Proxy>,
     exe: PathBuf,
     zygote: Mutex<Arc<Zygote>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
@@ -156,10 +160,19 @@ impl SessionManager {
         if let Err(refusal) = sandbox.preflight() {
             tracing::error!("{refusal}");
         }
+        let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+        let servers =
+            crate::proxy::config::load(&crate::proxy::config::ProcessEnv, &cwd, Some(&exe));
+        let proxy = Arc::new(Proxy::new(
+            servers,
+            settings.startup_timeout,
+            settings.call_timeout,
+        ));
         let zygote = Zygote::start(&exe)?;
         Ok(Arc::new(SessionManager {
             settings,
             sandbox,
+            proxy,
             exe,
             zygote: Mutex::new(Arc::new(zygote)),
             sessions: Mutex::new(HashMap::new()),
@@ -176,6 +189,10 @@ impl SessionManager {
 
     pub fn sandbox(&self) -> &Sandbox {
         &self.sandbox
+    }
+
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.proxy
     }
 
     /// Waits for the interpreter to be warm and returns what it reported.
@@ -209,8 +226,10 @@ impl SessionManager {
         Ok(z.clone())
     }
 
-    /// Kills the zygote (and so every worker) and removes all scratch directories.
-    pub fn shutdown(&self) {
+    /// Stops the proxied servers, kills the zygote (and so every worker) and removes all
+    /// scratch directories.
+    pub async fn shutdown(&self) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.proxy.shutdown()).await;
         lock(&self.zygote).kill();
         let _ = std::fs::remove_dir_all(&self.root);
     }
@@ -252,6 +271,13 @@ impl SessionManager {
             .preflight()
             .map_err(RunRefusal::SandboxUnavailable)?;
         let mut notices = Vec::new();
+        let unknown = self.proxy.prestart(&req.servers);
+        if !unknown.is_empty() {
+            notices.push(format!(
+                "not configured, so not started: {} (runtime.discovered_servers() lists what is)",
+                unknown.join(", ")
+            ));
+        }
         let timeout = match req.timeout {
             Some(t) if t > self.settings.max_timeout => {
                 notices.push(format!(
@@ -358,6 +384,7 @@ impl SessionManager {
             sandbox: self
                 .sandbox
                 .plan_for(&session.scratch, &python.python_paths),
+            mcp_servers: self.proxy.server_summaries(),
         };
         let spawned = zygote
             .spawn_worker(spec)
@@ -484,6 +511,8 @@ impl SessionManager {
 
     /// Feeds one cell to the session's worker and collects everything until it is done, dead,
     /// or killed.
+    /// [`Self::drive_cell_inner`], with the proxied calls the cell made added to its record.
+    #[allow(clippy::too_many_arguments)]
     async fn drive_cell(
         &self,
         session: &Session,
@@ -492,6 +521,25 @@ impl SessionManager {
         code: &str,
         timeout: Duration,
         cancel: CancellationToken,
+    ) -> CellOutcome {
+        let mut calls = Vec::new();
+        let mut outcome = self
+            .drive_cell_inner(session, state, run_no, code, timeout, cancel, &mut calls)
+            .await;
+        outcome.record.upstream_calls = calls;
+        outcome
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn drive_cell_inner(
+        &self,
+        session: &Session,
+        state: &mut SessionState,
+        run_no: u64,
+        code: &str,
+        timeout: Duration,
+        cancel: CancellationToken,
+        calls: &mut Vec<CallSummary>,
     ) -> CellOutcome {
         let s = &self.settings;
         let (p, d) = spill_location(&session.scratch, run_no, "stdout");
@@ -516,6 +564,8 @@ impl SessionManager {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
         let quota = self.sandbox.scratch_quota_bytes();
+        let (answers_tx, mut answers_rx) =
+            tokio::sync::mpsc::unbounded_channel::<(u64, serde_json::Value, Option<CallSummary>)>();
         let mut quota_check = tokio::time::interval(QUOTA_CHECK_EVERY);
         quota_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -527,10 +577,17 @@ impl SessionManager {
                         match kind {
                             KIND_STDOUT => stdout.push(body),
                             KIND_STDERR => stderr.push(body),
-                            KIND_JSON => {
-                                if let Ok(FromWorker::Done { status, result, error, exit_code, .. }) =
-                                    serde_json::from_slice::<FromWorker>(body)
-                                {
+                            KIND_JSON => match serde_json::from_slice::<FromWorker>(body) {
+                                Ok(FromWorker::Request { id, method, params }) => {
+                                    // Proxied calls run concurrently; answers come back below.
+                                    let proxy = self.proxy.clone();
+                                    let tx = answers_tx.clone();
+                                    tokio::spawn(async move {
+                                        let (payload, summary) = proxy.handle(&method, &params).await;
+                                        let _ = tx.send((id, payload, summary));
+                                    });
+                                }
+                                Ok(FromWorker::Done { status, result, error, exit_code, .. }) => {
                                     let status = match (stopping, status) {
                                         (Some((RunStatus::OutputLimit, _)), _) => RunStatus::OutputLimit,
                                         (Some((reason, _)), CellStatus::Interrupted) => reason,
@@ -545,7 +602,8 @@ impl SessionManager {
                                     };
                                     return CellOutcome::finished(stdout, stderr, status, result, error, exit_code);
                                 }
-                            }
+                                _ => {}
+                            },
                             _ => {}
                         }
                         if stopping.is_none() && stdout.total() + stderr.total() > s.max_output_bytes {
@@ -582,6 +640,13 @@ impl SessionManager {
                             return CellOutcome::lost(stdout, stderr, reason, format!("the worker {why}"), Some(why));
                         }
                     }
+                },
+                Some((id, payload, summary)) = answers_rx.recv() => {
+                    calls.extend(summary);
+                    if let Ok(body) = frame::json_body(&ToWorker::Response { id, payload })
+                        && let Err(e) = worker.io.send(body).await {
+                            tracing::warn!(error = %e, "answering a proxied call failed");
+                        }
                 },
                 _ = quota_check.tick() => {
                     let used = directory_size(&session.scratch, quota + 1);
@@ -653,6 +718,7 @@ impl CellOutcome {
             notices: Vec::new(),
             stdout_truncated: out_cut,
             stderr_truncated: err_cut,
+            upstream_calls: Vec::new(),
         }
     }
 

@@ -34,6 +34,8 @@ use nix::sys::socket::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
+use crate::pybridge::_ironcell_bridge;
+
 /// The fd number the zygote finds its control socket on.
 pub const CONTROL_FD: RawFd = 3;
 
@@ -76,6 +78,7 @@ const WARM_IMPORTS: &[&str] = &[
 ];
 
 const RUNNER_SOURCE: &str = include_str!("../python/_ironcell_runner.py");
+const MCP_MODULE_SOURCE: &str = include_str!("../python/mcp/__init__.py");
 
 /// What a worker needs to know about its session. Sent by the host, applied by the worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -87,6 +90,8 @@ pub struct WorkerSpec {
     pub env: Vec<(String, String)>,
     /// The lockdown the worker applies to itself before it runs anything.
     pub sandbox: crate::sandbox::SandboxPlan,
+    /// The proxied MCP servers the session can call (names and descriptions only; no secrets).
+    pub mcp_servers: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -167,6 +172,7 @@ pub fn run_zygote_process() -> anyhow::Result<()> {
     let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
     set_parent_death_signal()?;
     let started = std::time::Instant::now();
+    pyo3::append_to_inittab!(_ironcell_bridge);
     pyo3::Python::initialize();
     pyo3::Python::attach(|py| -> anyhow::Result<()> {
         let (version, prefix, python_paths) = warm_up_interpreter(py)?;
@@ -216,6 +222,12 @@ fn warm_up_interpreter(py: pyo3::Python<'_>) -> anyhow::Result<InterpreterFacts>
     let sys = py.import("sys").map_err(|e| anyhow!("{e}"))?;
     sys.getattr("modules")
         .and_then(|m| m.set_item("_ironcell_runner", &runner))
+        .map_err(|e| anyhow!("{e}"))?;
+    let source = CString::new(MCP_MODULE_SOURCE)?;
+    let mcp = PyModule::from_code(py, &source, c"<ironcell>/mcp/__init__.py", c"mcp")
+        .map_err(|e| anyhow!("loading the mcp module: {e}"))?;
+    sys.getattr("modules")
+        .and_then(|m| m.set_item("mcp", &mcp))
         .map_err(|e| anyhow!("{e}"))?;
     for name in WARM_IMPORTS {
         if let Err(e) = py.import(*name) {

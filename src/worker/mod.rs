@@ -91,8 +91,9 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
     for (k, v) in &spec.env {
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
     }
+    let servers = serde_json::to_string(&spec.mcp_servers)?;
     runner
-        .call_method1("prepare_worker", (env,))
+        .call_method1("prepare_worker", (env, servers))
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
 
     // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
@@ -104,7 +105,7 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
     // Step 6: threads and code only from here on.
     // SAFETY: fd 3 is the session socket; from here this UnixStream owns it.
     let sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
-    let mut reader = sock.try_clone().context("cloning the session socket")?;
+    let reader = sock.try_clone().context("cloning the session socket")?;
     let writer = Arc::new(Mutex::new(sock));
     let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
     send_json(
@@ -116,24 +117,58 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         },
     )?;
 
+    // The reader thread owns the socket's read half: `run` frames go to this thread, answers
+    // to the `mcp` module's requests go straight to whoever waits for them (a blocked call, or
+    // an asyncio future), so calls resolve while a cell is running.
+    crate::pybridge::connect(writer.clone());
+    let (run_tx, mut run_rx) = std::sync::mpsc::channel::<(u64, String)>();
+    std::thread::Builder::new()
+        .name("session-reader".into())
+        .spawn(move || read_host_frames(reader, run_tx))
+        .context("starting the session reader thread")?;
+
     loop {
-        let next = py.detach(|| frame::read_frame(&mut reader));
-        let Some((kind, body)) = next.context("reading from the host")? else {
+        // The receiver moves into the GIL-free closure and back (it is Send, not Sync).
+        let (next, back) = py.detach(move || (run_rx.recv(), run_rx));
+        run_rx = back;
+        let Ok((id, code)) = next else {
             return Ok(()); // the host closed the session
         };
-        if kind != KIND_JSON {
-            continue;
-        }
-        match serde_json::from_slice::<ToWorker>(&body) {
-            Ok(ToWorker::Run { id, code }) => {
-                let done = run_cell(py, &runner, id, &code);
-                flush_python_streams(py);
-                // Everything the cell wrote is in the pipes now; send it before `done`.
-                pump.drain_then(|| send_json(&writer, &done))?;
-            }
-            Err(e) => tracing::warn!(error = %e, "ignoring an undecodable frame"),
+        let done = run_cell(py, &runner, id, &code);
+        flush_python_streams(py);
+        // Everything the cell wrote is in the pipes now; send it before `done`.
+        pump.drain_then(|| send_json(&writer, &done))?;
+    }
+}
+
+/// Body of the reader thread: dispatches frames from the host until the socket closes.
+fn read_host_frames(mut reader: UnixStream, runs: std::sync::mpsc::Sender<(u64, String)>) {
+    block_sigint_on_this_thread();
+    loop {
+        match frame::read_frame(&mut reader) {
+            Ok(Some((KIND_JSON, body))) => match serde_json::from_slice::<ToWorker>(&body) {
+                Ok(ToWorker::Run { id, code }) => {
+                    if runs.send((id, code)).is_err() {
+                        break;
+                    }
+                }
+                Ok(ToWorker::Response { id, payload }) => {
+                    crate::pybridge::resolve(id, payload.to_string())
+                }
+                Err(e) => tracing::warn!(error = %e, "ignoring an undecodable frame"),
+            },
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
         }
     }
+    crate::pybridge::fail_all("the ironcell host closed the session");
+}
+
+/// Helper threads leave SIGINT to the main thread, where it becomes a KeyboardInterrupt.
+pub(crate) fn block_sigint_on_this_thread() {
+    let mut set = nix::sys::signal::SigSet::empty();
+    set.add(nix::sys::signal::Signal::SIGINT);
+    let _ = set.thread_block();
 }
 
 fn run_cell(_py: Python<'_>, runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {

@@ -1,0 +1,457 @@
+//! Which MCP servers to proxy: discovery of the configuration sources, parsing, and `${VAR}`
+//! expansion.
+//!
+//! Sources, highest precedence first (a server named in a higher source hides the same name in
+//! lower ones): `MCP_BRIDGE_CONFIG` (a JSON string or a path), `./mcp_bridge_config.json`,
+//! `~/.config/mcp-bridge/config.json`, and the other servers of Claude Desktop's config (never
+//! ironcell itself). Each file may use `"mcpServers"` or `"servers"`. A malformed file or entry
+//! is reported (file, server, field) and the rest still load.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::Value;
+
+/// One stdio server to proxy, ready to start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ServerConfig {
+    pub name: String,
+    pub command: String,
+    pub args: Vec<String>,
+    /// The entry's own `env`, with `${VAR}` expanded. Secrets live here and only here.
+    #[serde(skip)]
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<PathBuf>,
+    pub description: Option<String>,
+    /// Where the entry came from.
+    pub source: String,
+}
+
+/// A problem found while loading, reported to the log and in `system://info`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConfigProblem {
+    pub source: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.source)?;
+        if let Some(s) = &self.server {
+            write!(f, ", server {s:?}")?;
+        }
+        if let Some(k) = &self.field {
+            write!(f, ", field `{k}`")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// Everything loaded: the servers by name, and what was wrong.
+#[derive(Debug, Default, Clone)]
+pub struct LoadedConfig {
+    pub servers: BTreeMap<String, ServerConfig>,
+    pub problems: Vec<ConfigProblem>,
+    /// Sources that were read, in precedence order.
+    pub sources: Vec<String>,
+}
+
+/// The environment to read `MCP_BRIDGE_CONFIG`, `HOME` and `${VAR}`s from (the process's, or a
+/// test's).
+pub trait Env {
+    fn var(&self, name: &str) -> Option<String>;
+}
+
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+/// Reads every source in precedence order.
+pub fn load(env: &dyn Env, cwd: &Path, own_exe: Option<&Path>) -> LoadedConfig {
+    let mut loaded = LoadedConfig::default();
+    if let Some(v) = env
+        .var("MCP_BRIDGE_CONFIG")
+        .filter(|v| !v.trim().is_empty())
+    {
+        if v.trim_start().starts_with('{') {
+            read_source(&mut loaded, env, "MCP_BRIDGE_CONFIG", Ok(v), None);
+        } else {
+            let path = PathBuf::from(&v);
+            let text = std::fs::read_to_string(&path);
+            read_source(
+                &mut loaded,
+                env,
+                &format!("MCP_BRIDGE_CONFIG ({v})"),
+                text,
+                None,
+            );
+        }
+    }
+    let home = env.var("HOME").map(PathBuf::from);
+    let mut files: Vec<(PathBuf, bool)> = vec![(cwd.join("mcp_bridge_config.json"), false)];
+    if let Some(h) = &home {
+        files.push((h.join(".config/mcp-bridge/config.json"), false));
+        files.push((h.join(".config/Claude/claude_desktop_config.json"), true));
+        files.push((
+            h.join("Library/Application Support/Claude/claude_desktop_config.json"),
+            true,
+        ));
+    }
+    for (path, is_claude) in files {
+        if !path.exists() {
+            continue;
+        }
+        let skip_self = if is_claude { Some(own_exe) } else { None };
+        read_source(
+            &mut loaded,
+            env,
+            &path.display().to_string(),
+            std::fs::read_to_string(&path),
+            skip_self,
+        );
+    }
+    loaded
+}
+
+fn read_source(
+    loaded: &mut LoadedConfig,
+    env: &dyn Env,
+    source: &str,
+    text: std::io::Result<String>,
+    skip_self: Option<Option<&Path>>,
+) {
+    let problem = |server: Option<&str>, field: Option<&str>, message: String| ConfigProblem {
+        source: source.to_string(),
+        server: server.map(str::to_string),
+        field: field.map(str::to_string),
+        message,
+    };
+    let text = match text {
+        Ok(t) => t,
+        Err(e) => {
+            loaded
+                .problems
+                .push(problem(None, None, format!("cannot read: {e}")));
+            return;
+        }
+    };
+    loaded.sources.push(source.to_string());
+    let doc: Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            loaded
+                .problems
+                .push(problem(None, None, format!("not valid JSON: {e}")));
+            return;
+        }
+    };
+    let table = match (doc.get("mcpServers"), doc.get("servers")) {
+        (Some(Value::Object(m)), _) | (None, Some(Value::Object(m))) => m,
+        (Some(_), _) => {
+            loaded.problems.push(problem(
+                None,
+                Some("mcpServers"),
+                "must be an object of servers".into(),
+            ));
+            return;
+        }
+        (None, Some(_)) => {
+            loaded.problems.push(problem(
+                None,
+                Some("servers"),
+                "must be an object of servers".into(),
+            ));
+            return;
+        }
+        (None, None) => {
+            loaded.problems.push(problem(
+                None,
+                None,
+                "has neither \"mcpServers\" nor \"servers\"".into(),
+            ));
+            return;
+        }
+    };
+    for (name, entry) in table {
+        if loaded.servers.contains_key(name) {
+            continue; // a higher-precedence source already defines it
+        }
+        match parse_entry(name, entry, env, source) {
+            Ok(None) => {}
+            Ok(Some((server, warnings))) => {
+                if let Some(own) = skip_self
+                    && is_ironcell_itself(&server, own)
+                {
+                    continue;
+                }
+                loaded.problems.extend(warnings);
+                loaded.servers.insert(name.clone(), server);
+            }
+            Err(p) => loaded.problems.push(p),
+        }
+    }
+}
+
+type Parsed = Option<(ServerConfig, Vec<ConfigProblem>)>;
+
+fn parse_entry(
+    name: &str,
+    entry: &Value,
+    env: &dyn Env,
+    source: &str,
+) -> Result<Parsed, ConfigProblem> {
+    let problem = |field: Option<&str>, message: String| ConfigProblem {
+        source: source.to_string(),
+        server: Some(name.to_string()),
+        field: field.map(str::to_string),
+        message,
+    };
+    let Value::Object(e) = entry else {
+        return Err(problem(None, "must be an object".into()));
+    };
+    if e.get("disabled").and_then(Value::as_bool) == Some(true) {
+        return Ok(None);
+    }
+    if let Some(t) = e.get("type").and_then(Value::as_str)
+        && t != "stdio"
+    {
+        return Err(problem(
+            Some("type"),
+            format!("{t:?} servers are not supported; only stdio"),
+        ));
+    }
+    let command = match e.get("command") {
+        Some(Value::String(c)) if !c.trim().is_empty() => c.clone(),
+        Some(_) => {
+            return Err(problem(
+                Some("command"),
+                "must be a non-empty string".into(),
+            ));
+        }
+        None => return Err(problem(Some("command"), "is missing".into())),
+    };
+    let args = match e.get("args") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => {
+            let mut out = Vec::new();
+            for (i, v) in a.iter().enumerate() {
+                match v {
+                    Value::String(s) => out.push(s.clone()),
+                    Value::Number(n) => out.push(n.to_string()),
+                    _ => {
+                        return Err(problem(
+                            Some(&format!("args[{i}]")),
+                            "must be a string".into(),
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        Some(_) => return Err(problem(Some("args"), "must be an array of strings".into())),
+    };
+    let mut warnings = Vec::new();
+    let mut vars = BTreeMap::new();
+    match e.get("env") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) => {
+            for (k, v) in m {
+                let Value::String(raw) = v else {
+                    return Err(problem(
+                        Some(&format!("env.{k}")),
+                        "must be a string".into(),
+                    ));
+                };
+                let (value, missing) = expand_vars(raw, env);
+                for var in missing {
+                    warnings.push(problem(
+                        Some(&format!("env.{k}")),
+                        format!("refers to ${{{var}}}, which is not set in ironcell's environment (left empty)"),
+                    ));
+                }
+                vars.insert(k.clone(), value);
+            }
+        }
+        Some(_) => return Err(problem(Some("env"), "must be an object of strings".into())),
+    }
+    let cwd = match e.get("cwd") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(c)) => Some(PathBuf::from(c)),
+        Some(_) => return Err(problem(Some("cwd"), "must be a string".into())),
+    };
+    let description = match e.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d.clone()),
+        Some(_) => return Err(problem(Some("description"), "must be a string".into())),
+    };
+    let server = ServerConfig {
+        name: name.to_string(),
+        command,
+        args,
+        env: vars,
+        cwd,
+        description,
+        source: source.to_string(),
+    };
+    Ok(Some((server, warnings)))
+}
+
+/// Expands `${NAME}` from `env`. Returns the value and the names that were not set. Only ever
+/// applied to `env` values of the configuration, never to tool arguments.
+pub fn expand_vars(raw: &str, env: &dyn Env) -> (String, Vec<String>) {
+    let mut out = String::with_capacity(raw.len());
+    let mut missing = Vec::new();
+    let mut rest = raw;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        match after.find('}') {
+            Some(end) if is_var_name(&after[..end]) => {
+                let name = &after[..end];
+                match env.var(name) {
+                    Some(v) => out.push_str(&v),
+                    None => missing.push(name.to_string()),
+                }
+                rest = &after[end + 1..];
+            }
+            _ => {
+                out.push_str("${");
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    (out, missing)
+}
+
+fn is_var_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !s.starts_with(|c: char| c.is_ascii_digit())
+}
+
+/// Whether a Claude Desktop entry starts ironcell (so ironcell does not proxy itself).
+fn is_ironcell_itself(server: &ServerConfig, own_exe: Option<&Path>) -> bool {
+    let base = Path::new(&server.command)
+        .file_name()
+        .and_then(|f| f.to_str())
+        .unwrap_or_default();
+    if server.name.eq_ignore_ascii_case("ironcell") || base.starts_with("ironcell") {
+        return true;
+    }
+    if let (Some(own), Ok(cmd)) = (own_exe, std::fs::canonicalize(&server.command))
+        && std::fs::canonicalize(own)
+            .map(|o| o == cmd)
+            .unwrap_or(false)
+    {
+        return true;
+    }
+    server.args.iter().any(|a| a.contains("ironcell"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    struct MapEnv(HashMap<&'static str, String>);
+    impl Env for MapEnv {
+        fn var(&self, name: &str) -> Option<String> {
+            self.0.get(name).cloned()
+        }
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("ironcell-cfg-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn vars_expand_only_when_set_and_well_formed() {
+        let env = MapEnv(HashMap::from([("TOKEN", "s3cret".to_string())]));
+        assert_eq!(
+            expand_vars("Bearer ${TOKEN}", &env),
+            ("Bearer s3cret".into(), vec![])
+        );
+        assert_eq!(
+            expand_vars("${NOPE}x", &env),
+            ("x".into(), vec!["NOPE".into()])
+        );
+        assert_eq!(
+            expand_vars("$TOKEN ${ bad } ${", &env).0,
+            "$TOKEN ${ bad } ${"
+        );
+    }
+
+    #[test]
+    fn sources_follow_precedence_and_claude_desktop_skips_ironcell() {
+        let home = dir("home");
+        let cwd = dir("cwd");
+        std::fs::create_dir_all(home.join(".config/Claude")).unwrap();
+        std::fs::write(
+            home.join(".config/Claude/claude_desktop_config.json"),
+            r#"{"mcpServers": {"ironcell": {"command": "/opt/ironcell/bin/ironcell"},
+                 "git": {"command": "uvx", "args": ["mcp-server-git"]},
+                 "time": {"command": "from-claude"}}}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            cwd.join("mcp_bridge_config.json"),
+            r#"{"servers": {"time": {"command": "from-cwd"}}}"#,
+        )
+        .unwrap();
+        let env = MapEnv(HashMap::from([
+            ("HOME", home.display().to_string()),
+            (
+                "MCP_BRIDGE_CONFIG",
+                r#"{"mcpServers": {"mem": {"command": "node", "env": {"K": "${HOME}"}}}}"#
+                    .to_string(),
+            ),
+        ]));
+        let c = load(&env, &cwd, None);
+        assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["git", "mem", "time"]);
+        assert_eq!(c.servers["time"].command, "from-cwd");
+        assert_eq!(c.servers["mem"].env["K"], home.display().to_string());
+        assert!(c.problems.is_empty(), "{:?}", c.problems);
+    }
+
+    #[test]
+    fn malformed_entries_are_reported_by_file_server_and_field_and_the_rest_load() {
+        let cwd = dir("bad");
+        std::fs::write(
+            cwd.join("mcp_bridge_config.json"),
+            r#"{"mcpServers": {"ok": {"command": "x"}, "noargs": {"command": "x", "args": "oops"},
+                 "nocmd": {"args": []}, "http": {"type": "http", "command": "x"}}}"#,
+        )
+        .unwrap();
+        let c = load(&MapEnv(HashMap::new()), &cwd, None);
+        assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["ok"]);
+        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        assert!(
+            text.iter()
+                .any(|t| t.contains("server \"noargs\", field `args`")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.contains("server \"nocmd\", field `command`: is missing")),
+            "{text:?}"
+        );
+        assert!(text.iter().any(|t| t.contains("only stdio")), "{text:?}");
+
+        std::fs::write(cwd.join("mcp_bridge_config.json"), "{ not json").unwrap();
+        let c = load(&MapEnv(HashMap::new()), &cwd, None);
+        assert!(c.problems[0].to_string().contains("not valid JSON"));
+    }
+}

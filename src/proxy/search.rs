@@ -1,0 +1,203 @@
+//! `runtime.search_tool_docs`: rank tools of every server against a free-text query.
+//!
+//! Cheap and predictable rather than clever: the query is split into words; each word scores
+//! against the tool's name words (best), the server's name, and the description, with exact,
+//! prefix, substring and one-typo matches weighted in that order. The score is normalized to
+//! 0..1 so callers can threshold it.
+
+use serde::Serialize;
+
+/// One searchable tool.
+pub struct Entry<'a> {
+    pub server: &'a str,
+    pub tool: &'a str,
+    pub description: &'a str,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Hit {
+    pub server: String,
+    pub tool: String,
+    pub description: String,
+    pub score: f64,
+}
+
+fn words(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut prev_lower = false;
+    for c in s.chars() {
+        if c.is_alphanumeric() {
+            // split camelCase too: createIssue -> create, issue
+            if c.is_uppercase() && prev_lower && !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+            prev_lower = c.is_lowercase();
+            cur.extend(c.to_lowercase());
+        } else {
+            prev_lower = false;
+            if !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// At most one insertion, deletion or substitution apart (for words of 4+ letters).
+fn one_typo(a: &str, b: &str) -> bool {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    if a.len() < 4 || b.len() < 4 || a.len().abs_diff(b.len()) > 1 {
+        return false;
+    }
+    let (mut i, mut j, mut edits) = (0, 0, 0);
+    while i < a.len() && j < b.len() {
+        if a[i] == b[j] {
+            i += 1;
+            j += 1;
+            continue;
+        }
+        edits += 1;
+        if edits > 1 {
+            return false;
+        }
+        match a.len().cmp(&b.len()) {
+            std::cmp::Ordering::Greater => i += 1,
+            std::cmp::Ordering::Less => j += 1,
+            std::cmp::Ordering::Equal => {
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    edits + (a.len() - i) + (b.len() - j) <= 1
+}
+
+fn word_score(q: &str, candidates: &[String]) -> f64 {
+    let mut best: f64 = 0.0;
+    for c in candidates {
+        let s = if c == q {
+            1.0
+        } else if c.starts_with(q) || q.starts_with(c.as_str()) && c.len() >= 3 {
+            0.8
+        } else if c.contains(q) && q.len() >= 3 {
+            0.6
+        } else if one_typo(q, c) {
+            0.5
+        } else {
+            0.0
+        };
+        best = best.max(s);
+    }
+    best
+}
+
+/// The first paragraph of a description, at most 240 characters: enough to choose a tool.
+fn summary_of(description: &str) -> String {
+    let first = description
+        .trim()
+        .split("\n\n")
+        .next()
+        .unwrap_or_default()
+        .trim();
+    if first.chars().count() <= 240 {
+        return first.to_string();
+    }
+    let cut: String = first.chars().take(239).collect();
+    format!("{cut}…")
+}
+
+/// The `limit` best tools for `query`, best first; tools that match nothing are left out.
+pub fn search(entries: &[Entry<'_>], query: &str, limit: usize) -> Vec<Hit> {
+    let q = words(query);
+    if q.is_empty() {
+        return Vec::new();
+    }
+    let mut hits: Vec<Hit> = entries
+        .iter()
+        .filter_map(|e| {
+            let tool_words = words(e.tool);
+            let server_words = words(e.server);
+            let desc_words = words(e.description);
+            let mut total = 0.0;
+            for w in &q {
+                let s = (word_score(w, &tool_words) * 1.0)
+                    .max(word_score(w, &server_words) * 0.7)
+                    .max(word_score(w, &desc_words) * 0.6);
+                total += s;
+            }
+            let score = total / q.len() as f64;
+            (score > 0.0).then(|| Hit {
+                server: e.server.to_string(),
+                tool: e.tool.to_string(),
+                description: summary_of(e.description),
+                score: (score * 1000.0).round() / 1000.0,
+            })
+        })
+        .collect();
+    hits.sort_by(|a, b| {
+        b.score
+            .total_cmp(&a.score)
+            .then_with(|| a.tool.len().cmp(&b.tool.len()))
+    });
+    hits.truncate(limit);
+    hits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e<'a>(server: &'a str, tool: &'a str, description: &'a str) -> Entry<'a> {
+        Entry {
+            server,
+            tool,
+            description,
+        }
+    }
+
+    #[test]
+    fn the_obvious_tool_ranks_first() {
+        let entries = [
+            e(
+                "github",
+                "create_issue",
+                "Create a new issue in a repository",
+            ),
+            e("github", "list_issues", "List issues in a repository"),
+            e(
+                "filesystem",
+                "read_file",
+                "Read the complete contents of a file",
+            ),
+            e(
+                "memory",
+                "create_entities",
+                "Create multiple new entities in the knowledge graph",
+            ),
+            e("everything", "get-sum", "Returns the sum of two numbers"),
+        ];
+        let hits = search(&entries, "create issue", 3);
+        assert_eq!(hits[0].tool, "create_issue");
+        assert_eq!(hits[0].score, 1.0);
+        assert_eq!(search(&entries, "read file", 1)[0].tool, "read_file");
+        assert_eq!(search(&entries, "sum", 1)[0].tool, "get-sum");
+        assert_eq!(search(&entries, "isue", 1)[0].tool, "create_issue");
+        assert!(search(&entries, "zzzz", 5).is_empty());
+        assert_eq!(
+            search(&entries, "createEntities", 1)[0].tool,
+            "create_entities"
+        );
+    }
+
+    #[test]
+    fn typo_matching_is_one_edit_only() {
+        assert!(one_typo("issue", "isue"));
+        assert!(one_typo("files", "filez"));
+        assert!(!one_typo("issue", "tissues"));
+        assert!(!one_typo("abc", "abd"));
+    }
+}

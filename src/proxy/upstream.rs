@@ -1,0 +1,259 @@
+//! One proxied MCP server: an rmcp client over a child process, started on first use, restarted
+//! after a crash, with its tool list cached until the server says it changed.
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rmcp::model::{CallToolRequestParams, Tool};
+use rmcp::service::{NotificationContext, Peer, RunningService};
+use rmcp::transport::TokioChildProcess;
+use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use tokio::io::AsyncBufReadExt;
+
+use super::ProxyError;
+use super::config::ServerConfig;
+
+/// Host variables a server child inherits (what the MCP SDKs' stdio clients pass), before the
+/// entry's own `env` is added. Nothing else of ironcell's environment reaches it.
+const INHERITED_VARS: &[&str] = &[
+    "HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "TMPDIR",
+];
+
+/// Notices `tools/list_changed` from the server.
+struct Handler {
+    stale: Arc<AtomicBool>,
+}
+
+impl ClientHandler for Handler {
+    async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
+        self.stale.store(true, Ordering::SeqCst);
+    }
+}
+
+struct Connection {
+    service: RunningService<RoleClient, Handler>,
+    tools: Option<Arc<Vec<Tool>>>,
+    stale: Arc<AtomicBool>,
+}
+
+pub struct Upstream {
+    pub config: ServerConfig,
+    startup_timeout: Duration,
+    conn: tokio::sync::Mutex<Option<Connection>>,
+}
+
+impl Upstream {
+    pub fn new(config: ServerConfig, startup_timeout: Duration) -> Upstream {
+        Upstream {
+            config,
+            startup_timeout,
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// Starts the server if it is not running (or has died), and returns a handle for calls.
+    async fn peer(&self) -> Result<Peer<RoleClient>, ProxyError> {
+        let mut conn = self.conn.lock().await;
+        if let Some(c) = conn.as_ref() {
+            if !c.service.is_closed() {
+                return Ok(c.service.peer().clone());
+            }
+            tracing::warn!(server = self.name(), "server exited; restarting it");
+        }
+        let started = self.start().await?;
+        let peer = started.service.peer().clone();
+        *conn = Some(started);
+        Ok(peer)
+    }
+
+    async fn start(&self) -> Result<Connection, ProxyError> {
+        let c = &self.config;
+        let mut cmd = tokio::process::Command::new(&c.command);
+        cmd.args(&c.args).env_clear().kill_on_drop(true);
+        for var in INHERITED_VARS {
+            if let Ok(v) = std::env::var(var) {
+                cmd.env(var, v);
+            }
+        }
+        cmd.envs(&c.env);
+        if let Some(dir) = &c.cwd {
+            cmd.current_dir(dir);
+        }
+        // SAFETY: prctl is async-signal-safe; the child dies with ironcell.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let (transport, stderr) = TokioChildProcess::builder(cmd)
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| {
+                ProxyError::unavailable(format!(
+                    "cannot start server {:?} ({}): {e}",
+                    c.name, c.command
+                ))
+            })?;
+        if let Some(stderr) = stderr {
+            let name = c.name.clone();
+            tokio::spawn(async move {
+                let mut lines = tokio::io::BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    tracing::info!(server = %name, "{line}");
+                }
+            });
+        }
+        let stale = Arc::new(AtomicBool::new(false));
+        let handler = Handler {
+            stale: stale.clone(),
+        };
+        let service = match tokio::time::timeout(self.startup_timeout, handler.serve(transport))
+            .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                return Err(ProxyError::unavailable(format!(
+                    "server {:?} failed to start: {e} (its log lines are in ironcell's stderr)",
+                    c.name
+                )));
+            }
+            Err(_) => {
+                return Err(ProxyError::unavailable(format!(
+                    "server {:?} did not finish starting within {} s (MCP_BRIDGE_STARTUP_TIMEOUT)",
+                    c.name,
+                    self.startup_timeout.as_secs_f64()
+                )));
+            }
+        };
+        tracing::info!(server = %c.name, "proxied server started");
+        Ok(Connection {
+            service,
+            tools: None,
+            stale,
+        })
+    }
+
+    /// Begins starting the server without waiting (the `servers` argument of run_python).
+    pub fn prestart(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = me.peer().await {
+                tracing::warn!(server = me.name(), error = %e.message, "pre-start failed");
+            }
+        });
+    }
+
+    /// The server's tools, from the cache unless it announced a change.
+    pub async fn tools(&self) -> Result<Arc<Vec<Tool>>, ProxyError> {
+        let peer = self.peer().await?;
+        {
+            let conn = self.conn.lock().await;
+            if let Some(c) = conn.as_ref()
+                && let (Some(t), false) = (&c.tools, c.stale.load(Ordering::SeqCst))
+            {
+                return Ok(t.clone());
+            }
+        }
+        let tools = peer.list_all_tools().await.map_err(|e| {
+            ProxyError::unavailable(format!(
+                "listing the tools of {:?} failed: {e}",
+                self.name()
+            ))
+        })?;
+        let tools = Arc::new(tools);
+        let mut conn = self.conn.lock().await;
+        if let Some(c) = conn.as_mut() {
+            c.stale.store(false, Ordering::SeqCst);
+            c.tools = Some(tools.clone());
+        }
+        Ok(tools)
+    }
+
+    /// Calls a tool; returns the whole `CallToolResult` as JSON.
+    pub async fn call(
+        &self,
+        tool: &str,
+        arguments: serde_json::Map<String, serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, ProxyError> {
+        let tools = self.tools().await?;
+        if !tools.iter().any(|t| t.name == tool) {
+            let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+            return Err(ProxyError::unknown_tool(format!(
+                "server {:?} has no tool {tool:?}; it has: {}",
+                self.name(),
+                names.join(", ")
+            )));
+        }
+        let peer = self.peer().await?;
+        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
+        match tokio::time::timeout(timeout, peer.call_tool(params)).await {
+            Ok(Ok(result)) => serde_json::to_value(result)
+                .map_err(|e| ProxyError::unavailable(format!("unreadable result: {e}"))),
+            Ok(Err(e)) => {
+                let exited = self
+                    .conn
+                    .lock()
+                    .await
+                    .as_ref()
+                    .is_none_or(|c| c.service.is_closed());
+                if exited {
+                    Err(ProxyError::unavailable(format!(
+                        "server {:?} exited during the call to {tool:?} ({e}); it restarts on next use",
+                        self.name()
+                    )))
+                } else {
+                    Err(ProxyError::unavailable(format!(
+                        "calling {tool:?} on {:?} failed: {e}",
+                        self.name()
+                    )))
+                }
+            }
+            Err(_) => {
+                // A server that does not answer in time is restarted: it may be wedged.
+                self.stop().await;
+                Err(ProxyError::unavailable(format!(
+                    "server {:?} did not answer {tool:?} within {} s; it was restarted",
+                    self.name(),
+                    timeout.as_secs_f64()
+                )))
+            }
+        }
+    }
+
+    pub async fn is_running(&self) -> bool {
+        self.conn
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|c| !c.service.is_closed())
+    }
+
+    pub async fn stop(&self) {
+        if let Some(c) = self.conn.lock().await.take() {
+            let _ = c.service.cancel().await;
+        }
+    }
+}
+
+/// For tests and diagnostics: the env a child would get (inherited allow-list + its own).
+pub fn child_environment(config: &ServerConfig) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for var in INHERITED_VARS {
+        if let Ok(v) = std::env::var(var) {
+            env.insert(var.to_string(), v);
+        }
+    }
+    env.extend(config.env.clone());
+    env
+}
