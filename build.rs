@@ -3,4 +3,5 @@
 fn main() {
     pyo3_build_config::add_libpython_rpath_link_args();
     println!("cargo:rerun-if-changed=python");
+    println!("cargo:rerun-if-changed=sandbox-policy");
 }

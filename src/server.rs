@@ -21,6 +21,8 @@ use crate::session::{RunRequest, SessionManager};
 
 pub const TOOL_NAME: &str = "run_python";
 pub const SYSTEM_INFO_URI: &str = "system://info";
+pub const MANUAL_URI: &str = "ironcell://manual";
+const MANUAL: &str = include_str!("../python/MANUAL.md");
 
 /// The rmcp handler. Cheap to clone; all state lives in the [`SessionManager`].
 #[derive(Clone)]
@@ -42,17 +44,18 @@ impl IroncellServer {
 }
 
 fn run_python_tool(default_timeout_s: f64) -> Tool {
-    let description = "Run Python 3 in a persistent sandboxed session (no network). Variables, \
-imports and files in the working directory persist between calls with the same session. The \
-last expression's value is returned, like a notebook; top-level await works. Long output is cut \
-and saved to a file.";
+    let description = "Run Python 3 in a persistent sandboxed session (no network). Variables \
+and files persist per session; the last expression's value is returned; top-level await works. \
+The user's other MCP servers are callable from the code: await runtime.search_tool_docs('query'), \
+await mcp_<server>.<tool>(**args) (or *_sync). Manual: resource ironcell://manual.";
     let schema = json!({
         "type": "object",
         "properties": {
             "code": {"type": "string", "description": "Python source to run"},
             "session": {"type": "string", "description": "Session name (default \"default\")"},
             "timeout_s": {"type": "number", "description": format!("Wall-clock limit in seconds (default {default_timeout_s:.0})")},
-            "reset": {"type": "boolean", "description": "Start the session over first"}
+            "reset": {"type": "boolean", "description": "Start the session over first"},
+            "servers": {"type": "array", "items": {"type": "string"}, "description": "MCP servers to pre-start"}
         },
         "required": ["code"]
     });
@@ -245,7 +248,10 @@ impl ServerHandler for IroncellServer {
                 "OS, CPU, memory, Python, session limits and sandbox of this ironcell",
             )
             .with_mime_type("application/json");
-        Ok(ListResourcesResult::with_all_items(vec![info]))
+        let manual = Resource::new(MANUAL_URI, "manual")
+            .with_description("How to use run_python and the in-sandbox mcp API")
+            .with_mime_type("text/markdown");
+        Ok(ListResourcesResult::with_all_items(vec![info, manual]))
     }
 
     async fn read_resource(
@@ -253,10 +259,15 @@ impl ServerHandler for IroncellServer {
         request: ReadResourceRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
+        if request.uri == MANUAL_URI {
+            let contents =
+                ResourceContents::text(MANUAL, MANUAL_URI).with_mime_type("text/markdown");
+            return Ok(ReadResourceResult::new(vec![contents]).into());
+        }
         if request.uri != SYSTEM_INFO_URI {
             return Err(McpError::resource_not_found(
                 format!(
-                    "no resource {:?}; available: {SYSTEM_INFO_URI}",
+                    "no resource {:?}; available: {SYSTEM_INFO_URI}, {MANUAL_URI}",
                     request.uri
                 ),
                 None,

@@ -51,9 +51,11 @@ pub async fn collect(sessions: &SessionManager) -> Value {
             "max_output_bytes": s.max_output_bytes,
         },
         "sandbox": sandbox_summary(sessions.sandbox()),
+        "mcp": sessions.proxy().describe().await,
         "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
         "output_mode": format!("{:?}", s.output_mode).to_lowercase(),
+        "not_applicable": not_applicable(s),
     })
 }
 
@@ -76,4 +78,22 @@ pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
         "protections": sb.protections(),
         "network": "none",
     })
+}
+
+/// Container-only settings of the Podman-based bridge, accepted and reported as unused.
+fn not_applicable(s: &crate::config::Settings) -> Value {
+    let mut out = serde_json::Map::new();
+    if let Some(v) = &s.container_runtime {
+        out.insert(
+            "MCP_BRIDGE_RUNTIME".into(),
+            json!(format!("{v} (ironcell uses no container runtime)")),
+        );
+    }
+    if let Some(v) = &s.container_image {
+        out.insert(
+            "MCP_BRIDGE_IMAGE".into(),
+            json!(format!("{v} (ironcell uses no container image)")),
+        );
+    }
+    Value::Object(out)
 }

@@ -39,6 +39,13 @@ struct Connection {
     stale: Arc<AtomicBool>,
 }
 
+impl Connection {
+    /// The server exited, or its transport is gone.
+    fn is_closed(&self) -> bool {
+        self.service.is_closed() || self.service.peer().is_transport_closed()
+    }
+}
+
 pub struct Upstream {
     pub config: ServerConfig,
     startup_timeout: Duration,
@@ -62,7 +69,7 @@ impl Upstream {
     async fn peer(&self) -> Result<Peer<RoleClient>, ProxyError> {
         let mut conn = self.conn.lock().await;
         if let Some(c) = conn.as_ref() {
-            if !c.service.is_closed() {
+            if !c.is_closed() {
                 return Ok(c.service.peer().clone());
             }
             tracing::warn!(server = self.name(), "server exited; restarting it");
@@ -201,13 +208,16 @@ impl Upstream {
             Ok(Ok(result)) => serde_json::to_value(result)
                 .map_err(|e| ProxyError::unavailable(format!("unreadable result: {e}"))),
             Ok(Err(e)) => {
-                let exited = self
-                    .conn
-                    .lock()
-                    .await
-                    .as_ref()
-                    .is_none_or(|c| c.service.is_closed());
+                let exited = matches!(e, rmcp::service::ServiceError::TransportClosed)
+                    || self
+                        .conn
+                        .lock()
+                        .await
+                        .as_ref()
+                        .is_none_or(Connection::is_closed);
                 if exited {
+                    // Forget the dead connection so the next use starts the server again.
+                    self.stop().await;
                     Err(ProxyError::unavailable(format!(
                         "server {:?} exited during the call to {tool:?} ({e}); it restarts on next use",
                         self.name()
@@ -236,7 +246,7 @@ impl Upstream {
             .lock()
             .await
             .as_ref()
-            .is_some_and(|c| !c.service.is_closed())
+            .is_some_and(|c| !c.is_closed())
     }
 
     pub async fn stop(&self) {

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+HARNESS = Path(os.environ.get("IRONCELL_HARNESS", Path.home() / ".cache" / "mcp-harness"))
 IRONCELL = Path(os.environ.get("IRONCELL_BIN", REPO / "target" / "release" / "ironcell"))
 
 
