@@ -7,6 +7,11 @@ usage: scripts/bench.py [--binary target/release/ironcell] [--quick]
 (b) warm run_python round trip      vs. `python3 -c` per call, and a warm ipykernel (if installed)
 (c) private memory (USS) per idle session   vs. a fresh idle `python3` process
 (d) server start to first result    vs. one `python3 -c` start
+(e) proxied MCP call from Python    vs. the same call made directly to the server
+(f) 200 concurrent proxied calls (asyncio.gather) in one cell
+(g) runtime.search_tool_docs over 1,000 tools
+
+(e)-(g) need the test peers (scripts/install_test_peers.sh); they are skipped without them.
 
 The client is a minimal JSON-RPC-over-stdio client (no SDK), so the numbers are ironcell's.
 """
@@ -28,9 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 PY = "/usr/bin/python3.11" if os.path.exists("/usr/bin/python3.11") else sys.executable
 
 
+HARNESS = Path(os.environ.get("IRONCELL_HARNESS", Path.home() / ".cache" / "mcp-harness"))
+TEST_SERVER = REPO / "tests" / "e2e" / "servers" / "test_server.py"
+
+
 class Client:
-    def __init__(self, binary: str, env: dict[str, str]):
-        self.p = subprocess.Popen([binary, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def __init__(self, binary: str, env: dict[str, str], cmd: list[str] | None = None):
+        self.p = subprocess.Popen(cmd or [binary, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, env=env, bufsize=0)
         self.buf = b""
         self.id = 0
@@ -58,8 +67,9 @@ class Client:
                                     "clientInfo": {"name": "bench", "version": "0"}})
         self.p.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
 
-    def run(self, code: str, session: str = "default") -> dict:
-        r = self.request("tools/call", {"name": "run_python", "arguments": {"code": code, "session": session}})
+    def run(self, code: str, session: str = "default", timeout_s: float = 120) -> dict:
+        args = {"code": code, "session": session, "timeout_s": timeout_s}
+        r = self.request("tools/call", {"name": "run_python", "arguments": args})
         res = r["result"]
         if res.get("isError"):
             raise RuntimeError(res["content"][0]["text"])
@@ -109,6 +119,49 @@ def ipykernel_round_trip_ms(n: int) -> list[float] | None:
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def proxy_rows(binary: str, env: dict[str, str], quick: bool) -> list[tuple[str, str, str]]:
+    py = HARNESS / "venv" / "bin" / "python"
+    if not py.exists():
+        return [("(e)-(g) proxied calls", "skipped", "test peers not installed")]
+    n_calls = 200 if quick else 1000
+    server_cmd = [str(py), str(TEST_SERVER), "--many-tools", "1000"]
+    # Direct: the same minimal client talking to the server itself.
+    direct_client = Client(binary, {**env}, cmd=server_cmd)
+    direct_client.initialize()
+    direct = []
+    for _ in range(n_calls):
+        t = time.perf_counter()
+        direct_client.request("tools/call", {"name": "structured", "arguments": {"n": 1}})
+        direct.append((time.perf_counter() - t) * 1000)
+    direct_client.close()
+    config = {"mcpServers": {"t": {"command": server_cmd[0], "args": server_cmd[1:]}}}
+    c = Client(binary, {**env, "MCP_BRIDGE_CONFIG": json.dumps(config)})
+    c.initialize()
+    code = f"""
+import time, statistics, asyncio
+mcp_t.structured_sync(n=1)
+proxied = []
+for _ in range({n_calls}):
+    t = time.perf_counter(); mcp_t.structured_sync(n=1); proxied.append((time.perf_counter() - t) * 1000)
+t = time.perf_counter()
+await asyncio.gather(*(mcp_t.structured(n=i) for i in range(200)))
+gather_ms = (time.perf_counter() - t) * 1000
+runtime.search_tool_docs_sync("create invoice", limit=5)
+search = []
+for _ in range(100):
+    t = time.perf_counter(); runtime.search_tool_docs_sync("export calendar event", limit=5); search.append((time.perf_counter() - t) * 1000)
+(statistics.median(proxied), gather_ms, statistics.median(search))
+"""
+    proxied_ms, gather_ms, search_ms = eval(c.run(code)["result"])
+    c.close()
+    d = med(direct)
+    return [
+        ("(e) proxied call from Python", f"{proxied_ms:.3f} ms", f"direct to the server: {d:.3f} ms; overhead {proxied_ms - d:.3f} ms"),
+        ("(f) 200 concurrent proxied calls", f"{gather_ms:.1f} ms", f"one direct call x 200: {d * 200:.1f} ms"),
+        ("(g) search_tool_docs, 1,000 tools", f"{search_ms:.3f} ms", "round trip from Python included"),
+    ]
 
 
 def main() -> int:
@@ -174,6 +227,7 @@ def main() -> int:
     rows.append(("(b) warm round trip `x += 1`", f"{med(warm):.3f} ms", b_base))
     rows.append(("(c) USS per idle session", f"{med(uss):.2f} MiB", f"fresh idle python3: {base_uss:.1f} MiB"))
     rows.append(("(d) server start to first result", f"{med(starts):.1f} ms", f"python3 -c start: {med(base_c):.1f} ms"))
+    rows.extend(proxy_rows(a.binary, env, a.quick))
     print(f"ironcell benchmark ({'quick' if a.quick else 'full'}): medians; n = {n_sessions} sessions, "
           f"{n_warm} warm calls, {n_start} starts, {n_base} baseline runs")
     w = max(len(r[0]) for r in rows)

@@ -142,35 +142,29 @@ impl Proxy {
     }
 
     pub async fn tools_json(&self, server: &str) -> Result<Value, ProxyError> {
-        let tools = self.upstream(server)?.tools().await?;
-        serde_json::to_value(&*tools).map_err(|e| ProxyError::unavailable(e.to_string()))
+        let catalog = self.upstream(server)?.tools().await?;
+        serde_json::to_value(&catalog.tools).map_err(|e| ProxyError::unavailable(e.to_string()))
     }
 
     pub async fn search(&self, query: &str, limit: usize) -> Value {
-        let mut lists = Vec::new();
         let fetches = self
             .upstreams
             .values()
             .map(|u| async move { (u.config.name.clone(), u.tools().await) });
+        let mut catalogs = Vec::new();
         for (name, tools) in futures::future::join_all(fetches).await {
             match tools {
-                Ok(t) => lists.push((name, t)),
+                Ok(c) => catalogs.push(c),
                 Err(e) => {
                     tracing::warn!(server = %name, error = %e.message, "left out of the search")
                 }
             }
         }
-        let entries: Vec<search::Entry<'_>> = lists
-            .iter()
-            .flat_map(|(server, tools)| {
-                tools.iter().map(move |t| search::Entry {
-                    server,
-                    tool: t.name.as_ref(),
-                    description: t.description.as_deref().unwrap_or(""),
-                })
-            })
-            .collect();
-        json!(search::search(&entries, query, limit))
+        json!(search::search(
+            catalogs.iter().flat_map(|c| c.index.iter()),
+            query,
+            limit
+        ))
     }
 
     pub async fn call(

@@ -7,11 +7,27 @@
 
 use serde::Serialize;
 
-/// One searchable tool.
-pub struct Entry<'a> {
-    pub server: &'a str,
-    pub tool: &'a str,
-    pub description: &'a str,
+/// One searchable tool, split into words once (when its server's tool list is fetched).
+pub struct Indexed {
+    server: String,
+    tool: String,
+    summary: String,
+    tool_words: Vec<String>,
+    server_words: Vec<String>,
+    desc_words: Vec<String>,
+}
+
+impl Indexed {
+    pub fn new(server: &str, tool: &str, description: &str) -> Indexed {
+        Indexed {
+            server: server.to_string(),
+            tool: tool.to_string(),
+            summary: summary_of(description),
+            tool_words: words(tool),
+            server_words: words(server),
+            desc_words: words(description),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -49,7 +65,8 @@ fn words(s: &str) -> Vec<String> {
 
 /// At most one insertion, deletion or substitution apart (for words of 4+ letters).
 fn one_typo(a: &str, b: &str) -> bool {
-    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    // Bytes are exact for ASCII and merely conservative for other scripts.
+    let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() < 4 || b.len() < 4 || a.len().abs_diff(b.len()) > 1 {
         return false;
     }
@@ -111,52 +128,52 @@ fn summary_of(description: &str) -> String {
 }
 
 /// The `limit` best tools for `query`, best first; tools that match nothing are left out.
-pub fn search(entries: &[Entry<'_>], query: &str, limit: usize) -> Vec<Hit> {
+pub fn search<'a>(
+    entries: impl IntoIterator<Item = &'a Indexed>,
+    query: &str,
+    limit: usize,
+) -> Vec<Hit> {
     let q = words(query);
     if q.is_empty() {
         return Vec::new();
     }
-    let mut hits: Vec<Hit> = entries
-        .iter()
+    let mut scored: Vec<(f64, &Indexed)> = entries
+        .into_iter()
         .filter_map(|e| {
-            let tool_words = words(e.tool);
-            let server_words = words(e.server);
-            let desc_words = words(e.description);
-            let mut total = 0.0;
-            for w in &q {
-                let s = (word_score(w, &tool_words) * 1.0)
-                    .max(word_score(w, &server_words) * 0.7)
-                    .max(word_score(w, &desc_words) * 0.6);
-                total += s;
-            }
+            let total: f64 = q
+                .iter()
+                .map(|w| {
+                    word_score(w, &e.tool_words)
+                        .max(word_score(w, &e.server_words) * 0.7)
+                        .max(word_score(w, &e.desc_words) * 0.6)
+                })
+                .sum();
             let score = total / q.len() as f64;
-            (score > 0.0).then(|| Hit {
-                server: e.server.to_string(),
-                tool: e.tool.to_string(),
-                description: summary_of(e.description),
-                score: (score * 1000.0).round() / 1000.0,
-            })
+            (score > 0.0).then_some((score, e))
         })
         .collect();
-    hits.sort_by(|a, b| {
-        b.score
-            .total_cmp(&a.score)
-            .then_with(|| a.tool.len().cmp(&b.tool.len()))
+    scored.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then_with(|| a.1.tool.len().cmp(&b.1.tool.len()))
     });
-    hits.truncate(limit);
-    hits
+    scored
+        .into_iter()
+        .take(limit)
+        .map(|(score, e)| Hit {
+            server: e.server.clone(),
+            tool: e.tool.clone(),
+            description: e.summary.clone(),
+            score: (score * 1000.0).round() / 1000.0,
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn e<'a>(server: &'a str, tool: &'a str, description: &'a str) -> Entry<'a> {
-        Entry {
-            server,
-            tool,
-            description,
-        }
+    fn e(server: &str, tool: &str, description: &str) -> Indexed {
+        Indexed::new(server, tool, description)
     }
 
     #[test]

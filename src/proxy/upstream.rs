@@ -33,9 +33,15 @@ impl ClientHandler for Handler {
     }
 }
 
+/// A server's tool list, and the same tools indexed for search.
+pub struct ToolCatalog {
+    pub tools: Vec<Tool>,
+    pub index: Vec<super::search::Indexed>,
+}
+
 struct Connection {
     service: RunningService<RoleClient, Handler>,
-    tools: Option<Arc<Vec<Tool>>>,
+    tools: Option<Arc<ToolCatalog>>,
     stale: Arc<AtomicBool>,
 }
 
@@ -161,7 +167,7 @@ impl Upstream {
     }
 
     /// The server's tools, from the cache unless it announced a change.
-    pub async fn tools(&self) -> Result<Arc<Vec<Tool>>, ProxyError> {
+    pub async fn tools(&self) -> Result<Arc<ToolCatalog>, ProxyError> {
         let peer = self.peer().await?;
         {
             let conn = self.conn.lock().await;
@@ -177,7 +183,17 @@ impl Upstream {
                 self.name()
             ))
         })?;
-        let tools = Arc::new(tools);
+        let index = tools
+            .iter()
+            .map(|t| {
+                super::search::Indexed::new(
+                    self.name(),
+                    &t.name,
+                    t.description.as_deref().unwrap_or(""),
+                )
+            })
+            .collect();
+        let tools = Arc::new(ToolCatalog { tools, index });
         let mut conn = self.conn.lock().await;
         if let Some(c) = conn.as_mut() {
             c.stale.store(false, Ordering::SeqCst);
@@ -193,9 +209,9 @@ impl Upstream {
         arguments: serde_json::Map<String, serde_json::Value>,
         timeout: Duration,
     ) -> Result<serde_json::Value, ProxyError> {
-        let tools = self.tools().await?;
-        if !tools.iter().any(|t| t.name == tool) {
-            let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+        let catalog = self.tools().await?;
+        if !catalog.tools.iter().any(|t| t.name == tool) {
+            let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_ref()).collect();
             return Err(ProxyError::unknown_tool(format!(
                 "server {:?} has no tool {tool:?}; it has: {}",
                 self.name(),

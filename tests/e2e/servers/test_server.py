@@ -1,7 +1,7 @@
 """A small MCP server (official Python SDK) with behaviours the reference servers lack:
 reporting its own environment, sleeping, failing, crashing mid-call, and huge answers.
 
-usage: test_server.py [--hang-at-start]
+usage: test_server.py [--hang-at-start] [--many-tools N]
 """
 
 import asyncio
@@ -52,6 +52,27 @@ def huge(megabytes: int) -> str:
 def structured(n: int) -> dict:
     """Returns structured content: n and its square."""
     return {"n": n, "square": n * n}
+
+
+def _add_many_tools(n):
+    """N more tools with varied names and descriptions (for the search benchmark)."""
+    verbs = ["create", "list", "get", "update", "delete", "search", "sync", "export", "import", "archive"]
+    nouns = ["issue", "repository", "file", "user", "invoice", "ticket", "message", "event", "report",
+             "dataset", "branch", "comment", "label", "project", "calendar", "contact", "order",
+             "payment", "document", "folder"]
+    for i in range(n):
+        verb, noun = verbs[i % len(verbs)], nouns[(i // len(verbs)) % len(nouns)]
+        name = f"{verb}_{noun}_{i}"
+        desc = f"{verb.capitalize()} a {noun} in workspace {i}; returns the {noun} record."
+
+        def tool(x: int = 0) -> int:
+            return x
+
+        server.tool(name=name, description=desc)(tool)
+
+
+if "--many-tools" in sys.argv:
+    _add_many_tools(int(sys.argv[sys.argv.index("--many-tools") + 1]))
 
 
 if __name__ == "__main__":
