@@ -23,13 +23,18 @@ CELL_FILENAME = "<cell>"
 MAX_RESULT_CHARS = 20_000
 MAX_TRACEBACK_FRAMES = 12
 
+IMAGE_SUFFIXES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
+                  ".gif": "image/gif", ".webp": "image/webp"}
+MAX_IMAGES_PER_RUN = 8
+_options = {"image_budget": 256 * 1024}
+
 _main_module = types.ModuleType("__main__")
 _main_module.__dict__["__builtins__"] = __builtins__
 _loop = None
 _cell_sources = {}
 
 
-def prepare_worker(env, servers_json="[]"):
+def prepare_worker(env, servers_json="[]", options_json="{}"):
     """Called once in a fresh worker, before the first cell."""
     import json
     import os
@@ -38,6 +43,7 @@ def prepare_worker(env, servers_json="[]"):
 
     os.environ.clear()
     os.environ.update(env)
+    _options.update(json.loads(options_json))
     # The proxied MCP servers: `runtime`, `mcp_servers` and `mcp_<name>` globals.
     mcp._configure(json.loads(servers_json))
     _main_module.__dict__.update(mcp._globals_for_user())
@@ -114,9 +120,106 @@ def _register_source(code):
     linecache.cache[CELL_FILENAME] = (len(code), None, code.splitlines(True), CELL_FILENAME)
 
 
-def run_cell(code):
-    """Runs `code`; returns {"status", "result", "error", "exit_code"}."""
-    out = {"status": "ok", "result": None, "error": None, "exit_code": None}
+def _save_open_figures(run_id):
+    """Saves matplotlib figures the cell left open (then closes them); returns their paths."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return []
+    import os
+
+    paths = []
+    try:
+        nums = plt.get_fignums()
+        if nums:
+            os.makedirs(".ironcell/figures", exist_ok=True)
+        for k, num in enumerate(nums[:MAX_IMAGES_PER_RUN]):
+            path = f".ironcell/figures/run-{run_id}-figure-{k + 1}.png"
+            plt.figure(num).savefig(path, dpi=100, bbox_inches="tight")
+            paths.append(path)
+        plt.close("all")
+    except Exception as exc:  # a broken figure must not lose the cell's result
+        print(f"[ironcell] could not save a figure: {exc}", file=sys.stderr)
+    return paths
+
+
+def _images_written_since(started):
+    import os
+
+    found = []
+    for root, dirs, files in os.walk("."):
+        dirs[:] = [d for d in dirs if not (root == "." and d == ".ironcell")]
+        for name in files:
+            if os.path.splitext(name)[1].lower() not in IMAGE_SUFFIXES:
+                continue
+            path = os.path.relpath(os.path.join(root, name))
+            try:
+                if os.stat(path).st_mtime >= started:
+                    found.append(path)
+            except OSError:
+                pass
+        if len(found) >= MAX_IMAGES_PER_RUN:
+            break
+    return sorted(found)[:MAX_IMAGES_PER_RUN]
+
+
+def _inline_image(path):
+    """The image as base64 within the byte budget, downscaled if needed (in the sandbox, so the
+    host never decodes untrusted image data)."""
+    import base64
+    import io
+    import os
+
+    budget = int(_options.get("image_budget", 256 * 1024))
+    mime = IMAGE_SUFFIXES.get(os.path.splitext(path)[1].lower(), "image/png")
+    info = {"path": path, "mime": mime, "bytes": os.path.getsize(path), "data": None,
+            "width": None, "height": None}
+    try:
+        from PIL import Image
+    except ImportError:
+        Image = None
+    if Image is None:
+        if info["bytes"] <= budget:
+            with open(path, "rb") as f:
+                info["data"] = base64.b64encode(f.read()).decode()
+        return info
+    try:
+        with Image.open(path) as im:
+            info["width"], info["height"] = im.size
+            if info["bytes"] <= budget:
+                with open(path, "rb") as f:
+                    info["data"] = base64.b64encode(f.read()).decode()
+                return info
+            im = im.convert("RGBA" if im.mode in ("RGBA", "LA", "P") else "RGB")
+            scale = 1.0
+            for _ in range(8):
+                scale *= 0.7
+                size = (max(1, int(im.width * scale)), max(1, int(im.height * scale)))
+                buf = io.BytesIO()
+                im.resize(size).save(buf, format="PNG", optimize=True)
+                if buf.tell() <= budget:
+                    info["data"] = base64.b64encode(buf.getvalue()).decode()
+                    info["mime"] = "image/png"
+                    info["inline_width"], info["inline_height"] = size
+                    break
+    except Exception as exc:
+        print(f"[ironcell] could not read image {path}: {exc}", file=sys.stderr)
+    return info
+
+
+def _collect_images(run_id, started):
+    paths = _save_open_figures(run_id)
+    for p in _images_written_since(started):
+        if p not in paths and len(paths) < MAX_IMAGES_PER_RUN:
+            paths.append(p)
+    return [_inline_image(p) for p in paths]
+
+
+def run_cell(code, run_id=0):
+    """Runs `code`; returns {"status", "result", "error", "exit_code", "images"}."""
+    import time
+
+    started = time.time()
+    out = {"status": "ok", "result": None, "error": None, "exit_code": None, "images": []}
     try:
         _register_source(code)
         try:
@@ -160,5 +263,11 @@ def run_cell(code):
         out["status"] = "error"
         out["error"] = _error(exc)
     finally:
+        _flush()
+    if out["status"] != "interrupted":
+        try:
+            out["images"] = _collect_images(run_id, started - 1)
+        except BaseException as exc:  # noqa: BLE001 - images are a bonus, never a failure
+            print(f"[ironcell] collecting images failed: {exc}", file=sys.stderr)
         _flush()
     return out

@@ -24,6 +24,7 @@ pub struct Settings {
     /// Text format of results: compact, toon or json.
     #[arg(
         long,
+        global = true,
         env = "MCP_BRIDGE_OUTPUT_MODE",
         value_enum,
         default_value = "compact",
@@ -69,6 +70,7 @@ pub struct Settings {
     /// with what this kernel supports and says what is missing in every result.
     #[arg(
         long,
+        global = true,
         env = "IRONCELL_SANDBOX",
         value_enum,
         default_value = "enforce",
@@ -79,6 +81,7 @@ pub struct Settings {
     /// Sandbox policy: `default`, `strict`, or a path to a policy TOML file.
     #[arg(
         long,
+        global = true,
         global = true,
         env = "IRONCELL_POLICY",
         default_value = "default"
@@ -93,6 +96,11 @@ pub struct Settings {
     /// kernels get: 1 = Linux 5.13, 3 = 6.2/WSL2, 4 = 6.7).
     #[arg(long, global = true, env = "IRONCELL_LANDLOCK_ABI_MAX", value_parser = clap::value_parser!(i32).range(0..=7))]
     pub landlock_abi_max: Option<i32>,
+
+    /// Byte budget of each image shown inline (larger ones are downscaled; the full file is
+    /// linked as a resource).
+    #[arg(long, global = true, env = "IRONCELL_IMAGE_BUDGET", default_value = "256k", value_parser = parse_size)]
+    pub image_budget: u64,
 
     /// How long a proxied MCP server may take to start and answer `initialize`.
     #[arg(long, global = true, env = "MCP_BRIDGE_STARTUP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]

@@ -76,7 +76,25 @@ pub enum FromWorker {
         result: Option<String>,
         error: Option<PyErrorInfo>,
         exit_code: Option<i64>,
+        /// Figures the cell left open and images it wrote, downscaled by the worker.
+        #[serde(default)]
+        images: Vec<CellImage>,
     },
+}
+
+/// An image a cell produced. `data` (base64) is the inline copy within the byte budget, if any.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellImage {
+    /// Relative to the session directory.
+    pub path: String,
+    pub mime: String,
+    pub bytes: u64,
+    #[serde(default)]
+    pub width: Option<u32>,
+    #[serde(default)]
+    pub height: Option<u32>,
+    #[serde(default)]
+    pub data: Option<String>,
 }
 
 /// Writes one frame to a blocking writer (the worker side).

@@ -25,6 +25,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod doctor;
+pub mod files;
 pub mod frame;
 pub mod output;
 pub mod proxy;

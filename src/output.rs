@@ -43,6 +43,9 @@ pub struct Truncation {
     /// Path of the saved output, relative to the session's working directory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
+    /// The saved output as an MCP resource.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uri: Option<String>,
     /// True when even the saved file stops short (the output limit was hit).
     pub file_complete: bool,
 }
@@ -71,6 +74,30 @@ pub struct RunRecord {
     /// Calls the code made to proxied MCP servers.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub upstream_calls: Vec<crate::proxy::CallSummary>,
+    /// Figures and images the run produced (shown inline, full size linked).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<ImageRef>,
+    /// Files the run created or changed in the session directory (linked as resources).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<crate::files::FileRef>,
+    /// Inline image data (base64, mime), sent as image content; not part of the record.
+    #[serde(skip)]
+    pub inline_images: Vec<(String, String)>,
+}
+
+/// An image of a run, as listed in the record.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageRef {
+    pub path: String,
+    pub uri: String,
+    pub mime: String,
+    pub bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub height: Option<u32>,
+    /// Whether a (possibly downscaled) copy is in the result itself.
+    pub inline: bool,
 }
 
 impl RunRecord {
@@ -317,6 +344,7 @@ impl StreamCollector {
                 total_bytes: self.total,
                 shown_bytes: shown,
                 file,
+                uri: None,
                 file_complete,
             }),
         )

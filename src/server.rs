@@ -168,6 +168,60 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// The content blocks of a run's result: the text, then images inline, then links to the
+/// full-size images, the files the run created, and any output that was cut.
+fn result_content(
+    record: &crate::output::RunRecord,
+    mode: crate::config::OutputMode,
+) -> Vec<ContentBlock> {
+    let mut content = vec![ContentBlock::text(record.render(mode))];
+    for (data, mime) in &record.inline_images {
+        content.push(ContentBlock::image(data.clone(), mime.clone()));
+    }
+    let link = |uri: &str, name: &str, mime: &str, size: u64, what: &str| {
+        let mut r = Resource::new(uri, name)
+            .with_mime_type(mime)
+            .with_description(what);
+        r.size = Some(size);
+        ContentBlock::resource_link(r)
+    };
+    for img in &record.images {
+        content.push(link(
+            &img.uri,
+            &img.path,
+            &img.mime,
+            img.bytes,
+            "full-size image",
+        ));
+    }
+    for f in &record.files {
+        content.push(link(
+            &f.uri,
+            &f.path,
+            f.mime,
+            f.size,
+            "file written by this run",
+        ));
+    }
+    for (stream, cut) in [
+        ("stdout", &record.stdout_truncated),
+        ("stderr", &record.stderr_truncated),
+    ] {
+        if let Some(c) = cut
+            && let (Some(uri), Some(file)) = (&c.uri, &c.file)
+        {
+            content.push(link(
+                uri,
+                file,
+                "text/plain",
+                c.total_bytes,
+                &format!("the whole {stream} of this run"),
+            ));
+        }
+    }
+    content
+}
+
 fn error_result(message: impl Into<String>) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(format!(
         "error: {}",
@@ -228,11 +282,11 @@ impl ServerHandler for IroncellServer {
             Ok(record) => record,
             Err(refusal) => return Ok(error_result(refusal.to_string()).into()),
         };
-        let text = record.render(self.sessions.settings().output_mode);
+        let content = result_content(&record, self.sessions.settings().output_mode);
         let mut result = if record.is_error() {
-            CallToolResult::error(vec![ContentBlock::text(text)])
+            CallToolResult::error(content)
         } else {
-            CallToolResult::success(vec![ContentBlock::text(text)])
+            CallToolResult::success(content)
         };
         result.structured_content = serde_json::to_value(&record).ok();
         Ok(result.into())
@@ -251,7 +305,15 @@ impl ServerHandler for IroncellServer {
         let manual = Resource::new(MANUAL_URI, "manual")
             .with_description("How to use run_python and the in-sandbox mcp API")
             .with_mime_type("text/markdown");
-        Ok(ListResourcesResult::with_all_items(vec![info, manual]))
+        let mut all = vec![info, manual];
+        for (session, rel, size) in self.sessions.session_files(500) {
+            let uri = crate::files::session_uri(&session, &rel);
+            let mut r = Resource::new(uri, format!("{session}/{rel}"))
+                .with_mime_type(crate::files::mime_for(&rel));
+            r.size = Some(size);
+            all.push(r);
+        }
+        Ok(ListResourcesResult::with_all_items(all))
     }
 
     async fn read_resource(
@@ -259,6 +321,43 @@ impl ServerHandler for IroncellServer {
         request: ReadResourceRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
+        if let Some((session, rel)) = crate::files::parse_uri(&request.uri) {
+            let bytes = self
+                .sessions
+                .read_session_file(session, rel)
+                .map_err(|e| McpError::resource_not_found(e, None))?;
+            let mime = crate::files::mime_for(rel);
+            let contents = match String::from_utf8(bytes) {
+                Ok(text)
+                    if crate::files::is_text_mime(mime) || mime == "application/octet-stream" =>
+                {
+                    ResourceContents::text(text, request.uri.clone()).with_mime_type(
+                        if mime == "application/octet-stream" {
+                            "text/plain"
+                        } else {
+                            mime
+                        },
+                    )
+                }
+                Ok(text) => {
+                    use base64::Engine;
+                    ResourceContents::blob(
+                        base64::engine::general_purpose::STANDARD.encode(text),
+                        request.uri.clone(),
+                    )
+                    .with_mime_type(mime)
+                }
+                Err(e) => {
+                    use base64::Engine;
+                    ResourceContents::blob(
+                        base64::engine::general_purpose::STANDARD.encode(e.into_bytes()),
+                        request.uri.clone(),
+                    )
+                    .with_mime_type(mime)
+                }
+            };
+            return Ok(ReadResourceResult::new(vec![contents]).into());
+        }
         if request.uri == MANUAL_URI {
             let contents =
                 ResourceContents::text(MANUAL, MANUAL_URI).with_mime_type("text/markdown");

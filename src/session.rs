@@ -213,6 +213,30 @@ impl SessionManager {
         v.get(v.len() / 2).map(|us| *us as f64 / 1000.0)
     }
 
+    /// Files of every session: (session, relative path, size), at most `limit`.
+    pub fn session_files(&self, limit: usize) -> Vec<(String, String, u64)> {
+        let sessions: Vec<(String, PathBuf)> = lock(&self.sessions)
+            .values()
+            .map(|s| (s.name.clone(), s.scratch.clone()))
+            .collect();
+        let mut out = Vec::new();
+        for (name, dir) in sessions {
+            for (rel, size, _) in crate::files::list(&dir, limit.saturating_sub(out.len())) {
+                out.push((name.clone(), rel, size));
+            }
+        }
+        out
+    }
+
+    /// Reads a file of a session, refusing paths that leave its directory.
+    pub fn read_session_file(&self, session: &str, rel: &str) -> Result<Vec<u8>, String> {
+        let dir = lock(&self.sessions)
+            .get(session)
+            .map(|s| s.scratch.clone())
+            .ok_or_else(|| format!("no session {session:?}"))?;
+        crate::files::read_within(&dir, rel)
+    }
+
     pub fn session_count(&self) -> usize {
         lock(&self.sessions).len()
     }
@@ -338,6 +362,8 @@ impl SessionManager {
         }
         let run_no = self.run_counter.fetch_add(1, Ordering::Relaxed) + 1;
         let started = Instant::now();
+        // Coarse file timestamps can trail the clock a little; look back a few milliseconds.
+        let started_wall = std::time::SystemTime::now() - Duration::from_millis(20);
         let outcome = self
             .drive_cell(&session, &mut state, run_no, &req.code, timeout, cancel)
             .await;
@@ -345,6 +371,7 @@ impl SessionManager {
 
         let mut record = outcome.record;
         record.session = session.name.clone();
+        link_outputs(&mut record, &session, outcome.images, started_wall);
         record.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
         record.session_state = if outcome.worker_lost {
             "lost"
@@ -385,6 +412,7 @@ impl SessionManager {
                 .sandbox
                 .plan_for(&session.scratch, &python.python_paths),
             mcp_servers: self.proxy.server_summaries(),
+            image_budget_bytes: self.settings.image_budget,
         };
         let spawned = zygote
             .spawn_worker(spec)
@@ -587,7 +615,7 @@ impl SessionManager {
                                         let _ = tx.send((id, payload, summary));
                                     });
                                 }
-                                Ok(FromWorker::Done { status, result, error, exit_code, .. }) => {
+                                Ok(FromWorker::Done { status, result, error, exit_code, images, .. }) => {
                                     let status = match (stopping, status) {
                                         (Some((RunStatus::OutputLimit, _)), _) => RunStatus::OutputLimit,
                                         (Some((reason, _)), CellStatus::Interrupted) => reason,
@@ -600,7 +628,9 @@ impl SessionManager {
                                     } else {
                                         error
                                     };
-                                    return CellOutcome::finished(stdout, stderr, status, result, error, exit_code);
+                                    let mut done = CellOutcome::finished(stdout, stderr, status, result, error, exit_code);
+                                    done.images = images;
+                                    return done;
                                 }
                                 _ => {}
                             },
@@ -697,6 +727,7 @@ fn crash_reason(exit: Option<ExitInfo>) -> &'static str {
 
 struct CellOutcome {
     record: RunRecord,
+    images: Vec<crate::frame::CellImage>,
     worker_lost: bool,
     loss_reason: Option<String>,
 }
@@ -719,6 +750,9 @@ impl CellOutcome {
             stdout_truncated: out_cut,
             stderr_truncated: err_cut,
             upstream_calls: Vec::new(),
+            images: Vec::new(),
+            files: Vec::new(),
+            inline_images: Vec::new(),
         }
     }
 
@@ -736,6 +770,7 @@ impl CellOutcome {
         record.exit_code = exit_code;
         CellOutcome {
             record,
+            images: Vec::new(),
             worker_lost: false,
             loss_reason: None,
         }
@@ -760,6 +795,7 @@ impl CellOutcome {
         }
         CellOutcome {
             record,
+            images: Vec::new(),
             worker_lost: true,
             loss_reason: reason,
         }
@@ -781,6 +817,47 @@ fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
         ("IRONCELL_SESSION".to_string(), session.to_string()),
     ]);
     env
+}
+
+/// Adds resource URIs for the spilled output, the run's images (inline copies kept aside for
+/// image content) and the files it created or changed.
+fn link_outputs(
+    record: &mut RunRecord,
+    session: &Session,
+    images: Vec<crate::frame::CellImage>,
+    since: std::time::SystemTime,
+) {
+    use crate::files::session_uri;
+    for cut in [
+        record.stdout_truncated.as_mut(),
+        record.stderr_truncated.as_mut(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        cut.uri = cut.file.as_deref().map(|f| session_uri(&session.name, f));
+    }
+    for img in images {
+        let inline = img.data.is_some();
+        if let Some(data) = img.data {
+            record.inline_images.push((data, img.mime.clone()));
+        }
+        record.images.push(crate::output::ImageRef {
+            uri: session_uri(&session.name, &img.path),
+            path: img.path,
+            mime: img.mime,
+            bytes: img.bytes,
+            width: img.width,
+            height: img.height,
+            inline,
+        });
+    }
+    let shown: std::collections::HashSet<String> =
+        record.images.iter().map(|i| i.path.clone()).collect();
+    record.files = crate::files::changed_since(&session.scratch, &session.name, since, 50)
+        .into_iter()
+        .filter(|f| !shown.contains(&f.path))
+        .collect();
 }
 
 /// Bytes used beneath `dir`, counting at most up to `stop_at` (the walk ends there).

@@ -92,6 +92,8 @@ pub struct WorkerSpec {
     pub sandbox: crate::sandbox::SandboxPlan,
     /// The proxied MCP servers the session can call (names and descriptions only; no secrets).
     pub mcp_servers: Vec<serde_json::Value>,
+    /// Inline images are downscaled to fit this many bytes.
+    pub image_budget_bytes: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

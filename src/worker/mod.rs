@@ -92,8 +92,9 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
     }
     let servers = serde_json::to_string(&spec.mcp_servers)?;
+    let options = serde_json::json!({"image_budget": spec.image_budget_bytes}).to_string();
     runner
-        .call_method1("prepare_worker", (env, servers))
+        .call_method1("prepare_worker", (env, servers, options))
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
 
     // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
@@ -179,7 +180,7 @@ fn run_cell(_py: Python<'_>, runner: &Bound<'_, PyModule>, id: u64, code: &str) 
             pyo3::ffi::PyErr_Clear();
         }
     }
-    let outcome = runner.call_method1("run_cell", (code,));
+    let outcome = runner.call_method1("run_cell", (code, id));
     match outcome.and_then(|d| d.cast_into::<PyDict>().map_err(PyErr::from)) {
         Ok(d) => done_from_dict(id, &d),
         Err(e) => FromWorker::Done {
@@ -192,6 +193,7 @@ fn run_cell(_py: Python<'_>, runner: &Bound<'_, PyModule>, id: u64, code: &str) 
                 traceback: String::new(),
             }),
             exit_code: None,
+            images: Vec::new(),
         },
     }
 }
@@ -229,12 +231,28 @@ fn done_from_dict(id: u64, d: &Bound<'_, PyDict>) -> FromWorker {
         .ok()
         .flatten()
         .and_then(|v| v.extract::<i64>().ok());
+    let images = d
+        .get_item("images")
+        .ok()
+        .flatten()
+        .and_then(|v| {
+            let json = v
+                .py()
+                .import("json")
+                .ok()?
+                .call_method1("dumps", (v,))
+                .ok()?;
+            serde_json::from_str::<Vec<crate::frame::CellImage>>(&json.extract::<String>().ok()?)
+                .ok()
+        })
+        .unwrap_or_default();
     FromWorker::Done {
         id,
         status,
         result: get_str("result"),
         error,
         exit_code,
+        images,
     }
 }
 
