@@ -178,6 +178,7 @@ async fn exec(settings: Settings, code: String) -> anyhow::Result<ExitCode> {
         timeout: None,
         reset: false,
         servers: Vec::new(),
+        progress: None,
     };
     let outcome = sessions.run(request, CancellationToken::new()).await;
     sessions.shutdown().await;

@@ -45,6 +45,11 @@ pub struct Settings {
     #[arg(long, global = true, env = "IRONCELL_INTERRUPT_GRACE", default_value = "2s", value_parser = parse_duration)]
     pub interrupt_grace: Duration,
 
+    /// How long a call waits for its run before answering "still running" with a background
+    /// job id (Claude Desktop gives up on a tool call after about 60 s).
+    #[arg(long, global = true, env = "IRONCELL_WAIT_BUDGET", default_value = "45s", value_parser = parse_duration)]
+    pub wait_budget: Duration,
+
     /// Most sessions with a live worker at once. A new session past the cap evicts the least
     /// recently used idle one; if all are busy the call is refused.
     #[arg(long, global = true, env = "IRONCELL_MAX_SESSIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]

@@ -100,6 +100,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         timeout: None,
         reset: false,
         servers: Vec::new(),
+        progress: None,
     };
     match sessions.run(probe, CancellationToken::new()).await {
         Ok(record) if !record.is_error() => {

@@ -27,6 +27,7 @@ pub mod demo;
 pub mod doctor;
 pub mod files;
 pub mod frame;
+pub mod jobs;
 pub mod output;
 pub mod proxy;
 pub mod pybridge;

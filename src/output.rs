@@ -263,6 +263,19 @@ impl StreamCollector {
         self.total
     }
 
+    /// The newest few lines so far (for progress notifications and job polls).
+    pub fn recent_lines(&self, max_lines: usize) -> String {
+        let bytes: Vec<u8> = if self.tail.is_empty() {
+            self.head[self.head.len().saturating_sub(2048)..].to_vec()
+        } else {
+            let skip = self.tail.len().saturating_sub(2048);
+            self.tail.iter().skip(skip).copied().collect()
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        let lines: Vec<&str> = text.trim_end_matches('\n').lines().collect();
+        lines[lines.len().saturating_sub(max_lines)..].join("\n")
+    }
+
     pub fn push(&mut self, bytes: &[u8]) {
         if self.total + bytes.len() as u64 > (self.head_cap + self.tail_cap) as u64 {
             // Called before head/tail change: the first time, they still hold every earlier byte.

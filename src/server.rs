@@ -10,16 +10,19 @@ use std::time::Duration;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, DiscoverRequestMethod,
     DiscoverResult, Implementation, JsonObject, ListResourcesResult, ListToolsResult,
-    PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
-    Resource, ResourceContents, ServerCapabilities, ServerConfig, Tool,
+    PaginatedRequestParams, ProgressNotificationParam, ReadResourceRequestParams,
+    ReadResourceResponse, ReadResourceResult, Resource, ResourceContents, ServerCapabilities,
+    ServerConfig, Tool,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{Value, json};
 
+use crate::jobs::{Job, Jobs};
 use crate::session::{RunRequest, SessionManager};
 
 pub const TOOL_NAME: &str = "run_python";
+pub const JOB_TOOL_NAME: &str = "run_python_job";
 pub const SYSTEM_INFO_URI: &str = "system://info";
 pub const MANUAL_URI: &str = "ironcell://manual";
 const MANUAL: &str = include_str!("../python/MANUAL.md");
@@ -28,14 +31,137 @@ const MANUAL: &str = include_str!("../python/MANUAL.md");
 #[derive(Clone)]
 pub struct IroncellServer {
     sessions: Arc<SessionManager>,
-    tool: Arc<Tool>,
+    jobs: Arc<Jobs>,
+    tools: Arc<Vec<Tool>>,
 }
 
 impl IroncellServer {
     pub fn new(sessions: Arc<SessionManager>) -> Self {
         let default_timeout = sessions.settings().default_timeout.as_secs_f64();
-        let tool = Arc::new(run_python_tool(default_timeout));
-        IroncellServer { sessions, tool }
+        let tools = Arc::new(vec![run_python_tool(default_timeout), job_tool()]);
+        IroncellServer {
+            sessions,
+            jobs: Arc::new(Jobs::default()),
+            tools,
+        }
+    }
+
+    /// Waits for `job` up to `limit`, sending progress notifications if the client asked for
+    /// them; returns the tool result (the run's, or "still running").
+    async fn await_job(
+        &self,
+        job: &Arc<Job>,
+        limit: Duration,
+        context: &RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let forward = context.meta.get_progress_token().map(|token| {
+            let mut rx = job.progress.clone();
+            let peer = context.peer.clone();
+            tokio::spawn(async move {
+                while rx.changed().await.is_ok() {
+                    let p = rx.borrow_and_update().clone();
+                    let mut message = format!("running for {:.0} s", p.elapsed_s);
+                    if !p.recent_output.is_empty() {
+                        message.push('\n');
+                        message.push_str(&p.recent_output);
+                    }
+                    let note = ProgressNotificationParam::new(token.clone(), p.elapsed_s)
+                        .with_message(message);
+                    if peer.notify_progress(note).await.is_err() {
+                        break;
+                    }
+                }
+            })
+        });
+        let outcome = tokio::select! {
+            o = job.wait(limit) => o,
+            _ = context.ct.cancelled() => {
+                // notifications/cancelled: interrupt (then kill after the grace period).
+                job.cancel.cancel();
+                job.wait(self.sessions.settings().interrupt_grace + Duration::from_secs(5)).await
+            }
+        };
+        if let Some(task) = forward {
+            task.abort();
+        }
+        match outcome {
+            Some(outcome) => {
+                self.jobs.remove(&job.id);
+                match &*outcome {
+                    Ok(record) => run_result(record, self.sessions.settings().output_mode),
+                    Err(refusal) => error_result(refusal.clone()),
+                }
+            }
+            None => {
+                job.detached
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                running_result(job)
+            }
+        }
+    }
+
+    async fn call_run_python(
+        &self,
+        args: Option<&JsonObject>,
+        context: &RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let run = match parse_run_arguments(args) {
+            Ok(r) => r,
+            Err(message) => return error_result(message),
+        };
+        if let Some(id) = self.jobs.running_in(&run.session) {
+            return error_result(format!(
+                "session {:?} is busy with background job {id}; wait for it with {JOB_TOOL_NAME}(job={id:?}), cancel it with action=\"cancel\", or use another session",
+                run.session
+            ));
+        }
+        let budget = self.sessions.settings().wait_budget;
+        let job = self.jobs.start(self.sessions.clone(), run);
+        self.await_job(&job, budget, context).await
+    }
+
+    async fn call_job_tool(
+        &self,
+        args: Option<&JsonObject>,
+        context: &RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let empty = JsonObject::new();
+        let args = args.unwrap_or(&empty);
+        let Some(id) = args.get("job").and_then(Value::as_str) else {
+            return error_result("missing required argument `job` (the id a running result named)");
+        };
+        let Some(job) = self.jobs.get(id) else {
+            let known = self.jobs.ids();
+            return error_result(format!(
+                "no job {id:?} (finished jobs are kept until read, or an hour); known: {}",
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ));
+        };
+        let budget = self.sessions.settings().wait_budget;
+        let wait = match args.get("wait_s") {
+            None | Some(Value::Null) => budget,
+            Some(Value::Number(n)) => match n.as_f64() {
+                Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t).min(budget),
+                _ => return error_result("`wait_s` must be a non-negative number of seconds"),
+            },
+            Some(_) => return error_result("`wait_s` must be a number of seconds"),
+        };
+        match args.get("action").and_then(Value::as_str).unwrap_or("wait") {
+            "wait" => self.await_job(&job, wait, context).await,
+            "poll" => self.await_job(&job, Duration::ZERO, context).await,
+            "cancel" => {
+                job.cancel.cancel();
+                let grace = self.sessions.settings().interrupt_grace + Duration::from_secs(5);
+                self.await_job(&job, grace, context).await
+            }
+            other => error_result(format!(
+                "unknown action {other:?}; use \"wait\", \"poll\" or \"cancel\""
+            )),
+        }
     }
 
     pub fn sessions(&self) -> &Arc<SessionManager> {
@@ -43,11 +169,75 @@ impl IroncellServer {
     }
 }
 
+fn job_tool() -> Tool {
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "job": {"type": "string"},
+            "action": {"type": "string", "enum": ["wait", "poll", "cancel"]},
+            "wait_s": {"type": "number"}
+        },
+        "required": ["job"]
+    });
+    let schema: JsonObject = match schema {
+        Value::Object(m) => m,
+        _ => JsonObject::new(),
+    };
+    Tool::new(
+        JOB_TOOL_NAME,
+        "Result of a run_python call that went on as a background job: wait (default), poll or cancel.",
+        Arc::new(schema),
+    )
+}
+
+/// The tool result of a finished run.
+fn run_result(
+    record: &crate::output::RunRecord,
+    mode: crate::config::OutputMode,
+) -> CallToolResult {
+    let content = result_content(record, mode);
+    let mut result = if record.is_error() {
+        CallToolResult::error(content)
+    } else {
+        CallToolResult::success(content)
+    };
+    result.structured_content = serde_json::to_value(record).ok();
+    result
+}
+
+/// The tool result of a run that is still going: which job, how to get its outcome, and its
+/// newest output.
+fn running_result(job: &Job) -> CallToolResult {
+    let p = job.progress.borrow().clone();
+    let elapsed = job.started.elapsed().as_secs_f64();
+    let mut text = format!(
+        "[running] still running after {elapsed:.0} s as background job {id} (session {session:?}). \
+         Get its result with {JOB_TOOL_NAME}(job={id:?}) (waits), check with action=\"poll\", stop it with action=\"cancel\".",
+        id = job.id,
+        session = job.session
+    );
+    if !p.recent_output.is_empty() {
+        text.push_str("\nNewest output:\n");
+        text.push_str(&p.recent_output);
+    }
+    let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+    result.structured_content = Some(json!({
+        "status": "running",
+        "job": job.id,
+        "session": job.session,
+        "elapsed_s": elapsed,
+        "stdout_bytes": p.stdout_bytes,
+        "stderr_bytes": p.stderr_bytes,
+        "recent_output": p.recent_output,
+    }));
+    result
+}
+
 fn run_python_tool(default_timeout_s: f64) -> Tool {
-    let description = "Run Python 3 in a persistent sandboxed session (no network). Variables \
-and files persist per session; the last expression's value is returned; top-level await works. \
-The user's other MCP servers are callable from the code: await runtime.search_tool_docs('query'), \
-await mcp_<server>.<tool>(**args) (or *_sync). Manual: resource ironcell://manual.";
+    let description = "Run Python 3 in a persistent sandboxed session (no network): variables \
+and files persist, the last expression's value is returned, top-level await works. Call the \
+user's other MCP servers from the code: await runtime.search_tool_docs('query'), await \
+mcp_<server>.<tool>(**args). Manual: ironcell://manual";
     let schema = json!({
         "type": "object",
         "properties": {
@@ -154,6 +344,7 @@ pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, Stri
         timeout,
         reset,
         servers,
+        progress: None,
     })
 }
 
@@ -259,7 +450,7 @@ impl ServerHandler for IroncellServer {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        Ok(ListToolsResult::with_all_items(vec![(*self.tool).clone()]))
+        Ok(ListToolsResult::with_all_items((*self.tools).clone()))
     }
 
     async fn call_tool(
@@ -267,28 +458,19 @@ impl ServerHandler for IroncellServer {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        if request.name != TOOL_NAME {
-            return Ok(error_result(format!(
-                "unknown tool {:?}; the only tool is {TOOL_NAME}",
-                request.name
-            ))
-            .into());
-        }
-        let run = match parse_run_arguments(request.arguments.as_ref()) {
-            Ok(r) => r,
-            Err(message) => return Ok(error_result(message).into()),
+        let result = match request.name.as_ref() {
+            TOOL_NAME => {
+                self.call_run_python(request.arguments.as_ref(), &context)
+                    .await
+            }
+            JOB_TOOL_NAME => {
+                self.call_job_tool(request.arguments.as_ref(), &context)
+                    .await
+            }
+            other => error_result(format!(
+                "unknown tool {other:?}; the tools are {TOOL_NAME} and {JOB_TOOL_NAME}"
+            )),
         };
-        let record = match self.sessions.run(run, context.ct.clone()).await {
-            Ok(record) => record,
-            Err(refusal) => return Ok(error_result(refusal.to_string()).into()),
-        };
-        let content = result_content(&record, self.sessions.settings().output_mode);
-        let mut result = if record.is_error() {
-            CallToolResult::error(content)
-        } else {
-            CallToolResult::success(content)
-        };
-        result.structured_content = serde_json::to_value(&record).ok();
         Ok(result.into())
     }
 
@@ -427,7 +609,7 @@ mod tests {
 
     #[test]
     fn the_tool_list_fits_the_token_budget() {
-        let tools = ListToolsResult::with_all_items(vec![run_python_tool(30.0)]);
+        let tools = ListToolsResult::with_all_items(vec![run_python_tool(30.0), job_tool()]);
         let bytes = serde_json::to_string(&tools).unwrap().len();
         assert!(
             bytes / 4 <= 300,

@@ -53,6 +53,19 @@ pub enum RunRefusal {
     SandboxUnavailable(String),
 }
 
+/// What a running cell has done so far: sent as progress notifications and shown by job polls.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Progress {
+    pub elapsed_s: f64,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    /// The newest lines of output.
+    pub recent_output: String,
+}
+
+/// How often a running cell reports progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
 /// One `run_python` call, validated by the server.
 #[derive(Debug, Clone)]
 pub struct RunRequest {
@@ -62,6 +75,8 @@ pub struct RunRequest {
     pub reset: bool,
     /// Proxied servers to start before the code runs (they start on first use anyway).
     pub servers: Vec<String>,
+    /// Where to report progress while the cell runs, if anyone listens.
+    pub progress: Option<tokio::sync::watch::Sender<Progress>>,
 }
 
 struct LiveWorker {
@@ -365,7 +380,15 @@ impl SessionManager {
         // Coarse file timestamps can trail the clock a little; look back a few milliseconds.
         let started_wall = std::time::SystemTime::now() - Duration::from_millis(20);
         let outcome = self
-            .drive_cell(&session, &mut state, run_no, &req.code, timeout, cancel)
+            .drive_cell(
+                &session,
+                &mut state,
+                run_no,
+                &req.code,
+                timeout,
+                cancel,
+                req.progress.as_ref(),
+            )
             .await;
         *lock(&session.last_used) = Instant::now();
 
@@ -549,10 +572,13 @@ impl SessionManager {
         code: &str,
         timeout: Duration,
         cancel: CancellationToken,
+        progress: Option<&tokio::sync::watch::Sender<Progress>>,
     ) -> CellOutcome {
         let mut calls = Vec::new();
         let mut outcome = self
-            .drive_cell_inner(session, state, run_no, code, timeout, cancel, &mut calls)
+            .drive_cell_inner(
+                session, state, run_no, code, timeout, cancel, progress, &mut calls,
+            )
             .await;
         outcome.record.upstream_calls = calls;
         outcome
@@ -567,6 +593,7 @@ impl SessionManager {
         code: &str,
         timeout: Duration,
         cancel: CancellationToken,
+        progress: Option<&tokio::sync::watch::Sender<Progress>>,
         calls: &mut Vec<CallSummary>,
     ) -> CellOutcome {
         let s = &self.settings;
@@ -595,6 +622,9 @@ impl SessionManager {
         let (answers_tx, mut answers_rx) =
             tokio::sync::mpsc::unbounded_channel::<(u64, serde_json::Value, Option<CallSummary>)>();
         let mut quota_check = tokio::time::interval(QUOTA_CHECK_EVERY);
+        let cell_started = tokio::time::Instant::now();
+        let mut progress_tick =
+            tokio::time::interval_at(cell_started + PROGRESS_EVERY, PROGRESS_EVERY);
         quota_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             let wake_at = stopping.map(|(_, kill_at)| kill_at).unwrap_or(deadline);
@@ -677,6 +707,21 @@ impl SessionManager {
                         && let Err(e) = worker.io.send(body).await {
                             tracing::warn!(error = %e, "answering a proxied call failed");
                         }
+                },
+                _ = progress_tick.tick(), if progress.is_some() => {
+                    if let Some(p) = progress {
+                        let recent = [stdout.recent_lines(5), stderr.recent_lines(3)]
+                            .into_iter()
+                            .filter(|t| !t.is_empty())
+                            .collect::<Vec<_>>()
+                            .join("\n[stderr] ");
+                        p.send_replace(Progress {
+                            elapsed_s: cell_started.elapsed().as_secs_f64(),
+                            stdout_bytes: stdout.total(),
+                            stderr_bytes: stderr.total(),
+                            recent_output: recent,
+                        });
+                    }
                 },
                 _ = quota_check.tick() => {
                     let used = directory_size(&session.scratch, quota + 1);

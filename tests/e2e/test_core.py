@@ -27,7 +27,7 @@ async def test_sdk2_client_with_discover_probe_runs_code_and_keeps_state(state_d
             assert time.monotonic() - started < 8
             assert c.server_info.name == "ironcell"
             tools = await c.list_tools()
-            assert [t.name for t in tools.tools] == ["run_python"]
+            assert [t.name for t in tools.tools] == ["run_python", "run_python_job"]
             r = await run(c, "counter = 41")
             assert not r.is_error
             r = await run(c, "counter += 1\ncounter")
