@@ -412,10 +412,30 @@ impl SessionManager {
         Ok(record)
     }
 
+    /// Reserves a worker slot (evicting an idle session if all are taken), then spawns.
     async fn spawn_worker(&self, session: &Session) -> Result<LiveWorker, RunRefusal> {
-        if self.live_workers.load(Ordering::SeqCst) >= self.settings.max_sessions as usize {
+        let max = self.settings.max_sessions as usize;
+        // The slot is taken before the (slow) spawn, so concurrent calls cannot all pass the cap.
+        while self
+            .live_workers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_err()
+        {
             self.evict_one_idle_session(&session.name).await?;
         }
+        let spawned = self.spawn_worker_in_reserved_slot(session).await;
+        if spawned.is_err() {
+            self.live_workers.fetch_sub(1, Ordering::SeqCst);
+        }
+        spawned
+    }
+
+    async fn spawn_worker_in_reserved_slot(
+        &self,
+        session: &Session,
+    ) -> Result<LiveWorker, RunRefusal> {
         std::fs::create_dir_all(&session.scratch).map_err(|e| {
             RunRefusal::WorkerStart(format!("creating {}: {e}", session.scratch.display()))
         })?;
@@ -486,7 +506,6 @@ impl SessionManager {
         match ready {
             Ok(Ok(missing_layers)) => {
                 worker.missing_layers = missing_layers;
-                self.live_workers.fetch_add(1, Ordering::SeqCst);
                 tracing::debug!(session = %session.name, pid = worker.pid, "worker ready");
                 Ok(worker)
             }

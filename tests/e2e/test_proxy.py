@@ -305,3 +305,21 @@ import mcp.types
 """
         r = await run(s, code)
         assert r["result"] == "(True, 'Tool')", r.text
+
+
+async def test_the_tool_cache_refreshes_on_tools_list_changed(state_dir, tmp_path):
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        code = """
+import mcp, time
+before = [t["name"] for t in runtime.list_tools_sync("test-server")]
+mcp_test_server.add_tool_sync(name="fresh_tool")
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    after = [t["name"] for t in runtime.list_tools_sync("test-server")]
+    if "fresh_tool" in after:
+        break
+    time.sleep(0.05)
+("fresh_tool" in before, "fresh_tool" in after, runtime.call_tool_sync("test-server", "fresh_tool"))
+"""
+        r = await run(s, code)
+        assert r["result"] == "(False, True, {'result': 'fresh_tool'})", r.text

@@ -502,3 +502,50 @@ def test_a_bad_policy_file_is_an_error_naming_the_key(tmp_path):
     bad.write_text(text.replace("open_files = 1024", "open_files = -3"))
     p = subprocess.run([str(IRONCELL), "doctor", "--policy", str(bad)], capture_output=True, text=True, timeout=30)
     assert p.returncode != 0 and "open_files" in p.stderr and str(bad) in p.stderr
+
+
+def test_memory_limit_setting_is_applied(state_dir):
+    srv = RawServer(state_dir, MCP_BRIDGE_MEMORY_LIMIT="256m")
+    srv.initialize()
+    info = json.loads(srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    assert info["sandbox"]["limits"]["memory_bytes"] == 256 << 20
+    ok = srv.call("a = bytearray(100 << 20)\nlen(a) >> 20")["structuredContent"]
+    assert ok["result"] == "100"
+    r = srv.call("del a\nb = bytearray(300 << 20)")["structuredContent"]
+    assert r["status"] == "error" and r["error"]["type"] == "MemoryError", r
+    srv.close()
+
+
+def test_43_two_hundred_concurrent_calls_are_bounded_and_cancel_cleanly(state_dir):
+    srv = RawServer(state_dir, IRONCELL_MAX_SESSIONS="4")
+    srv.initialize()
+    ids = [f"c{i}" for i in range(200)]
+    for i, rid in enumerate(ids):
+        srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+            "name": "run_python", "arguments": {"code": "import time\ntime.sleep(30)", "session": f"s{i}"}}})
+    busy, deadline = 0, time.monotonic() + 20
+    while busy < 196 and time.monotonic() < deadline:
+        msg = srv.read(timeout=max(0.1, deadline - time.monotonic()))
+        if msg.get("id") in ids and msg["result"]["isError"]:
+            assert "busy" in msg["result"]["content"][0]["text"]
+            busy += 1
+    assert busy == 196  # four run; the rest are refused at once, not queued without bound
+    for rid in ids:
+        srv.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}})
+    assert "result" in srv.request("ping", {})
+
+    def live_workers():
+        info = srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"]
+        return json.loads(info)["sessions"]["live_workers"]
+
+    assert live_workers() <= 4
+    started = time.monotonic()
+    r = srv.call("'after the storm'", session="s0")  # its run was interrupted; the session is free
+    assert r["structuredContent"]["result"] == "'after the storm'"
+    assert time.monotonic() - started < 10
+    zygote = int(eval(srv.call("import os\nos.getppid()", session="s0")["structuredContent"]["result"]))
+    children = [p for p in os.listdir("/proc") if p.isdigit() and
+                Path(f"/proc/{p}/stat").exists() and
+                Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(zygote)]
+    assert len(children) <= 4, children
+    srv.close()

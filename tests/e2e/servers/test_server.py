@@ -13,6 +13,7 @@ if "--hang-at-start" in sys.argv:
     time.sleep(3600)  # never answers initialize: tests the startup timeout
 
 from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
 
 server = MCPServer("ironcell-test-server")
 
@@ -52,6 +53,18 @@ def huge(megabytes: int) -> str:
 def structured(n: int) -> dict:
     """Returns structured content: n and its square."""
     return {"n": n, "square": n * n}
+
+
+@server.tool()
+async def add_tool(name: str, ctx: Context) -> str:
+    """Adds a tool called `name` (it returns its own name) and announces tools/list_changed."""
+
+    def added() -> str:
+        return name
+
+    server.tool(name=name, description=f"Added at run time: {name}")(added)
+    await ctx.session.send_tool_list_changed()
+    return f"added {name}"
 
 
 def _add_many_tools(n):
