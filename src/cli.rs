@@ -62,7 +62,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::Zygote) = cli.command {
         init_logging(&cli.log_level);
-        return match crate::zygote::run_zygote_process() {
+        return match crate::zygote::run_zygote_process(&cli.settings.preload) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("ironcell zygote: {e:#}");

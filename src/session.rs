@@ -183,7 +183,7 @@ impl SessionManager {
             settings.startup_timeout,
             settings.call_timeout,
         ));
-        let zygote = Zygote::start(&exe)?;
+        let zygote = Zygote::start(&exe, &settings.preload)?;
         Ok(Arc::new(SessionManager {
             settings,
             sandbox,
@@ -260,7 +260,7 @@ impl SessionManager {
         let mut z = lock(&self.zygote);
         if z.is_dead() {
             tracing::warn!("the zygote is gone; starting a new one");
-            *z = Arc::new(Zygote::start(&self.exe)?);
+            *z = Arc::new(Zygote::start(&self.exe, &self.settings.preload)?);
         }
         Ok(z.clone())
     }

@@ -169,7 +169,7 @@ pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
 // ---------------------------------------------------------------------------------------------
 
 /// Entry point of the `__zygote` subcommand. Never returns while the host lives.
-pub fn run_zygote_process() -> anyhow::Result<()> {
+pub fn run_zygote_process(preload: &[String]) -> anyhow::Result<()> {
     // SAFETY: the host placed the control socket at fd 3 before exec; nothing else owns it.
     let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
     set_parent_death_signal()?;
@@ -177,7 +177,7 @@ pub fn run_zygote_process() -> anyhow::Result<()> {
     pyo3::append_to_inittab!(_ironcell_bridge);
     pyo3::Python::initialize();
     pyo3::Python::attach(|py| -> anyhow::Result<()> {
-        let (version, prefix, python_paths) = warm_up_interpreter(py)?;
+        let (version, prefix, python_paths) = warm_up_interpreter(py, preload)?;
         let ready = ZygoteEvent::Ready {
             python_version: version,
             prefix,
@@ -215,7 +215,10 @@ result = sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
 
 type InterpreterFacts = (String, String, Vec<PathBuf>);
 
-fn warm_up_interpreter(py: pyo3::Python<'_>) -> anyhow::Result<InterpreterFacts> {
+fn warm_up_interpreter(
+    py: pyo3::Python<'_>,
+    preload: &[String],
+) -> anyhow::Result<InterpreterFacts> {
     use pyo3::prelude::*;
     use pyo3::types::PyModule;
     let source = CString::new(RUNNER_SOURCE)?;
@@ -231,6 +234,16 @@ fn warm_up_interpreter(py: pyo3::Python<'_>) -> anyhow::Result<InterpreterFacts>
     sys.getattr("modules")
         .and_then(|m| m.set_item("mcp", &mcp))
         .map_err(|e| anyhow!("{e}"))?;
+    for name in preload
+        .iter()
+        .map(String::as_str)
+        .filter(|n| !n.trim().is_empty())
+    {
+        match py.import(name.trim()) {
+            Ok(_) => tracing::info!(module = name, "preloaded"),
+            Err(e) => tracing::warn!(module = name, error = %e, "preload skipped"),
+        }
+    }
     for name in WARM_IMPORTS {
         if let Err(e) = py.import(*name) {
             tracing::debug!(module = name, error = %e, "warm import skipped");
@@ -487,7 +500,7 @@ pub struct Zygote {
 impl Zygote {
     /// Exec's `exe` as a zygote with a cleared environment. Returns at once; the interpreter
     /// warms up in the background and spawn requests queue until it is ready.
-    pub fn start(exe: &Path) -> anyhow::Result<Zygote> {
+    pub fn start(exe: &Path, preload: &[String]) -> anyhow::Result<Zygote> {
         let (host_end, zygote_end) = socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
@@ -506,8 +519,11 @@ impl Zygote {
         // SAFETY: `out` is a fresh fd we own.
         let out = unsafe { OwnedFd::from_raw_fd(out) };
         let mut cmd = Command::new(exe);
-        cmd.arg(ZYGOTE_SUBCOMMAND)
-            .env_clear()
+        cmd.arg(ZYGOTE_SUBCOMMAND);
+        if !preload.is_empty() {
+            cmd.arg("--preload").arg(preload.join(","));
+        }
+        cmd.env_clear()
             .envs(zygote_environment())
             .stdin(Stdio::null())
             .stdout(Stdio::from(out))

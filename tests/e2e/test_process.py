@@ -145,3 +145,18 @@ def test_help_explains_each_command():
     for word in ("serve", "exec", "demo", "--timeout", "MCP_BRIDGE_TIMEOUT"):
         assert word in p.stdout
     assert "__zygote" not in p.stdout
+
+
+def test_preloaded_modules_are_ready_in_every_session_and_the_zygote_stays_single_threaded(state_dir):
+    srv = RawServer(state_dir, IRONCELL_PRELOAD="numpy,pandas,matplotlib.pyplot,no_such_module")
+    srv.initialize()
+    r = srv.call("import sys, os\n(sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules), os.getppid())")
+    loaded, zygote = eval(r["structuredContent"]["result"])
+    if not loaded:
+        pytest.skip("numpy/pandas/matplotlib are not installed for this Python")
+    assert loaded == ["matplotlib.pyplot", "numpy", "pandas"]
+    with open(f"/proc/{zygote}/status") as f:
+        assert "Threads:\t1\n" in f.read()
+    r = srv.call("import numpy as np\nfloat(np.arange(10).sum())", session="other")
+    assert r["structuredContent"]["result"] == "45.0"
+    srv.close()
