@@ -3,8 +3,9 @@
 #   docker build -t ironcell .
 #   docker run -i --rm ironcell            # MCP on stdin/stdout; configure your client with this
 #
-# The container needs no extra privileges: ironcell sandboxes each worker itself. Docker's own
-# default seccomp profile allows the Landlock and seccomp syscalls ironcell uses. Mount a
+# The container needs no extra privileges: ironcell sandboxes each worker itself. Check first
+# with `docker run --rm ironcell doctor`: it shows whether the VM's kernel and Docker's seccomp
+# profile let ironcell apply every layer (it refuses to run code otherwise). Mount a
 # proxied-servers config with -v and -e MCP_BRIDGE_CONFIG=/config/servers.json if you want
 # ironcell to call other MCP servers that exist inside the container.
 
