@@ -172,6 +172,18 @@ class RawServer:
             raise
 
 
+def worker_python_has(*modules: str) -> bool:
+    """Whether the Python that ironcell embeds (Debian's python3.11) can import `modules`."""
+    code = "import " + ", ".join(modules)
+    return subprocess.run(["/usr/bin/python3.11", "-c", code], capture_output=True).returncode == 0
+
+
+needs_plotting = pytest.mark.skipif(
+    not worker_python_has("matplotlib", "numpy", "PIL"),
+    reason="needs python3-matplotlib and python3-numpy (installed by .ci/run)",
+)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -8,7 +8,7 @@ import json
 import anyio
 import pytest
 
-from conftest import RawServer, Run, _field, connect, run
+from conftest import RawServer, Run, _field, connect, needs_plotting, run
 
 pytestmark = pytest.mark.anyio
 
@@ -23,6 +23,7 @@ async def read_bytes(s, uri: str) -> bytes:
     return base64.b64decode(c.blob) if getattr(c, "blob", None) is not None else c.text.encode()
 
 
+@needs_plotting
 async def test_an_open_figure_comes_back_as_an_image_with_a_link_to_the_full_file(state_dir):
     async with connect(state_dir) as s:
         r = await run(s, "import matplotlib.pyplot as plt\nplt.plot([1, 4, 2, 8])\nplt.title('trend')\n'plotted'")
@@ -40,6 +41,7 @@ async def test_an_open_figure_comes_back_as_an_image_with_a_link_to_the_full_fil
         assert not blocks(await run(s, "1"), "image")
 
 
+@needs_plotting
 async def test_a_large_image_is_downscaled_to_the_budget_and_the_full_file_is_linked(state_dir):
     async with connect(state_dir, IRONCELL_IMAGE_BUDGET="64k") as s:
         code = "import numpy as np\nfrom PIL import Image\nrng = np.random.default_rng(1)\nImage.fromarray(rng.integers(0, 255, (900, 900, 3), dtype=np.uint8)).save('noise.png')"
