@@ -111,6 +111,7 @@ class RawServer:
             env=server_env(state_dir, **env),
         )
         self.next_id = 1
+        self._buf = b""
 
     def send_line(self, line: bytes) -> None:
         assert self.proc.stdin is not None
@@ -124,12 +125,18 @@ class RawServer:
         import select
 
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError("no message from ironcell")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise EOFError("ironcell closed stdout")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        # Our own buffer: select() on a buffered file object misses lines already read ahead.
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError("no message from ironcell")
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise EOFError("ironcell closed stdout")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
         msg = json.loads(line)  # anything but one JSON-RPC message per line fails here
         assert msg.get("jsonrpc") == "2.0", msg
         return msg
