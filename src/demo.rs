@@ -45,6 +45,16 @@ const CELLS: &[(&str, &str, Option<f64>)] = &[
         "import asyncio\nawait asyncio.sleep(0.01)\n'awaited'",
         None,
     ),
+    (
+        "The sandbox holds: no host files, no network",
+        "import socket\nfor probe in (lambda: open('/etc/passwd'), lambda: socket.create_connection(('127.0.0.1', 22))):\n    try:\n        probe()\n    except OSError as e:\n        print(type(e).__name__ + ':', e.strerror)",
+        None,
+    ),
+    (
+        "Your other MCP servers are callable from the code (see MCP_BRIDGE_CONFIG)",
+        "await runtime.discovered_servers()",
+        None,
+    ),
 ];
 
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
@@ -89,6 +99,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             .call_tool(CallToolRequestParams::new("run_python").with_arguments(args))
             .await?;
         let ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let images = result
+            .content
+            .iter()
+            .filter(|c| c.as_image().is_some())
+            .count();
+        if images > 0 {
+            println!("   [{images} image(s) attached]");
+        }
         let flag = if result.is_error == Some(true) {
             "isError"
         } else {

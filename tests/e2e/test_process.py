@@ -136,7 +136,8 @@ def test_exec_prints_the_result_and_sets_the_exit_status(state_dir):
 def test_demo_shows_output_state_an_error_and_a_timeout(state_dir):
     p = subprocess.run([str(IRONCELL), "demo"], capture_output=True, text=True, env=server_env(state_dir), timeout=60)
     assert p.returncode == 0, p.stderr
-    for expected in ("=> 42", "area of a circle of radius 2: 12.566", "ZeroDivisionError", "timeout after", "=> 20", "'awaited'"):
+    for expected in ("=> 42", "area of a circle of radius 2: 12.566", "ZeroDivisionError", "timeout after", "=> 20", "'awaited'",
+                     "PermissionError: Permission denied", "PermissionError: Operation not permitted"):
         assert expected in p.stdout, expected
 
 

@@ -323,3 +323,15 @@ while time.monotonic() < deadline:
 """
         r = await run(s, code)
         assert r["result"] == "(False, True, {'result': 'fresh_tool'})", r.text
+
+
+def test_proxied_servers_stop_when_ironcell_exits(state_dir, tmp_path):
+    from conftest import RawServer, pid_alive, wait_until
+
+    srv = RawServer(state_dir, **proxy_env(tmp_path))
+    srv.initialize()
+    r = srv.call("mcp_test_server.pid_sync()")["structuredContent"]
+    upstream = int(eval(r["result"])["result"])
+    assert pid_alive(upstream)
+    assert srv.close(timeout=5) == 0
+    assert wait_until(lambda: not pid_alive(upstream), 5)

@@ -25,6 +25,12 @@ def get_env(name: str) -> str:
 
 
 @server.tool()
+def pid() -> int:
+    """This server's process id."""
+    return os.getpid()
+
+
+@server.tool()
 async def sleep(seconds: float) -> float:
     """Sleeps, then returns the seconds slept."""
     await asyncio.sleep(seconds)
