@@ -457,10 +457,12 @@ impl SessionManager {
             mcp_servers: self.proxy.server_summaries(),
             image_budget_bytes: self.settings.image_budget,
         };
+        let spawn_started = Instant::now();
         let spawned = zygote
             .spawn_worker(spec)
             .await
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let forked_ms = spawn_started.elapsed().as_secs_f64() * 1000.0;
         spawned
             .socket
             .set_nonblocking(true)
@@ -506,7 +508,13 @@ impl SessionManager {
         match ready {
             Ok(Ok(missing_layers)) => {
                 worker.missing_layers = missing_layers;
-                tracing::debug!(session = %session.name, pid = worker.pid, "worker ready");
+                tracing::debug!(
+                    session = %session.name,
+                    pid = worker.pid,
+                    forked_ms,
+                    ready_ms = spawn_started.elapsed().as_secs_f64() * 1000.0,
+                    "worker ready"
+                );
                 Ok(worker)
             }
             Ok(Err(message)) => {
