@@ -383,11 +383,13 @@ impl SessionManager {
             .drive_cell(
                 &session,
                 &mut state,
-                run_no,
-                &req.code,
-                timeout,
-                cancel,
-                req.progress.as_ref(),
+                Cell {
+                    run_no,
+                    code: &req.code,
+                    timeout,
+                    cancel,
+                    progress: req.progress.as_ref(),
+                },
             )
             .await;
         *lock(&session.last_used) = Instant::now();
@@ -590,39 +592,36 @@ impl SessionManager {
     /// Feeds one cell to the session's worker and collects everything until it is done, dead,
     /// or killed.
     /// [`Self::drive_cell_inner`], with the proxied calls the cell made added to its record.
-    #[allow(clippy::too_many_arguments)]
     async fn drive_cell(
         &self,
         session: &Session,
         state: &mut SessionState,
-        run_no: u64,
-        code: &str,
-        timeout: Duration,
-        cancel: CancellationToken,
-        progress: Option<&tokio::sync::watch::Sender<Progress>>,
+        cell: Cell<'_>,
     ) -> CellOutcome {
         let mut calls = Vec::new();
         let mut outcome = self
-            .drive_cell_inner(
-                session, state, run_no, code, timeout, cancel, progress, &mut calls,
-            )
+            .drive_cell_inner(session, state, cell, &mut calls)
             .await;
         outcome.record.upstream_calls = calls;
         outcome
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Feeds one cell to the session's worker and collects everything until it is done, dead,
+    /// or killed.
     async fn drive_cell_inner(
         &self,
         session: &Session,
         state: &mut SessionState,
-        run_no: u64,
-        code: &str,
-        timeout: Duration,
-        cancel: CancellationToken,
-        progress: Option<&tokio::sync::watch::Sender<Progress>>,
+        cell: Cell<'_>,
         calls: &mut Vec<CallSummary>,
     ) -> CellOutcome {
+        let Cell {
+            run_no,
+            code,
+            timeout,
+            cancel,
+            progress,
+        } = cell;
         let s = &self.settings;
         let (p, d) = spill_location(&session.scratch, run_no, "stdout");
         let mut stdout = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
@@ -795,6 +794,15 @@ fn crash_reason(exit: Option<ExitInfo>) -> &'static str {
         Some(ExitInfo::Code(_)) => " (os._exit() or a fatal interpreter error)",
         _ => "",
     }
+}
+
+/// One cell to run, with its limits and listeners.
+struct Cell<'a> {
+    run_no: u64,
+    code: &'a str,
+    timeout: Duration,
+    cancel: CancellationToken,
+    progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
 }
 
 struct CellOutcome {
