@@ -165,9 +165,9 @@ impl SessionManager {
     /// Starts the zygote (it warms up in the background) and prepares this server's directory
     /// of session scratch dirs.
     pub fn start(settings: Settings, exe: PathBuf) -> anyhow::Result<Arc<SessionManager>> {
-        let root = settings
-            .resolved_state_dir()
-            .join(format!("sessions-{}", std::process::id()));
+        let state_dir = settings.resolved_state_dir();
+        remove_sessions_of_dead_servers(&state_dir);
+        let root = state_dir.join(format!("sessions-{}", std::process::id()));
         std::fs::create_dir_all(&root)
             .map_err(|e| anyhow::anyhow!("creating {}: {e}", root.display()))?;
         set_private(&root);
@@ -963,6 +963,28 @@ fn directory_size(dir: &Path, stop_at: u64) -> u64 {
         }
     }
     total
+}
+
+/// Removes `sessions-<pid>` directories left by ironcell servers that died without cleaning
+/// up (e.g. SIGKILL), so their files do not pile up.
+fn remove_sessions_of_dead_servers(state_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("sessions-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!(dir = %entry.path().display(), "removing sessions of a server that is gone");
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 fn set_private(dir: &Path) {

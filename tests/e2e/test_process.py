@@ -161,3 +161,14 @@ def test_preloaded_modules_are_ready_in_every_session_and_the_zygote_stays_singl
     r = srv.call("import numpy as np\nfloat(np.arange(10).sum())", session="other")
     assert r["structuredContent"]["result"] == "45.0"
     srv.close()
+
+
+def test_session_dirs_of_a_server_that_died_are_removed_at_start(state_dir):
+    stale = state_dir / "sessions-4000000"  # above the kernel's pid limit: never a live process
+    (stale / "default").mkdir(parents=True)
+    (stale / "default" / "left-behind.txt").write_text("x")
+    srv = RawServer(state_dir)
+    srv.initialize()
+    assert srv.call("1")["structuredContent"]["result"] == "1"
+    assert not stale.exists()
+    srv.close()
