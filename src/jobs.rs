@@ -9,6 +9,8 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+use crate::lock;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -56,10 +58,6 @@ impl Job {
 pub struct Jobs {
     map: Mutex<HashMap<String, Arc<Job>>>,
     next: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Jobs {

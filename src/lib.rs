@@ -21,6 +21,12 @@
 //! - [`system_info`]: what `system://info` reports.
 //! - `python/_ironcell_runner.py`: the notebook-style cell runner, embedded in the binary.
 
+/// Locks a mutex, carrying on with the data if another thread panicked while holding it: the
+/// tables guarded this way (sessions, jobs, pending spawns) stay consistent between statements.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 pub mod cli;
 pub mod config;
 pub mod demo;

@@ -509,33 +509,23 @@ impl ServerHandler for IroncellServer {
                 .read_session_file(session, rel)
                 .map_err(|e| McpError::resource_not_found(e, None))?;
             let mime = crate::files::mime_for(rel);
-            let contents = match String::from_utf8(bytes) {
-                Ok(text)
-                    if crate::files::is_text_mime(mime) || mime == "application/octet-stream" =>
-                {
-                    ResourceContents::text(text, request.uri.clone()).with_mime_type(
-                        if mime == "application/octet-stream" {
-                            "text/plain"
-                        } else {
-                            mime
-                        },
-                    )
+            let text_like = crate::files::is_text_mime(mime) || mime == "application/octet-stream";
+            let contents = match (text_like, String::from_utf8(bytes)) {
+                (true, Ok(text)) => {
+                    let mime = if mime == "application/octet-stream" {
+                        "text/plain"
+                    } else {
+                        mime
+                    };
+                    ResourceContents::text(text, request.uri.clone()).with_mime_type(mime)
                 }
-                Ok(text) => {
+                (_, decoded) => {
                     use base64::Engine;
-                    ResourceContents::blob(
-                        base64::engine::general_purpose::STANDARD.encode(text),
-                        request.uri.clone(),
-                    )
-                    .with_mime_type(mime)
-                }
-                Err(e) => {
-                    use base64::Engine;
-                    ResourceContents::blob(
-                        base64::engine::general_purpose::STANDARD.encode(e.into_bytes()),
-                        request.uri.clone(),
-                    )
-                    .with_mime_type(mime)
+                    let bytes = decoded
+                        .map(String::into_bytes)
+                        .unwrap_or_else(|e| e.into_bytes());
+                    let blob = base64::engine::general_purpose::STANDARD.encode(bytes);
+                    ResourceContents::blob(blob, request.uri.clone()).with_mime_type(mime)
                 }
             };
             return Ok(ReadResourceResult::new(vec![contents]).into());

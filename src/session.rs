@@ -10,6 +10,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+
+use crate::lock;
 use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
@@ -145,10 +147,6 @@ pub struct SessionManager {
     /// How long the last workers took to lock themselves down, in microseconds.
     recent_lockdown_us: Mutex<Vec<u64>>,
     root: PathBuf,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Session names become directory names, so only a safe alphabet is accepted.

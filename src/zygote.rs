@@ -26,6 +26,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::lock;
+
 use anyhow::{Context, anyhow, bail};
 use nix::sys::socket::{
     AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
@@ -631,10 +633,6 @@ impl Drop for Zygote {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {

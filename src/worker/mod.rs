@@ -135,7 +135,7 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         let Ok((id, code)) = next else {
             return Ok(()); // the host closed the session
         };
-        let done = run_cell(py, &runner, id, &code);
+        let done = run_cell(&runner, id, &code);
         flush_python_streams(py);
         // Everything the cell wrote is in the pipes now; send it before `done`.
         pump.drain_then(|| send_json(&writer, &done))?;
@@ -172,7 +172,7 @@ pub(crate) fn block_sigint_on_this_thread() {
     let _ = set.thread_block();
 }
 
-fn run_cell(_py: Python<'_>, runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
+fn run_cell(runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
     // A SIGINT that arrived between cells must not interrupt this one.
     // SAFETY: called with the GIL held; a pending KeyboardInterrupt is cleared right away.
     unsafe {
