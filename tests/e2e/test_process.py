@@ -49,9 +49,10 @@ def test_the_zygote_has_a_clean_environment_and_one_thread(state_dir):
     assert token.encode() not in zenv and b"GITHUB_TOKEN" not in zenv
     with open(f"/proc/{zygote}/status") as f:
         assert "Threads:\t1\n" in f.read()
-    r = srv.call("import os\ndict(os.environ)", session="s")
-    env = eval(r["structuredContent"]["result"])
-    assert "GITHUB_TOKEN" not in env and env["HOME"] == os.getcwd() or True
+    r = srv.call("import os\n(dict(os.environ), os.getcwd())", session="s")
+    env, cwd = eval(r["structuredContent"]["result"])
+    assert "GITHUB_TOKEN" not in env
+    assert env["HOME"] == cwd, "the session directory is both HOME and the working directory"
     assert env["HOME"] == env["TMPDIR"] and env["HOME"].endswith("/s")
     assert not any(token in v for v in env.values())
     srv.close()
