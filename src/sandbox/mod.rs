@@ -6,18 +6,22 @@
 //! and seccomp bind the calling thread and the threads it creates later, never earlier ones.
 //!
 //! Order, and why:
+//! 0. a root worker joins a pids cgroup of its own (its thread cap: the kernel never applies
+//!    RLIMIT_NPROC to root) — first, while it still has the privilege to;
 //! 1. drop every capability — so root's CAP_SYS_ADMIN/CAP_PERFMON cannot reach around Landlock
 //!    (e.g. `/proc/<pid>/environ` of the host);
 //! 2. `no_new_privs` — required by seccomp for an unprivileged process, and no exec can regain
 //!    privileges;
 //! 3. not dumpable — no core files, no same-uid ptrace or `/proc/<pid>/mem` of the worker;
-//! 4. rlimits (and SIGXFSZ ignored, so a too-large file is an `OSError`, not a death);
+//! 4. rlimits (and SIGXFSZ ignored, so a too-large file is an `OSError`, not a death; and at
+//!    most two malloc arenas, so threads do not spend RLIMIT_AS on reserved arenas);
 //! 5. Landlock — the filesystem view (and TCP, scopes on newer ABIs);
 //! 6. seccomp — last, because it would forbid the syscalls the steps above use.
 //!
 //! Fail closed: in `enforce` mode a layer that cannot be applied is an error and the worker
 //! exits without running anything; only `best-effort` continues, and then says what is missing.
 
+pub mod cgroup;
 pub mod landlock;
 pub mod policy;
 pub mod rlimits;
@@ -51,6 +55,9 @@ pub struct SandboxPlan {
     pub filesystem: Option<FilesystemGrants>,
     pub limits: WorkerLimits,
     pub seccomp: bool,
+    /// Where a root worker makes its pids cgroup (its thread cap); `None`: RLIMIT_NPROC.
+    #[serde(default)]
+    pub pids_cgroup_parent: Option<PathBuf>,
 }
 
 /// The host's view of the sandbox: policy, kernel abilities and the operator's choices.
@@ -64,6 +71,11 @@ pub struct Sandbox {
     pub landlock_abi_cap: Option<i32>,
     pub seccomp_available: bool,
     pub memory_bytes: u64,
+    /// Where root workers make their pids cgroups (see [`cgroup`]); `None` when not root, when
+    /// no writable pids hierarchy exists, or when `IRONCELL_CGROUPS=off`.
+    pub pids_cgroup_parent: Option<PathBuf>,
+    /// Whether workers run as real uid 0, for which the kernel ignores RLIMIT_NPROC.
+    pub root_workers: bool,
 }
 
 /// One protection a user relies on and the layers that provide it on this host.
@@ -89,6 +101,13 @@ impl Sandbox {
             abi = abi.min(cap.max(0));
         }
         let memory_bytes = memory_override.unwrap_or(policy.limits.memory_mib << 20);
+        // `IRONCELL_CGROUPS=off` proves (and lets operators choose) the no-cgroup fallback.
+        let cgroups_off = std::env::var("IRONCELL_CGROUPS").is_ok_and(|v| v == "off");
+        let pids_cgroup_parent = if cgroups_off {
+            None
+        } else {
+            cgroup::pids_parent_for_workers()
+        };
         Sandbox {
             policy,
             mode,
@@ -97,6 +116,31 @@ impl Sandbox {
             landlock_abi_cap: abi_cap,
             seccomp_available: sys::seccomp_available(),
             memory_bytes,
+            pids_cgroup_parent,
+            root_workers: nix::unistd::getuid().is_root(),
+        }
+    }
+
+    /// RLIMIT_AS of a worker: the memory limit plus the policy's headroom.
+    pub fn address_space_bytes(&self) -> u64 {
+        self.memory_bytes
+            .saturating_add(self.policy.limits.address_space_headroom_mib << 20)
+    }
+
+    /// What caps a worker's threads on this host, or `None` when nothing does.
+    pub fn thread_cap_layer(&self) -> Option<String> {
+        let n = self.policy.limits.threads;
+        if let Some(parent) = &self.pids_cgroup_parent {
+            Some(format!(
+                "pids cgroup v1 (pids.max {n}, under {})",
+                parent.display()
+            ))
+        } else if !self.root_workers {
+            Some(format!(
+                "RLIMIT_NPROC ({n} more than the tasks on the machine at worker start)"
+            ))
+        } else {
+            None
         }
     }
 
@@ -158,10 +202,13 @@ impl Sandbox {
             limits: WorkerLimits {
                 cpu_seconds: l.cpu_seconds,
                 memory_bytes: self.memory_bytes,
+                address_space_bytes: self.address_space_bytes(),
                 file_size_bytes: l.file_size_mib << 20,
                 open_files: l.open_files,
+                threads: l.threads,
             },
             seccomp: self.seccomp_available,
+            pids_cgroup_parent: self.pids_cgroup_parent.clone(),
         }
     }
 
@@ -197,7 +244,16 @@ impl Sandbox {
             ),
             (
                 "no signals to other processes",
-                vec![ll(6), sc("kill/tgkill only on itself")],
+                vec![
+                    ll(6),
+                    sc(
+                        "kill/tgkill only on itself; fcntl F_SETOWN, F_SETSIG, F_SETLEASE, F_NOTIFY and O_ASYNC refused",
+                    ),
+                ],
+            ),
+            (
+                "no chmod, chown or utime of any file",
+                vec![sc("metadata calls refused, by path and by fd")],
             ),
             (
                 "no device ioctls (e.g. TIOCSTI)",
@@ -219,6 +275,17 @@ impl Sandbox {
                 "CPU, memory, file size, open files",
                 vec![Some("rlimits".into())],
             ),
+            (
+                "shared memory counted: mmap(-1, n), memfd",
+                vec![
+                    Some(format!(
+                        "RLIMIT_AS ({} MiB: memory + headroom)",
+                        self.address_space_bytes() >> 20
+                    )),
+                    sc("memfd_create refused"),
+                ],
+            ),
+            ("threads capped", vec![self.thread_cap_layer()]),
             (
                 "wall time, output size, scratch quota, session count",
                 vec![Some("host supervisor".into())],
@@ -247,6 +314,13 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
             Err(e) => Err(format!("sandbox layer {name} could not be applied: {e}")),
         }
     };
+    if let Some(parent) = &plan.pids_cgroup_parent {
+        step(
+            "pids cgroup",
+            cgroup::join_new_pids_group(parent, std::process::id(), plan.limits.threads)
+                .map_err(|e| format!("{} ({e})", parent.display())),
+        )?;
+    }
     step(
         "capabilities",
         sys::drop_all_capabilities().map_err(|e| e.to_string()),
@@ -260,6 +334,7 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
         sys::set_not_dumpable().map_err(|e| e.to_string()),
     )?;
     step("SIGXFSZ", sys::ignore_sigxfsz().map_err(|e| e.to_string()))?;
+    sys::limit_malloc_arenas(2);
     step(
         "rlimits",
         rlimits::apply_worker_limits(&plan.limits).map_err(|e| e.to_string()),
