@@ -358,3 +358,121 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
     }
     Ok(missing)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CString;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Runs `attack` in a forked child after the real lockdown; the child's exit code is the
+    /// number of the first check that failed (0: all held).
+    fn in_locked_down_child(scratch: &Path, attack: impl FnOnce() -> i32) -> i32 {
+        let sandbox = Sandbox::new(
+            Policy::load("default").unwrap(),
+            SandboxMode::Enforce,
+            None,
+            None,
+        );
+        let plan = sandbox.plan_for(scratch, &[]);
+        // SAFETY: the child only runs the lockdown and the attack, then _exit()s.
+        match unsafe { libc::fork() } {
+            0 => {
+                let code = match apply_lockdown_to_current_process(&plan) {
+                    Ok(_) => attack(),
+                    Err(_) => 100,
+                };
+                // SAFETY: ends the child without running the parent's atexit handlers.
+                unsafe { libc::_exit(code) }
+            }
+            pid if pid > 0 => {
+                let mut status = 0;
+                // SAFETY: waiting for our own child.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+                assert!(libc::WIFEXITED(status), "child status {status:#x}");
+                libc::WEXITSTATUS(status)
+            }
+            _ => panic!("fork failed: {}", std::io::Error::last_os_error()),
+        }
+    }
+
+    fn errno() -> i32 {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    #[test]
+    fn a_locked_down_process_cannot_chmod_open_connect_exec_or_signal_out() {
+        if sys::landlock_abi_of_kernel() < 1 || !sys::seccomp_available() {
+            eprintln!("skipped: this kernel has no Landlock or seccomp");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("ironcell-lockdown-{}", std::process::id()));
+        let scratch = dir.join("scratch");
+        std::fs::create_dir_all(&scratch).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "secret").unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let victim_c = CString::new(victim.to_str().unwrap()).unwrap();
+        let scratch_file = CString::new(scratch.join("f").to_str().unwrap()).unwrap();
+
+        let failed_check = in_locked_down_child(&scratch, || {
+            // SAFETY (all calls below): plain syscalls with valid C strings and integers.
+            unsafe {
+                if libc::chmod(victim_c.as_ptr(), 0o644) == 0 || errno() != libc::EPERM {
+                    return 1;
+                }
+                let fd = libc::open(victim_c.as_ptr(), libc::O_RDONLY);
+                if fd >= 0 || errno() != libc::EACCES {
+                    return 2;
+                }
+                if libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) >= 0 || errno() != libc::EPERM
+                {
+                    return 3;
+                }
+                let sh = CString::new("/bin/sh").unwrap();
+                let argv = [sh.as_ptr(), std::ptr::null()];
+                let envp = [std::ptr::null()];
+                if libc::execve(sh.as_ptr(), argv.as_ptr(), envp.as_ptr()) == 0
+                    || errno() != libc::EPERM
+                {
+                    return 4;
+                }
+                let mut fds = [0; 2];
+                if libc::pipe(fds.as_mut_ptr()) != 0 {
+                    return 5;
+                }
+                if libc::fcntl(fds[0], libc::F_SETOWN, libc::getppid()) == 0
+                    || errno() != libc::EPERM
+                {
+                    return 6;
+                }
+                if libc::fcntl(fds[0], libc::F_SETFL, libc::O_ASYNC) == 0 || errno() != libc::EPERM
+                {
+                    return 7;
+                }
+                if libc::fcntl(fds[0], libc::F_SETFL, libc::O_NONBLOCK) != 0 {
+                    return 8;
+                }
+                // The session dir still works, but even its files' modes cannot change.
+                let f = libc::open(scratch_file.as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o600);
+                if f < 0 || libc::write(f, b"x".as_ptr().cast(), 1) != 1 {
+                    return 9;
+                }
+                if libc::fchmod(f, 0o4755) == 0 || errno() != libc::EPERM {
+                    return 10;
+                }
+                if libc::kill(libc::getppid(), 0) == 0 || errno() != libc::EPERM {
+                    return 11;
+                }
+            }
+            0
+        });
+        let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o7777;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            failed_check, 0,
+            "check {failed_check} did not hold (100: lockdown failed)"
+        );
+        assert_eq!(mode, 0o600);
+    }
+}
