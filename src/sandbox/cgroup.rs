@@ -75,17 +75,23 @@ fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
     std::fs::write(dir.join("cgroup.procs"), pid.to_string())
 }
 
-/// `rmdir` on every other worker group: the kernel refuses (EBUSY) while a group has tasks, so
-/// only groups of workers that have exited go.
+/// `rmdir` on the groups of workers whose pid no longer exists (a cheap check that spares an
+/// `rmdir` attempt on each live group). The kernel refuses (EBUSY) to remove a group that still
+/// has tasks, so a reused pid can only delay a removal, never remove a live worker's group.
 fn remove_groups_of_gone_workers(parent: &Path, own_pid: u32) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
-    let own = format!("w{own_pid}");
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with('w') && name != own {
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix('w'))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != own_pid && !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_dir(entry.path());
         }
     }
