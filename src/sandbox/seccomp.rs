@@ -10,12 +10,15 @@
 //!    filter would miss.
 //! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
 //!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
-//!    process, identity changes, `TIOCSTI`.
+//!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
+//!    and their fd forms), `memfd_create`, and the `fcntl` commands that signal on the worker's
+//!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
 //! These rules do not depend on the kernel's Landlock ABI: they are what provides the
-//! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot.
+//! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot,
+//! and the no-metadata-change protection on every kernel (no Landlock ABI mediates it).
 
 use std::collections::BTreeMap;
 
