@@ -47,12 +47,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         }
     );
     println!(
-        "limits        cpu {} s, memory {} MiB, file size {} MiB, open files {}, scratch {} MiB",
+        "limits        cpu {} s, memory {} MiB (address space {} MiB), file size {} MiB, open files {}, threads {}, scratch {} MiB",
         sandbox.policy.limits.cpu_seconds,
         sandbox.memory_bytes >> 20,
+        sandbox.address_space_bytes() >> 20,
         sandbox.policy.limits.file_size_mib,
         sandbox.policy.limits.open_files,
+        sandbox.policy.limits.threads,
         sandbox.policy.limits.scratch_quota_mib
+    );
+    println!(
+        "thread cap    {}",
+        sandbox.thread_cap_layer().unwrap_or_else(|| {
+            "NONE: workers run as root, which RLIMIT_NPROC never binds, and no writable pids cgroup exists (run ironcell as a normal user, or as root with the cgroup v1 pids hierarchy mounted and writable)".into()
+        })
     );
     println!("\n{:<58}provided by", "protection");
     for p in sandbox.protections() {

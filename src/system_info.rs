@@ -71,9 +71,15 @@ pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
         "limits": {
             "cpu_seconds": sb.policy.limits.cpu_seconds,
             "memory_bytes": sb.memory_bytes,
+            "address_space_bytes": sb.address_space_bytes(),
             "file_size_bytes": sb.policy.limits.file_size_mib << 20,
             "open_files": sb.policy.limits.open_files,
+            "threads": sb.policy.limits.threads,
             "scratch_quota_bytes": sb.scratch_quota_bytes(),
+        },
+        "mechanisms": {
+            "memory": "RLIMIT_DATA (private memory) + RLIMIT_AS (all mappings, shared included); memfd_create refused",
+            "threads": sb.thread_cap_layer(),
         },
         "protections": sb.protections(),
         "network": "none",

@@ -6,18 +6,22 @@
 //! and seccomp bind the calling thread and the threads it creates later, never earlier ones.
 //!
 //! Order, and why:
+//! 0. a root worker joins a pids cgroup of its own (its thread cap: the kernel never applies
+//!    RLIMIT_NPROC to root) — first, while it still has the privilege to;
 //! 1. drop every capability — so root's CAP_SYS_ADMIN/CAP_PERFMON cannot reach around Landlock
 //!    (e.g. `/proc/<pid>/environ` of the host);
 //! 2. `no_new_privs` — required by seccomp for an unprivileged process, and no exec can regain
 //!    privileges;
 //! 3. not dumpable — no core files, no same-uid ptrace or `/proc/<pid>/mem` of the worker;
-//! 4. rlimits (and SIGXFSZ ignored, so a too-large file is an `OSError`, not a death);
+//! 4. rlimits (and SIGXFSZ ignored, so a too-large file is an `OSError`, not a death; and at
+//!    most two malloc arenas, so threads do not spend RLIMIT_AS on reserved arenas);
 //! 5. Landlock — the filesystem view (and TCP, scopes on newer ABIs);
 //! 6. seccomp — last, because it would forbid the syscalls the steps above use.
 //!
 //! Fail closed: in `enforce` mode a layer that cannot be applied is an error and the worker
 //! exits without running anything; only `best-effort` continues, and then says what is missing.
 
+pub mod cgroup;
 pub mod landlock;
 pub mod policy;
 pub mod rlimits;
@@ -51,6 +55,9 @@ pub struct SandboxPlan {
     pub filesystem: Option<FilesystemGrants>,
     pub limits: WorkerLimits,
     pub seccomp: bool,
+    /// Where a root worker makes its pids cgroup (its thread cap); `None`: RLIMIT_NPROC.
+    #[serde(default)]
+    pub pids_cgroup_parent: Option<PathBuf>,
 }
 
 /// The host's view of the sandbox: policy, kernel abilities and the operator's choices.
@@ -64,6 +71,11 @@ pub struct Sandbox {
     pub landlock_abi_cap: Option<i32>,
     pub seccomp_available: bool,
     pub memory_bytes: u64,
+    /// Where root workers make their pids cgroups (see [`cgroup`]); `None` when not root, when
+    /// no writable pids hierarchy exists, or when `IRONCELL_CGROUPS=off`.
+    pub pids_cgroup_parent: Option<PathBuf>,
+    /// Whether workers run as real uid 0, for which the kernel ignores RLIMIT_NPROC.
+    pub root_workers: bool,
 }
 
 /// One protection a user relies on and the layers that provide it on this host.
@@ -89,6 +101,13 @@ impl Sandbox {
             abi = abi.min(cap.max(0));
         }
         let memory_bytes = memory_override.unwrap_or(policy.limits.memory_mib << 20);
+        // `IRONCELL_CGROUPS=off` proves (and lets operators choose) the no-cgroup fallback.
+        let cgroups_off = std::env::var("IRONCELL_CGROUPS").is_ok_and(|v| v == "off");
+        let pids_cgroup_parent = if cgroups_off {
+            None
+        } else {
+            cgroup::pids_parent_for_workers()
+        };
         Sandbox {
             policy,
             mode,
@@ -97,6 +116,31 @@ impl Sandbox {
             landlock_abi_cap: abi_cap,
             seccomp_available: sys::seccomp_available(),
             memory_bytes,
+            pids_cgroup_parent,
+            root_workers: nix::unistd::getuid().is_root(),
+        }
+    }
+
+    /// RLIMIT_AS of a worker: the memory limit plus the policy's headroom.
+    pub fn address_space_bytes(&self) -> u64 {
+        self.memory_bytes
+            .saturating_add(self.policy.limits.address_space_headroom_mib << 20)
+    }
+
+    /// What caps a worker's threads on this host, or `None` when nothing does.
+    pub fn thread_cap_layer(&self) -> Option<String> {
+        let n = self.policy.limits.threads;
+        if let Some(parent) = &self.pids_cgroup_parent {
+            Some(format!(
+                "pids cgroup v1 (pids.max {n}, under {})",
+                parent.display()
+            ))
+        } else if !self.root_workers {
+            Some(format!(
+                "RLIMIT_NPROC ({n} more than the tasks on the machine at worker start)"
+            ))
+        } else {
+            None
         }
     }
 
@@ -158,10 +202,13 @@ impl Sandbox {
             limits: WorkerLimits {
                 cpu_seconds: l.cpu_seconds,
                 memory_bytes: self.memory_bytes,
+                address_space_bytes: self.address_space_bytes(),
                 file_size_bytes: l.file_size_mib << 20,
                 open_files: l.open_files,
+                threads: l.threads,
             },
             seccomp: self.seccomp_available,
+            pids_cgroup_parent: self.pids_cgroup_parent.clone(),
         }
     }
 
@@ -197,7 +244,16 @@ impl Sandbox {
             ),
             (
                 "no signals to other processes",
-                vec![ll(6), sc("kill/tgkill only on itself")],
+                vec![
+                    ll(6),
+                    sc(
+                        "kill/tgkill only on itself; fcntl F_SETOWN, F_SETSIG, F_SETLEASE, F_NOTIFY and O_ASYNC refused",
+                    ),
+                ],
+            ),
+            (
+                "no chmod, chown or utime of any file",
+                vec![sc("metadata calls refused, by path and by fd")],
             ),
             (
                 "no device ioctls (e.g. TIOCSTI)",
@@ -219,6 +275,17 @@ impl Sandbox {
                 "CPU, memory, file size, open files",
                 vec![Some("rlimits".into())],
             ),
+            (
+                "shared memory counted: mmap(-1, n), memfd",
+                vec![
+                    Some(format!(
+                        "RLIMIT_AS ({} MiB: memory + headroom)",
+                        self.address_space_bytes() >> 20
+                    )),
+                    sc("memfd_create refused"),
+                ],
+            ),
+            ("threads capped", vec![self.thread_cap_layer()]),
             (
                 "wall time, output size, scratch quota, session count",
                 vec![Some("host supervisor".into())],
@@ -247,6 +314,13 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
             Err(e) => Err(format!("sandbox layer {name} could not be applied: {e}")),
         }
     };
+    if let Some(parent) = &plan.pids_cgroup_parent {
+        step(
+            "pids cgroup",
+            cgroup::join_new_pids_group(parent, std::process::id(), plan.limits.threads)
+                .map_err(|e| format!("{} ({e})", parent.display())),
+        )?;
+    }
     step(
         "capabilities",
         sys::drop_all_capabilities().map_err(|e| e.to_string()),
@@ -260,6 +334,7 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
         sys::set_not_dumpable().map_err(|e| e.to_string()),
     )?;
     step("SIGXFSZ", sys::ignore_sigxfsz().map_err(|e| e.to_string()))?;
+    sys::limit_malloc_arenas(2);
     step(
         "rlimits",
         rlimits::apply_worker_limits(&plan.limits).map_err(|e| e.to_string()),
@@ -282,4 +357,122 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
         step("seccomp", Err("not available on this kernel".into()))?;
     }
     Ok(missing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CString;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Runs `attack` in a forked child after the real lockdown; the child's exit code is the
+    /// number of the first check that failed (0: all held).
+    fn in_locked_down_child(scratch: &Path, attack: impl FnOnce() -> i32) -> i32 {
+        let sandbox = Sandbox::new(
+            Policy::load("default").unwrap(),
+            SandboxMode::Enforce,
+            None,
+            None,
+        );
+        let plan = sandbox.plan_for(scratch, &[]);
+        // SAFETY: the child only runs the lockdown and the attack, then _exit()s.
+        match unsafe { libc::fork() } {
+            0 => {
+                let code = match apply_lockdown_to_current_process(&plan) {
+                    Ok(_) => attack(),
+                    Err(_) => 100,
+                };
+                // SAFETY: ends the child without running the parent's atexit handlers.
+                unsafe { libc::_exit(code) }
+            }
+            pid if pid > 0 => {
+                let mut status = 0;
+                // SAFETY: waiting for our own child.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+                assert!(libc::WIFEXITED(status), "child status {status:#x}");
+                libc::WEXITSTATUS(status)
+            }
+            _ => panic!("fork failed: {}", std::io::Error::last_os_error()),
+        }
+    }
+
+    fn errno() -> i32 {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    #[test]
+    fn a_locked_down_process_cannot_chmod_open_connect_exec_or_signal_out() {
+        if sys::landlock_abi_of_kernel() < 1 || !sys::seccomp_available() {
+            eprintln!("skipped: this kernel has no Landlock or seccomp");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("ironcell-lockdown-{}", std::process::id()));
+        let scratch = dir.join("scratch");
+        std::fs::create_dir_all(&scratch).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "secret").unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let victim_c = CString::new(victim.to_str().unwrap()).unwrap();
+        let scratch_file = CString::new(scratch.join("f").to_str().unwrap()).unwrap();
+
+        let failed_check = in_locked_down_child(&scratch, || {
+            // SAFETY (all calls below): plain syscalls with valid C strings and integers.
+            unsafe {
+                if libc::chmod(victim_c.as_ptr(), 0o644) == 0 || errno() != libc::EPERM {
+                    return 1;
+                }
+                let fd = libc::open(victim_c.as_ptr(), libc::O_RDONLY);
+                if fd >= 0 || errno() != libc::EACCES {
+                    return 2;
+                }
+                if libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) >= 0 || errno() != libc::EPERM
+                {
+                    return 3;
+                }
+                let sh = CString::new("/bin/sh").unwrap();
+                let argv = [sh.as_ptr(), std::ptr::null()];
+                let envp = [std::ptr::null()];
+                if libc::execve(sh.as_ptr(), argv.as_ptr(), envp.as_ptr()) == 0
+                    || errno() != libc::EPERM
+                {
+                    return 4;
+                }
+                let mut fds = [0; 2];
+                if libc::pipe(fds.as_mut_ptr()) != 0 {
+                    return 5;
+                }
+                if libc::fcntl(fds[0], libc::F_SETOWN, libc::getppid()) == 0
+                    || errno() != libc::EPERM
+                {
+                    return 6;
+                }
+                if libc::fcntl(fds[0], libc::F_SETFL, libc::O_ASYNC) == 0 || errno() != libc::EPERM
+                {
+                    return 7;
+                }
+                if libc::fcntl(fds[0], libc::F_SETFL, libc::O_NONBLOCK) != 0 {
+                    return 8;
+                }
+                // The session dir still works, but even its files' modes cannot change.
+                let f = libc::open(scratch_file.as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o600);
+                if f < 0 || libc::write(f, b"x".as_ptr().cast(), 1) != 1 {
+                    return 9;
+                }
+                if libc::fchmod(f, 0o4755) == 0 || errno() != libc::EPERM {
+                    return 10;
+                }
+                if libc::kill(libc::getppid(), 0) == 0 || errno() != libc::EPERM {
+                    return 11;
+                }
+            }
+            0
+        });
+        let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o7777;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            failed_check, 0,
+            "check {failed_check} did not hold (100: lockdown failed)"
+        );
+        assert_eq!(mode, 0o600);
+    }
 }

@@ -36,6 +36,23 @@ pub struct LimitsPolicy {
     pub file_size_mib: u64,
     pub open_files: u64,
     pub scratch_quota_mib: u64,
+    /// RLIMIT_AS beyond `memory_mib`: room for what reserves address space without using
+    /// memory (thread stacks, malloc arenas, extension modules). Bounds shared anonymous
+    /// mappings, which RLIMIT_DATA does not count. Optional; older policy files get the default.
+    #[serde(default = "default_address_space_headroom_mib")]
+    pub address_space_headroom_mib: u64,
+    /// Threads a worker may run at once (RLIMIT_NPROC; see `rlimits::thread_cap`). Optional;
+    /// older policy files get the default.
+    #[serde(default = "default_threads")]
+    pub threads: u64,
+}
+
+fn default_address_space_headroom_mib() -> u64 {
+    1024
+}
+
+fn default_threads() -> u64 {
+    256
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +114,13 @@ impl Policy {
             ("limits.file_size_mib", l.file_size_mib, 1, 1 << 20),
             ("limits.open_files", l.open_files, 32, 1 << 20),
             ("limits.scratch_quota_mib", l.scratch_quota_mib, 1, 1 << 24),
+            (
+                "limits.address_space_headroom_mib",
+                l.address_space_headroom_mib,
+                256,
+                1 << 20,
+            ),
+            ("limits.threads", l.threads, 8, 65_536),
         ] {
             if !(min..=max).contains(&value) {
                 return Err(invalid(
@@ -158,6 +182,24 @@ mod tests {
         assert_eq!(d.limits.memory_mib, 1024);
         let s = Policy::load("strict").unwrap();
         assert!(s.limits.memory_mib < d.limits.memory_mib);
+    }
+
+    #[test]
+    fn the_newer_limit_keys_are_optional() {
+        let old = DEFAULT_POLICY
+            .lines()
+            .filter(|l| !l.starts_with("threads") && !l.starts_with("address_space_headroom_mib"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let p = Policy::parse(&old, "old.toml").unwrap();
+        assert_eq!(p.limits.threads, default_threads());
+        assert_eq!(
+            p.limits.address_space_headroom_mib,
+            default_address_space_headroom_mib()
+        );
+        let bad = DEFAULT_POLICY.replace("threads = 256", "threads = 1");
+        let e = Policy::parse(&bad, "t.toml").unwrap_err().to_string();
+        assert!(e.contains("`limits.threads` is 1"), "{e}");
     }
 
     #[test]

@@ -1,5 +1,18 @@
 //! Resource limits of a worker. The host adds what rlimits cannot do (wall clock, output size,
 //! scratch quota, number of sessions).
+//!
+//! Memory: RLIMIT_DATA bounds the heap and private mappings (a Python `MemoryError`), and
+//! RLIMIT_AS bounds everything mapped, shared anonymous memory included, which RLIMIT_DATA does
+//! not count (SECURITY.md #48). RLIMIT_AS is the data limit plus a headroom for what reserves
+//! address space without using memory (thread stacks, malloc arenas), because at the data limit
+//! alone a few threads would exhaust it. memfd, whose pages belong to no mapping, is refused by
+//! seccomp.
+//!
+//! Threads (SECURITY.md #49): RLIMIT_NPROC, which the kernel checks per real uid against every
+//! task (thread) of that uid on the machine, and never for real uid 0. So for a non-root
+//! worker the cap is set to the tasks on the machine at start (an upper bound of the uid's own)
+//! plus the policy's `threads`; a root worker is capped by a pids cgroup instead when one is
+//! writable (see [`super::cgroup`]).
 
 use rlimit::Resource;
 use serde::{Deserialize, Serialize};
@@ -10,13 +23,17 @@ pub struct WorkerLimits {
     /// RLIMIT_CPU soft limit over the worker's life; the hard limit is 5 s higher so SIGXCPU
     /// arrives (and is reported) before SIGKILL.
     pub cpu_seconds: u64,
-    /// RLIMIT_DATA: heap, anonymous mappings and thread stacks. Not RLIMIT_AS, under which
-    /// OpenBLAS aborts on import.
+    /// RLIMIT_DATA: heap, private anonymous mappings and thread stacks.
     pub memory_bytes: u64,
+    /// RLIMIT_AS: every mapping, shared ones included (`memory_bytes` plus headroom).
+    pub address_space_bytes: u64,
     /// RLIMIT_FSIZE: the largest file the worker can write.
     pub file_size_bytes: u64,
     /// RLIMIT_NOFILE.
     pub open_files: u64,
+    /// Threads the worker may add (RLIMIT_NPROC for a non-root worker; the pids cgroup's
+    /// `pids.max` for a root one).
+    pub threads: u64,
 }
 
 /// Applies `limits` (and no core dumps) to the current process.
@@ -24,7 +41,49 @@ pub fn apply_worker_limits(limits: &WorkerLimits) -> std::io::Result<()> {
     Resource::CORE.set(0, 0)?;
     Resource::CPU.set(limits.cpu_seconds, limits.cpu_seconds + 5)?;
     Resource::DATA.set(limits.memory_bytes, limits.memory_bytes)?;
+    Resource::AS.set(limits.address_space_bytes, limits.address_space_bytes)?;
     Resource::FSIZE.set(limits.file_size_bytes, limits.file_size_bytes)?;
     Resource::NOFILE.set(limits.open_files, limits.open_files)?;
+    let nproc = thread_rlimit(limits.threads, tasks_on_machine()?);
+    Resource::NPROC.set(nproc, nproc)?;
     Ok(())
+}
+
+/// RLIMIT_NPROC for a worker that may add `threads` threads while `tasks_now` tasks exist.
+/// The kernel compares it with the uid's task count, which is at most the machine's.
+pub fn thread_rlimit(threads: u64, tasks_now: u64) -> u64 {
+    tasks_now.saturating_add(threads)
+}
+
+/// Tasks (threads) on the machine now: the denominator of `/proc/loadavg`'s fourth field.
+fn tasks_on_machine() -> std::io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/loadavg")?;
+    parse_loadavg_tasks(&text).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("unexpected /proc/loadavg: {text:?}"),
+        )
+    })
+}
+
+fn parse_loadavg_tasks(text: &str) -> Option<u64> {
+    text.split_whitespace()
+        .nth(3)?
+        .split('/')
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_task_count_is_read_from_loadavg() {
+        assert_eq!(parse_loadavg_tasks("0.08 0.68 0.60 1/91 8112\n"), Some(91));
+        assert_eq!(parse_loadavg_tasks("garbage"), None);
+        assert!(tasks_on_machine().unwrap() >= 1);
+        assert_eq!(thread_rlimit(256, 91), 347);
+    }
 }

@@ -10,12 +10,15 @@
 //!    filter would miss.
 //! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
 //!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
-//!    process, identity changes, `TIOCSTI`.
+//!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
+//!    and their fd forms), `memfd_create`, and the `fcntl` commands that signal on the worker's
+//!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
 //! These rules do not depend on the kernel's Landlock ABI: they are what provides the
-//! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot.
+//! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot,
+//! and the no-metadata-change protection on every kernel (no Landlock ABI mediates it).
 
 use std::collections::BTreeMap;
 
@@ -72,10 +75,9 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_faccessat, libc::SYS_faccessat2, libc::SYS_readlinkat, libc::SYS_getdents64,
     libc::SYS_getcwd, libc::SYS_chdir, libc::SYS_fchdir, libc::SYS_mkdirat, libc::SYS_renameat,
     libc::SYS_renameat2, libc::SYS_unlinkat, libc::SYS_symlinkat, libc::SYS_linkat,
-    libc::SYS_fchmod, libc::SYS_fchmodat, libc::SYS_fchown, libc::SYS_fchownat, libc::SYS_utimensat,
     libc::SYS_fsync, libc::SYS_fdatasync, libc::SYS_ftruncate, libc::SYS_fallocate, libc::SYS_flock,
-    libc::SYS_fcntl, libc::SYS_dup, libc::SYS_dup3, libc::SYS_pipe2, libc::SYS_sendfile,
-    libc::SYS_copy_file_range, libc::SYS_splice, libc::SYS_memfd_create, libc::SYS_fadvise64,
+    libc::SYS_dup, libc::SYS_dup3, libc::SYS_pipe2, libc::SYS_sendfile,
+    libc::SYS_copy_file_range, libc::SYS_splice, libc::SYS_fadvise64,
     libc::SYS_getxattr, libc::SYS_lgetxattr, libc::SYS_fgetxattr, libc::SYS_listxattr,
     libc::SYS_llistxattr, libc::SYS_flistxattr, libc::SYS_umask,
     // Memory (PROT_EXEC is needed to load extension modules).
@@ -117,10 +119,10 @@ const ALLOWED: &[libc::c_long] = &[
 const ALLOWED_LEGACY: &[libc::c_long] = &[
     libc::SYS_open, libc::SYS_stat, libc::SYS_lstat, libc::SYS_access, libc::SYS_readlink,
     libc::SYS_mkdir, libc::SYS_rmdir, libc::SYS_rename, libc::SYS_unlink, libc::SYS_symlink,
-    libc::SYS_link, libc::SYS_chmod, libc::SYS_chown, libc::SYS_lchown, libc::SYS_dup2,
+    libc::SYS_link, libc::SYS_dup2,
     libc::SYS_pipe, libc::SYS_poll, libc::SYS_select, libc::SYS_epoll_wait,
     libc::SYS_epoll_create, libc::SYS_getdents, libc::SYS_time, libc::SYS_arch_prctl,
-    libc::SYS_alarm, libc::SYS_pause, libc::SYS_getpgrp, libc::SYS_utimes, libc::SYS_futimesat,
+    libc::SYS_alarm, libc::SYS_pause, libc::SYS_getpgrp,
     libc::SYS_eventfd, libc::SYS_signalfd4,
 ];
 #[cfg(not(target_arch = "x86_64"))]
@@ -135,9 +137,32 @@ const REFUSED: &[libc::c_long] = &[
     libc::SYS_setresuid, libc::SYS_setresgid, libc::SYS_setgroups, libc::SYS_setsid,
     libc::SYS_setpgid, libc::SYS_tkill, libc::SYS_truncate, libc::SYS_mknodat,
     libc::SYS_sched_setaffinity, libc::SYS_sched_setscheduler, libc::SYS_capset,
+    // File metadata (SECURITY.md #46). Landlock does not mediate mode, owner or times, so by
+    // path these reach any file the uid owns (a root worker made a copy of a binary setuid;
+    // a user's worker made `~/.ssh/id_rsa` world-readable). The fd forms are refused too: an fd
+    // opened read-only through a read-only grant (the Python installation, owned by root or by
+    // the user who made the venv) would still let `fchmod` change that file's mode. Python's
+    // own file handling does not need them; `shutil.copy`/`copy2`/`copytree` raise
+    // PermissionError at the copymode step (`shutil.copyfile` works) and `tarfile` logs and
+    // skips the mode, owner and times of extracted members.
+    libc::SYS_fchmod, libc::SYS_fchmodat, FCHMODAT2, libc::SYS_fchown, libc::SYS_fchownat,
+    libc::SYS_utimensat,
+    // Shared memory the memory limit cannot count (SECURITY.md #48): a memfd's pages belong to
+    // no mapping, so neither RLIMIT_DATA nor RLIMIT_AS sees them. Nothing in a Python workload
+    // needs one.
+    libc::SYS_memfd_create,
 ];
+/// `fchmodat2` (Linux 6.6) has the same number on every architecture; not every libc target
+/// names it.
+const FCHMODAT2: libc::c_long = 452;
 #[cfg(target_arch = "x86_64")]
-const REFUSED_LEGACY: &[libc::c_long] = &[libc::SYS_fork, libc::SYS_vfork, libc::SYS_mknod];
+#[rustfmt::skip]
+const REFUSED_LEGACY: &[libc::c_long] = &[
+    libc::SYS_fork, libc::SYS_vfork, libc::SYS_mknod,
+    // The legacy metadata calls (#46).
+    libc::SYS_chmod, libc::SYS_chown, libc::SYS_lchown, libc::SYS_utime, libc::SYS_utimes,
+    libc::SYS_futimesat,
+];
 #[cfg(not(target_arch = "x86_64"))]
 const REFUSED_LEGACY: &[libc::c_long] = &[];
 
@@ -184,6 +209,43 @@ const IOCTL_ALLOWED: &[u64] = &[
     libc::FIONREAD as u64,
 ];
 
+#[allow(clippy::unnecessary_cast)]
+/// `fcntl` commands Python makes: descriptor flags and duplication (`os.set_inheritable`,
+/// `os.set_blocking`, `dup`), record locks for sqlite3 (classic and open-file-description), the
+/// pipe size. `F_SETFL` is listed separately: allowed only without `O_ASYNC`.
+const FCNTL_ALLOWED: &[u64] = &[
+    libc::F_DUPFD as u64,
+    libc::F_DUPFD_CLOEXEC as u64,
+    libc::F_GETFD as u64,
+    libc::F_SETFD as u64,
+    libc::F_GETFL as u64,
+    libc::F_GETLK as u64,
+    libc::F_SETLK as u64,
+    libc::F_SETLKW as u64,
+    libc::F_OFD_GETLK as u64,
+    libc::F_OFD_SETLK as u64,
+    libc::F_OFD_SETLKW as u64,
+    libc::F_GETPIPE_SZ as u64,
+];
+
+/// Linux's values on every architecture (`uapi/asm-generic/fcntl.h`); not every libc target
+/// names them.
+const F_SETSIG: u64 = 10;
+const F_SETOWN_EX: u64 = 15;
+
+#[allow(clippy::unnecessary_cast)]
+/// `fcntl` commands that make the kernel signal or notify on the worker's behalf (SECURITY.md
+/// #47): with an owner set by `F_SETOWN`/`F_SETOWN_EX`, `O_ASYNC` I/O, leases and directory
+/// notifications send a signal (chosen by `F_SETSIG`) to any process the uid may signal. Only
+/// Landlock's signal scope (ABI 6) covers that, so seccomp refuses them on every ABI.
+const FCNTL_REFUSED: &[u64] = &[
+    libc::F_SETOWN as u64,
+    F_SETOWN_EX,
+    F_SETSIG,
+    libc::F_SETLEASE as u64,
+    libc::F_NOTIFY as u64,
+];
+
 /// prctl options user code may use; the rest (e.g. making itself dumpable again) get ENOSYS.
 const PRCTL_ALLOWED: &[u64] = &[
     libc::PR_SET_NAME as u64,
@@ -220,6 +282,16 @@ fn allow_list() -> Result<Rules, SeccompError> {
     for &opt in PRCTL_ALLOWED {
         when(&mut rules, libc::SYS_prctl, vec![arg32(0, Op::Eq, opt)?])?;
     }
+    // The refused commands (and F_SETFL with O_ASYNC) pass here so that the refusals filter
+    // answers EPERM; any other command gets ENOSYS.
+    for &cmd in FCNTL_ALLOWED.iter().chain(FCNTL_REFUSED) {
+        when(&mut rules, libc::SYS_fcntl, vec![arg32(1, Op::Eq, cmd)?])?;
+    }
+    when(
+        &mut rules,
+        libc::SYS_fcntl,
+        vec![arg32(1, Op::Eq, libc::F_SETFL as u64)?],
+    )?;
     // socketpair(AF_UNIX, ...) only: asyncio's self-pipe and multiprocessing-free IPC.
     when(
         &mut rules,
@@ -254,6 +326,19 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
         &mut rules,
         libc::SYS_ioctl,
         vec![arg32(1, Op::Eq, libc::TIOCSTI as u64)?],
+    )?;
+    for &cmd in FCNTL_REFUSED {
+        when(&mut rules, libc::SYS_fcntl, vec![arg32(1, Op::Eq, cmd)?])?;
+    }
+    // The flags word is an unsigned int in the kernel (`setfl(fd, filp, (u32)arg)`).
+    let o_async = libc::O_ASYNC as u64;
+    when(
+        &mut rules,
+        libc::SYS_fcntl,
+        vec![
+            arg32(1, Op::Eq, libc::F_SETFL as u64)?,
+            arg32(2, Op::MaskedEq(o_async), o_async)?,
+        ],
     )?;
     Ok(rules)
 }

@@ -122,3 +122,16 @@ pub fn ignore_sigxfsz() -> io::Result<()> {
     }
     Ok(())
 }
+
+/// At most `n` glibc malloc arenas. Each arena reserves 64 MiB of address space, and glibc
+/// makes up to eight per core for threads that allocate at once: under RLIMIT_AS that
+/// reservation, not memory, would stop a thread pool. No effect with another libc.
+pub fn limit_malloc_arenas(n: i32) {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt takes two integers; it only changes a malloc tuning parameter.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, n);
+    }
+    #[cfg(not(target_env = "gnu"))]
+    let _ = n;
+}

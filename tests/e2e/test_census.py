@@ -42,12 +42,18 @@ db.commit(); n = db.execute('select count(*) from t').fetchone()[0]; db.close();
 import tarfile, zipfile, tempfile, shutil, os, io
 d = tempfile.mkdtemp()
 open(os.path.join(d, 'a.txt'), 'w').write('hello' * 1000)
-shutil.copy(os.path.join(d, 'a.txt'), os.path.join(d, 'b.txt'))
+# shutil.copyfile, not shutil.copy: chmod is refused (SECURITY.md #46), see the test below.
+shutil.copyfile(os.path.join(d, 'a.txt'), os.path.join(d, 'b.txt'))
 with tarfile.open('x.tar.gz', 'w:gz') as t: t.add(d, arcname='d')
 with zipfile.ZipFile('x.zip', 'w', zipfile.ZIP_DEFLATED) as z: z.write(os.path.join(d, 'b.txt'), 'b.txt')
 with tempfile.NamedTemporaryFile() as f: f.write(b'x'); f.flush()
 shutil.rmtree(d)
-(len(tarfile.open('x.tar.gz').getnames()), zipfile.ZipFile('x.zip').namelist())
+# Extraction works: tarfile logs and skips the refused chown/chmod/utime at errorlevel 1.
+shutil.rmtree('out', ignore_errors=True)
+tarfile.open('x.tar.gz').extractall('out')
+zipfile.ZipFile('x.zip').extractall('out')
+(len(tarfile.open('x.tar.gz').getnames()), zipfile.ZipFile('x.zip').namelist(),
+ open('out/d/b.txt').read() == 'hello' * 1000, open('out/b.txt').read() == 'hello' * 1000)
 """,
     "logging_signals_timers": """
 import logging, signal, time
@@ -99,3 +105,22 @@ def test_normal_workloads_run_under_the_filter(census_box, name):
     rec = census_box.run(WORKLOADS[name], session=f"census-{name}", timeout_s=120)
     assert rec["status"] == "ok", (rec.get("error") or {}).get("traceback") or rec
     assert rec["result"] not in (None, "False")
+
+
+def test_what_the_metadata_refusal_changes_for_normal_code(census_box):
+    """chmod/chown/utime are refused (SECURITY.md #46): the copy helpers that set modes fail
+    loudly after copying the data, and say why; the ones that copy data only keep working."""
+    code = """
+import shutil, os
+open('src.txt', 'w').write('data')
+try:
+    shutil.copy('src.txt', 'dst.txt')
+    outcome = 'copied'
+except PermissionError as e:
+    outcome = f'PermissionError:{e.errno}'
+shutil.copyfile('src.txt', 'dst2.txt')
+(outcome, open('dst2.txt').read())
+"""
+    rec = census_box.run(code, session="census-metadata")
+    assert rec["status"] == "ok", rec
+    assert rec["result"] == "('PermissionError:1', 'data')"

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import IRONCELL, RawServer, shared_tmp_dir, wait_until
+from conftest import AS_NOBODY, IRONCELL, RawServer, shared_tmp_dir, wait_until
 
 PRELUDE = r'''
 import os, errno
@@ -36,6 +38,7 @@ class Sandboxed:
     """One server (as a given user, optionally with a capped Landlock ABI) and helpers."""
 
     def __init__(self, as_user: str, abi_max: int | None = None, **env: str):
+        self.user = as_user
         self.dir = shared_tmp_dir()
         (self.dir / "state").mkdir(mode=0o777)
         os.chmod(self.dir / "state", 0o777)
@@ -132,7 +135,9 @@ def test_09_the_scratch_dir_works(box):
 
 
 def test_10_executing_a_script_from_scratch_is_refused(box):
-    box.run("open('s.sh','w').write('#!/bin/sh\\necho pwned > pwned\\n')\nos.chmod('s.sh', 0o755)")
+    # The mode cannot be set (#46) and the file is not executable; exec is refused either way.
+    box.run("open('s.sh','w').write('#!/bin/sh\\necho pwned > pwned\\n')")
+    assert box.outcome("os.chmod('s.sh', 0o755)") == "PermissionError:1"
     assert box.outcome("os.execv('./s.sh', ['s.sh'])") == "PermissionError:1"
     assert box.outcome("__import__('subprocess').run(['./s.sh'])") == "PermissionError:1"
     assert box.outcome("os.path.exists('pwned')") == "ok:False"
@@ -486,9 +491,12 @@ def test_doctor_reports_each_layer_and_fails_when_serve_would_refuse(state_dir):
 
     env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state_dir)}
     ok = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=60)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    for text in ("landlock", "seccomp", "NoNewPrivs 1, Seccomp 2, CapEff 0000000000000000", "verdict       ready"):
+    for text in ("landlock", "seccomp", "NoNewPrivs 1, Seccomp 2, CapEff 0000000000000000"):
         assert text in ok.stdout, text
+    if root_threads_capped():
+        assert ok.returncode == 0 and "verdict       ready" in ok.stdout, ok.stdout + ok.stderr
+    else:  # root with no pids cgroup: nothing caps its threads, and doctor says so (#49)
+        assert ok.returncode != 0 and "thread cap    NONE" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True,
                          env={**env, "IRONCELL_LANDLOCK_ABI_MAX": "0"}, timeout=60)
     assert bad.returncode != 0 and "REFUSE" in bad.stdout
@@ -549,3 +557,412 @@ def test_43_two_hundred_concurrent_calls_are_bounded_and_cancel_cleanly(state_di
                 Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(zygote)]
     assert len(children) <= 4, children
     srv.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# What Landlock does not mediate: file metadata, signals through fcntl, shared memory, threads
+# (catalogue 46-49)
+# ---------------------------------------------------------------------------------------------
+
+def worker_uid(user: str) -> int:
+    return 0 if user == "root" else pwd.getpwnam("nobody").pw_uid
+
+
+def host_file_owned_by(user: str, mode: int = 0o600) -> Path:
+    """A file outside every sandbox grant, owned by the worker's uid (so only seccomp can
+    stop the worker changing its metadata), with a known mode and mtime."""
+    d = shared_tmp_dir()
+    f = d / "id_ed25519"
+    f.write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    os.chown(f, worker_uid(user), -1)
+    f.chmod(mode)
+    os.utime(f, (1_000_000_000, 1_000_000_000))
+    return f
+
+
+METADATA_ATTACKS = {
+    "chmod": "os.chmod(VICTIM, 0o644)",
+    "chmod_no_follow": "os.chmod(VICTIM, 0o644, follow_symlinks=False)",
+    "fchmodat_dir_fd": "os.chmod(os.path.basename(VICTIM), 0o644, dir_fd=os.open(os.path.dirname(VICTIM), os.O_RDONLY | os.O_DIRECTORY | getattr(os, 'O_PATH', 0)))",
+    "fchmodat2": "(lambda r: (_ for _ in ()).throw(OSError(__import__('ctypes').get_errno(), 'x')) if r < 0 else r)(__import__('ctypes').CDLL(None, use_errno=True).syscall(452, -100, VICTIM.encode(), 0o644, 0))",
+    "chown": "os.chown(VICTIM, 0, 0)",
+    "lchown": "os.lchown(VICTIM, os.getuid(), os.getgid())",
+    "utime": "os.utime(VICTIM)",
+    "utime_ns": "os.utime(VICTIM, ns=(0, 0))",
+    "utimes_legacy": "(lambda r: (_ for _ in ()).throw(OSError(__import__('ctypes').get_errno(), 'x')) if r < 0 else r)(__import__('ctypes').CDLL(None, use_errno=True).utimes(VICTIM.encode(), None))",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(METADATA_ATTACKS))
+def test_46_metadata_of_a_host_file_cannot_be_changed(box, attack):
+    victim = host_file_owned_by(box.user)
+    before = victim.stat()
+    expr = METADATA_ATTACKS[attack].replace("VICTIM", repr(str(victim)))
+    out = box.outcome(expr)
+    assert out == "PermissionError:1" or out == "OSError:1", out
+    after = victim.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid, after.st_mtime_ns, after.st_atime_ns) == \
+        (before.st_mode, before.st_uid, before.st_gid, before.st_mtime_ns, before.st_atime_ns)
+
+
+def test_46_no_setuid_copy_and_no_fd_forms_on_read_only_files(box):
+    # A binary copied into the session cannot be made setuid (as root it would be setuid root).
+    code = (
+        "import shutil, glob, stat\n"
+        "src = sorted(glob.glob('/usr/lib/x86_64-linux-gnu/ld-linux*') + glob.glob('/lib/ld-linux*') + glob.glob('/usr/lib/aarch64-linux-gnu/ld-linux*'))[0]\n"
+        "shutil.copyfile(src, 'ld.so')\n"
+        "r = [outcome(lambda: os.chmod('ld.so', 0o4755)), outcome(lambda: os.fchmod(os.open('ld.so', os.O_RDONLY), 0o4755))]\n"
+        "r.append(bool(os.stat('ld.so').st_mode & (stat.S_ISUID | stat.S_ISGID | 0o111)))\n"
+        # The fd forms on a file opened read-only through a read-only grant (as root, the worker
+        # owns it). Each call would set what is already there, so a failing sandbox changes
+        # nothing on this machine; the outcome alone says whether the call was allowed.
+        "fd = os.open(os.__file__, os.O_RDONLY)\n"
+        "st = os.fstat(fd)\n"
+        "r += [outcome(lambda: os.fchmod(fd, stat.S_IMODE(st.st_mode))), outcome(lambda: os.fchown(fd, st.st_uid, st.st_gid)),\n"
+        "      outcome(lambda: os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns)))]\n"
+        "r"
+    )
+    rec = box.run(code)
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == ["PermissionError:1"] * 2 + [False] + ["PermissionError:1"] * 3
+
+
+VICTIM = r'''
+import os, signal, sys, time
+log = sys.argv[1]
+def record(sig, frame):
+    with open(log, "a") as f:
+        f.write(f"{sig}\n")
+for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGIO, signal.SIGURG, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, record)
+open(log + ".ready", "w").close()
+while True:
+    time.sleep(0.05)
+'''
+
+
+class Victim:
+    """A process of the worker's uid, outside the sandbox, that records every signal it gets."""
+
+    def __init__(self, user: str):
+        self.dir = shared_tmp_dir()
+        self.log = self.dir / "signals.log"
+        script = self.dir / "victim.py"
+        script.write_text(VICTIM)
+        prefix = AS_NOBODY if user == "nobody" else []
+        self.proc = subprocess.Popen([*prefix, "/usr/bin/python3.11", str(script), str(self.log)])
+        assert wait_until(lambda: Path(str(self.log) + ".ready").exists(), timeout=10)
+        self.pid = self.proc.pid
+
+    def signals(self) -> list[str]:
+        return self.log.read_text().split() if self.log.exists() else []
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+FCNTL_SIGNAL_ATTACK = r'''
+import fcntl, struct, os
+VPID = {vpid}
+r, w = os.pipe()
+res = {{
+    "F_SETOWN": outcome(lambda: fcntl.fcntl(r, fcntl.F_SETOWN, VPID)),
+    "F_SETOWN_pgrp": outcome(lambda: fcntl.fcntl(r, fcntl.F_SETOWN, -VPID)),
+    "F_SETOWN_EX": outcome(lambda: fcntl.fcntl(r, 15, struct.pack("ii", 1, VPID))),
+    "F_SETSIG": outcome(lambda: fcntl.fcntl(r, 10, 10)),
+    "O_ASYNC": outcome(lambda: fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)),
+    "O_ASYNC_high_bits": outcome(lambda: __import__("ctypes").CDLL(None, use_errno=True).syscall(72, r, 4, 0x1_0000_2000) and (_ for _ in ()).throw(OSError(__import__("ctypes").get_errno(), "x"))),
+    "FIOASYNC": outcome(lambda: fcntl.ioctl(r, 0x5452, struct.pack("i", 1))),
+    "FIOSETOWN": outcome(lambda: fcntl.ioctl(r, 0x8901, struct.pack("i", VPID))),
+}}
+lease = open("lease.txt", "w")
+res["F_SETLEASE"] = outcome(lambda: fcntl.fcntl(lease.fileno(), 1024, fcntl.F_WRLCK))
+d = os.open(".", os.O_RDONLY)
+res["F_NOTIFY"] = outcome(lambda: fcntl.fcntl(d, 1026, 4))
+open("new-file", "w").close()
+os.write(w, b"x" * 100)
+res["still_async"] = bool(fcntl.fcntl(r, fcntl.F_GETFL) & os.O_ASYNC)
+res["nonblocking_still_works"] = outcome(lambda: os.set_blocking(r, False))
+res
+'''
+
+
+def fcntl_signal_attack_holds(box: "Sandboxed", session: str = "signals") -> None:
+    victim = Victim(box.user)
+    try:
+        rec = box.run(FCNTL_SIGNAL_ATTACK.format(vpid=victim.pid), session=session)
+        assert rec["status"] == "ok", rec
+        res = eval(rec["result"])
+        for cmd in ("F_SETOWN", "F_SETOWN_pgrp", "F_SETOWN_EX", "F_SETSIG", "O_ASYNC", "F_SETLEASE", "F_NOTIFY"):
+            assert res[cmd] == "PermissionError:1", (cmd, res)
+        # The flags word is 32 bits in the kernel: high bits do not smuggle O_ASYNC past the check.
+        assert res["O_ASYNC_high_bits"] == "PermissionError:1", res
+        for ioctl in ("FIOASYNC", "FIOSETOWN"):
+            assert not res[ioctl].startswith("ok"), (ioctl, res)
+        assert res["still_async"] is False and res["nonblocking_still_works"] == "ok:None", res
+        time.sleep(0.5)
+        assert victim.signals() == [] and victim.proc.poll() is None
+        assert box.srv.proc.poll() is None
+    finally:
+        victim.close()
+
+
+def test_47_no_signal_leaves_the_sandbox_through_fcntl(box):
+    fcntl_signal_attack_holds(box)
+
+
+def address_space_limit(box: "Sandboxed") -> int:
+    info = box.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"]
+    return json.loads(info)["sandbox"]["limits"]["address_space_bytes"]
+
+
+SHARED_MEMORY_GROWTH = r'''
+import mmap
+maps, total, err = [], 0, None
+try:
+    while total < (8 << 30):
+        m = mmap.mmap(-1, 256 << 20)
+        for off in range(0, len(m), 4096):
+            m[off] = 1
+        maps.append(m)
+        total += len(m)
+except (OSError, MemoryError) as e:
+    err = type(e).__name__
+huge = outcome(lambda: mmap.mmap(-1, 3 << 30))
+memfd = outcome(lambda: os.memfd_create("grow"))
+for m in maps:
+    m.close()
+del maps
+(total, err, huge, memfd)
+'''
+
+
+def test_48_shared_memory_and_memfd_are_bounded(box):
+    limit = address_space_limit(box)
+    rec = box.run(SHARED_MEMORY_GROWTH, session="shm", timeout_s=120)
+    assert rec["status"] == "ok", rec
+    total, err, huge, memfd = eval(rec["result"])
+    assert err in ("OSError", "MemoryError") and 0 < total < limit, (total, limit)
+    assert huge == "OSError:12" and memfd == "PermissionError:1"
+    assert box.run("'still serving'", session="shm")["result"] == "'still serving'"
+
+
+THREAD_STORM = r'''
+import threading
+threading.stack_size(32768)
+ev, started, err = threading.Event(), [], None
+try:
+    for _ in range(5000):
+        t = threading.Thread(target=ev.wait)
+        t.start()
+        started.append(t)
+except RuntimeError as e:
+    err = str(e)
+ev.set()
+for t in started:
+    t.join()
+threading.stack_size(0)
+(len(started), err)
+'''
+
+
+def root_threads_capped() -> bool:
+    """Whether a root worker gets a pids cgroup on this machine (the tests run as root)."""
+    return Path("/sys/fs/cgroup/pids/cgroup.procs").exists() and os.access("/sys/fs/cgroup/pids", os.W_OK)
+
+
+def thread_storm_is_capped(box: "Sandboxed", policy_threads: int = 256) -> int:
+    if box.user == "root" and not root_threads_capped():
+        pytest.skip("root without a writable pids cgroup: nothing caps threads (doctor says so)")
+    rec = box.run(THREAD_STORM, session="threads-storm", timeout_s=120)
+    assert rec["status"] == "ok", rec
+    started, err = eval(rec["result"])
+    assert err == "can't start new thread", rec
+    tasks_on_machine = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+    # Root: the pids cgroup caps the worker itself; a user: RLIMIT_NPROC counts the uid's tasks,
+    # set to the machine's task count at worker start plus the policy's allowance.
+    bound = policy_threads if box.user == "root" else policy_threads + tasks_on_machine + 64
+    assert 16 <= started <= bound, (started, bound)
+    assert box.run("'still serving'", session="threads-storm")["result"] == "'still serving'"
+    return started
+
+
+def test_49_thousands_of_small_stack_threads_are_capped(box):
+    thread_storm_is_capped(box)
+
+
+def test_49_without_cgroups_doctor_says_what_caps_threads(state_dir):
+    # Forcing the no-cgroup fallback: a user's worker is still capped (RLIMIT_NPROC); for root
+    # nothing can cap small-stack threads, and doctor must say so rather than claim a cap.
+    b = Sandboxed("nobody", IRONCELL_CGROUPS="off")
+    try:
+        info = json.loads(b.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+        assert info["sandbox"]["mechanisms"]["threads"].startswith("RLIMIT_NPROC")
+        thread_storm_is_capped(b)
+    finally:
+        b.close()
+    env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state_dir), "IRONCELL_CGROUPS": "off"}
+    p = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=120)
+    assert "thread cap    NONE" in p.stdout and p.returncode != 0, p.stdout
+    assert "NOTHING on this host" in protections_of(p.stdout)["threads capped"]
+
+
+# ---------------------------------------------------------------------------------------------
+# doctor's claims, per Landlock ABI: every protection it says is provided holds under attack
+# ---------------------------------------------------------------------------------------------
+
+def protections_of(doctor_out: str) -> dict[str, str]:
+    lines = doctor_out.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("protection"))
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        rows[line[2:58].strip()] = line[58:].strip()
+    return rows
+
+
+def run_doctor(user: str, abi: int | None, state: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state), "HOME": str(state)}
+    if abi is not None:
+        env["IRONCELL_LANDLOCK_ABI_MAX"] = str(abi)
+    prefix = AS_NOBODY if user == "nobody" else []
+    return subprocess.run([*prefix, str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=120)
+
+
+def _files(b, ctx):
+    assert b.outcome("open('/etc/passwd').read()") == "PermissionError:13"
+    assert b.outcome("open('/tmp/ironcell-escape','w')") == "PermissionError:13"
+
+
+def _truncate(b, ctx):
+    victim = host_file_owned_by(b.user, 0o666)
+    assert b.outcome(f"os.truncate({str(victim)!r}, 0)") in ("PermissionError:1", "PermissionError:13")
+    assert victim.stat().st_size > 0
+
+
+def _tcp(b, ctx):
+    l = ctx["listener"]
+    assert b.outcome(f"__import__('socket').create_connection(('127.0.0.1', {l.port}), timeout=2)") == "PermissionError:1"
+    assert not l.tcp_got_connection()
+
+
+def _sockets(b, ctx):
+    l = ctx["listener"]
+    assert b.outcome(f"__import__('socket').socket(2, 2).sendto(b'x', ('127.0.0.1', {l.udp_port}))") == "PermissionError:1"
+    assert not l.udp_got_datagram()
+    assert b.outcome("__import__('socket').socket(16, 3, 0)") == "PermissionError:1"
+
+
+def _abstract(b, ctx):
+    assert b.outcome("__import__('socket').socket(1).connect('\\0ironcell-test-abstract')") == "PermissionError:1"
+
+
+def _signals(b, ctx):
+    assert b.outcome("os.kill(os.getppid(), 0)") == "PermissionError:1"
+    fcntl_signal_attack_holds(b, session="doctor-signals")
+
+
+def _metadata(b, ctx):
+    victim = host_file_owned_by(b.user)
+    before = victim.stat()
+    assert b.outcome(f"os.chmod({str(victim)!r}, 0o644)") == "PermissionError:1"
+    assert b.outcome(f"os.utime({str(victim)!r})") == "PermissionError:1"
+    assert victim.stat().st_mode == before.st_mode and victim.stat().st_mtime_ns == before.st_mtime_ns
+
+
+def _ioctl(b, ctx):
+    assert b.outcome("__import__('fcntl').ioctl(0, __import__('termios').TIOCSTI, b'x')") == "PermissionError:1"
+
+
+def _processes(b, ctx):
+    assert b.outcome("os.fork()") == "PermissionError:1"
+    assert b.outcome("__import__('subprocess').run(['id'])") == "PermissionError:1"
+
+
+def _kill_list(b, ctx):
+    rec = b.run("import ctypes\nctypes.CDLL(None).syscall(272, 0x10000000)", session="doctor-unshare")
+    assert rec["status"] == "crashed" and "SIGSYS" in rec["error"]["message"], rec
+
+
+def _privileges(b, ctx):
+    pid = int(b.run("os.getpid()")["result"])
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["NoNewPrivs"].strip() == "1" and int(fields["CapEff"].strip(), 16) == 0
+
+
+def _rlimits(b, ctx):
+    info = json.loads(b.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    lim = info["sandbox"]["limits"]
+    got = eval(b.run("import resource as r\n[r.getrlimit(x)[0] for x in (r.RLIMIT_DATA, r.RLIMIT_AS, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CPU)]")["result"])
+    assert got == [lim["memory_bytes"], lim["address_space_bytes"], lim["file_size_bytes"], lim["open_files"], lim["cpu_seconds"]]
+    rec = b.run("x = []\nwhile True:\n    x.append(bytearray(64 << 20))", session="doctor-mem")
+    assert rec["status"] == "error" and rec["error"]["type"] == "MemoryError", rec
+
+
+def _shared_memory(b, ctx):
+    assert b.outcome("__import__('mmap').mmap(-1, 3 << 30)") == "OSError:12"
+    assert b.outcome("os.memfd_create('x')") == "PermissionError:1"
+
+
+def _threads(b, ctx):
+    thread_storm_is_capped(b)
+
+
+def _supervisor(b, ctx):
+    assert b.run("__import__('time').sleep(10**6)", timeout_s=1)["status"] == "timeout"
+
+
+ATTACK_FOR_PROTECTION = {
+    "files: only Python, system libraries and the session dir": _files,
+    "no truncate of files outside the session dir": _truncate,
+    "no TCP connect or bind": _tcp,
+    "no UDP, raw, netlink or unix-path sockets": _sockets,
+    "no abstract unix socket connects": _abstract,
+    "no signals to other processes": _signals,
+    "no chmod, chown or utime of any file": _metadata,
+    "no device ioctls (e.g. TIOCSTI)": _ioctl,
+    "no new processes or exec": _processes,
+    "no ptrace, bpf, namespaces, mounts, keys, io_uring": _kill_list,
+    "no capabilities, no new privileges": _privileges,
+    "CPU, memory, file size, open files": _rlimits,
+    "shared memory counted: mmap(-1, n), memfd": _shared_memory,
+    "threads capped": _threads,
+    "wall time, output size, scratch quota, session count": _supervisor,
+}
+
+
+@pytest.mark.parametrize("user,abi", [
+    ("root", 1), ("root", 3), ("root", 4), ("root", 5), ("root", None),
+    ("nobody", 1), ("nobody", None),
+])
+def test_doctors_claims_hold_on_each_landlock_abi(user, abi, listener):
+    state = shared_tmp_dir()
+    doctor = run_doctor(user, abi, state)
+    rows = protections_of(doctor.stdout)
+    # Every row doctor prints has an attack here, so a new claim cannot go untested.
+    assert set(rows) == set(ATTACK_FOR_PROTECTION), set(rows) ^ set(ATTACK_FOR_PROTECTION)
+    # Root without a pids cgroup is the one host where a protection has no layer; doctor must
+    # say so and fail rather than claim it.
+    uncapped = user == "root" and not root_threads_capped()
+    assert (doctor.returncode == 0) == (not uncapped), doctor.stdout + doctor.stderr
+    for protection, layers in rows.items():
+        assert ("NOTHING" in layers) == (uncapped and protection == "threads capped"), (protection, layers)
+    if abi is not None:
+        assert f"landlock (ABI {abi})" not in rows["no signals to other processes"] or abi >= 6
+        assert rows["no signals to other processes"].count("seccomp") == 1
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind("\0ironcell-test-abstract")
+    abstract.listen(1)
+    b = Sandboxed(user, abi_max=abi)
+    try:
+        for protection, attack in ATTACK_FOR_PROTECTION.items():
+            if "NOTHING" in rows[protection]:
+                continue
+            attack(b, {"listener": listener})
+            assert b.srv.proc.poll() is None, protection
+    finally:
+        b.close()
+        abstract.close()

@@ -1,0 +1,111 @@
+//! The thread cap of a root worker: a pids cgroup of its own (SECURITY.md #49).
+//!
+//! The kernel never applies RLIMIT_NPROC to real uid 0, with or without capabilities, so a
+//! root worker that starts thousands of small-stack threads is stopped only by a cgroup's
+//! `pids.max`. Where the cgroup v1 pids hierarchy is writable (root, outside a container that
+//! hides it), each worker, still holding its capabilities, makes `ironcell/w<pid>` beneath the
+//! server's own pids cgroup (so a limit set on the server's service still covers its workers),
+//! writes `pids.max` and moves itself in. Groups of workers that are gone are empty and removed
+//! by the next worker, so nothing accumulates and the host needs no cleanup step.
+//!
+//! cgroup v2 is not used yet: a v2 controller can only be enabled below a group with no
+//! processes, which needs the server to move itself first (and, for a non-root user, systemd
+//! delegation). Without a writable pids hierarchy a root worker's threads are not capped, and
+//! `doctor` and `system://info` say so.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+const V1_PIDS_ROOT: &str = "/sys/fs/cgroup/pids";
+
+/// Where workers of this server put their pids groups, when the host can use cgroups.
+/// `None` when not root (RLIMIT_NPROC applies then) or no writable v1 pids hierarchy exists.
+pub fn pids_parent_for_workers() -> Option<PathBuf> {
+    if !nix::unistd::geteuid().is_root() {
+        return None;
+    }
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = v1_pids_path(&own)?;
+    let base = Path::new(V1_PIDS_ROOT).join(rel.trim_start_matches('/'));
+    if !base.join("cgroup.procs").exists() {
+        return None;
+    }
+    nix::unistd::access(&base, nix::unistd::AccessFlags::W_OK).ok()?;
+    Some(base.join("ironcell"))
+}
+
+/// The pids controller's path in `/proc/self/cgroup` (v1 lines look like `5:pids:/user.slice`).
+fn v1_pids_path(proc_cgroup: &str) -> Option<String> {
+    proc_cgroup.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (_id, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "pids")
+            .then(|| path.to_string())
+    })
+}
+
+/// Moves the calling process into a new pids group beneath `parent` that allows at most
+/// `max_tasks` tasks (the process and its threads). Needs the privileges the worker still has
+/// before its lockdown drops them.
+pub fn join_new_pids_group(parent: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
+    std::fs::create_dir_all(parent)?;
+    remove_groups_of_gone_workers(parent, pid);
+    let dir = parent.join(format!("w{pid}"));
+    // Another worker's cleanup may remove an empty group between creating and joining it.
+    let mut last = None;
+    for _ in 0..3 {
+        match try_join(&dir, pid, max_tasks) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::other("could not join the pids cgroup")))
+}
+
+fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::write(dir.join("pids.max"), max_tasks.to_string())?;
+    std::fs::write(dir.join("cgroup.procs"), pid.to_string())
+}
+
+/// `rmdir` on the groups of workers whose pid no longer exists (a cheap check that spares an
+/// `rmdir` attempt on each live group). The kernel refuses (EBUSY) to remove a group that still
+/// has tasks, so a reused pid can only delay a removal, never remove a live worker's group.
+fn remove_groups_of_gone_workers(parent: &Path, own_pid: u32) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix('w'))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != own_pid && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pids_line_is_found_among_v1_and_v2_lines() {
+        let text = "12:memory:/x\n5:pids:/user.slice/u\n0::/init.scope\n";
+        assert_eq!(v1_pids_path(text).as_deref(), Some("/user.slice/u"));
+        assert_eq!(v1_pids_path("3:cpu,pids:/\n").as_deref(), Some("/"));
+        assert_eq!(v1_pids_path("0::/init.scope\n"), None);
+    }
+}
