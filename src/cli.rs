@@ -52,6 +52,19 @@ enum Command {
     /// Show, layer by layer, what the sandbox enforces on this host, and prove it by locking
     /// down a test worker. Exits non-zero if `serve` would refuse to run code.
     Doctor,
+    /// Show the audit trail: one line per run (session, status, proxied calls, code), newest
+    /// last, from `<state dir>/audit.jsonl`.
+    Audit {
+        /// Only runs of this session.
+        #[arg(long)]
+        session: Option<String>,
+        /// Only runs since this time: RFC 3339 (2026-11-30T18:00:00Z) or a duration ago (2h, 1d).
+        #[arg(long, value_parser = crate::audit::parse_since)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Print the entries as JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Internal: the clean, forking interpreter process. Started by ironcell itself.
     #[command(name = crate::zygote::ZYGOTE_SUBCOMMAND, hide = true)]
     Zygote,
@@ -89,6 +102,21 @@ pub fn main() -> ExitCode {
                 .await
                 .map(|_| ExitCode::SUCCESS),
             Some(Command::Doctor) => crate::doctor::run(cli.settings).await,
+            Some(Command::Audit {
+                session,
+                since,
+                json,
+            }) => {
+                let log = crate::audit::AuditLog::new(
+                    &cli.settings.resolved_state_dir(),
+                    cli.settings.audit_max_bytes,
+                );
+                print!(
+                    "{}",
+                    crate::audit::render(&log, session.as_deref(), since, json)
+                );
+                Ok(ExitCode::SUCCESS)
+            }
             Some(Command::Zygote) => Ok(ExitCode::SUCCESS),
         }
     });

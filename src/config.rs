@@ -121,6 +121,23 @@ pub struct Settings {
     #[arg(long, global = true, env = "IRONCELL_CALL_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub call_timeout: Duration,
 
+    /// What to do with proxied calls that need approval (tools annotated `destructiveHint`,
+    /// or listed under a server's `confirm`): `ask` the user through the client (refused where
+    /// the client cannot ask), `allow` them, or `deny` them.
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_APPROVAL",
+        value_enum,
+        default_value = "ask",
+        ignore_case = true
+    )]
+    pub approval: crate::proxy::rules::ApprovalMode,
+
+    /// Largest audit log before it is rotated (one older file is kept).
+    #[arg(long, global = true, env = "IRONCELL_AUDIT_MAX", default_value = "10m", value_parser = parse_size)]
+    pub audit_max_bytes: u64,
+
     /// Accepted for compatibility with the container-based bridge; not applicable here.
     #[arg(long, global = true, env = "MCP_BRIDGE_RUNTIME", hide = true)]
     pub container_runtime: Option<String>,

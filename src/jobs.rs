@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::audit::{AuditEntry, AuditLog};
 use crate::lock;
 use std::time::{Duration, Instant};
 
@@ -58,9 +59,18 @@ impl Job {
 pub struct Jobs {
     map: Mutex<HashMap<String, Arc<Job>>>,
     next: AtomicU64,
+    /// Where every run leaves its line (`ironcell audit`).
+    audit: Option<Arc<AuditLog>>,
 }
 
 impl Jobs {
+    pub fn with_audit(audit: Arc<AuditLog>) -> Jobs {
+        Jobs {
+            audit: Some(audit),
+            ..Jobs::default()
+        }
+    }
+
     /// Starts `req` in its own task and registers it as a job.
     pub fn start(&self, sessions: Arc<SessionManager>, mut req: RunRequest) -> Arc<Job> {
         self.expire();
@@ -81,8 +91,16 @@ impl Jobs {
             finished_at: finished_at.clone(),
         });
         lock(&self.map).insert(id, job.clone());
+        let audit = self
+            .audit
+            .clone()
+            .map(|log| (log, req.session.clone(), req.code.clone()));
         tokio::spawn(async move {
             let result = sessions.run(req, cancel).await.map_err(|e| e.to_string());
+            if let Some((log, session, code)) = audit {
+                let entry = AuditEntry::new(&session, &code, &result);
+                let _ = tokio::task::spawn_blocking(move || log.append(&entry)).await;
+            }
             *lock(&finished_at) = Some(Instant::now());
             outcome_tx.send_replace(Some(Arc::new(result)));
         });

@@ -27,6 +27,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+pub mod audit;
 pub mod cli;
 pub mod config;
 pub mod demo;

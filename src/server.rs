@@ -39,9 +39,13 @@ impl IroncellServer {
     pub fn new(sessions: Arc<SessionManager>) -> Self {
         let default_timeout = sessions.settings().default_timeout.as_secs_f64();
         let tools = Arc::new(vec![run_python_tool(default_timeout), job_tool()]);
+        let audit = crate::audit::AuditLog::new(
+            &sessions.settings().resolved_state_dir(),
+            sessions.settings().audit_max_bytes,
+        );
         IroncellServer {
             sessions,
-            jobs: Arc::new(Jobs::default()),
+            jobs: Arc::new(Jobs::with_audit(Arc::new(audit))),
             tools,
         }
     }
@@ -116,6 +120,8 @@ impl IroncellServer {
             ));
         }
         let budget = self.sessions.settings().wait_budget;
+        // Approval questions for proxied calls go to the client that asked for this run.
+        self.sessions.proxy().attach_client(context.peer.clone());
         let job = self.jobs.start(self.sessions.clone(), run);
         self.await_job(&job, budget, context).await
     }

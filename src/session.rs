@@ -180,6 +180,7 @@ impl SessionManager {
             servers,
             settings.startup_timeout,
             settings.call_timeout,
+            settings.approval,
         ));
         let zygote = Zygote::start(&exe, &settings.preload)?;
         Ok(Arc::new(SessionManager {

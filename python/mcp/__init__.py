@@ -61,6 +61,10 @@ _ERRORS = {
     "unknown_server": ServerNotFoundError,
     "unknown_tool": ToolNotFoundError,
     "unavailable": ServerUnavailableError,
+    # The configuration's rules hide the tool, or its call needed approval it did not get.
+    "denied": ToolError,
+    "declined": ToolError,
+    "refused": ToolError,
 }
 
 
@@ -236,6 +240,7 @@ class _Runtime:
             if detail == "full":
                 d["input_schema"] = t.get("inputSchema") or {}
                 d["doc"] = _docstring(server, t)
+                d["annotations"] = t.get("annotations") or {}
             out.append(d)
         return out
 

@@ -26,6 +26,8 @@ pub struct ServerConfig {
     pub description: Option<String>,
     /// Where the entry came from.
     pub source: String,
+    /// Which of its tools code may see and call, and which need approval.
+    pub rules: super::rules::ToolRules,
 }
 
 /// A problem found while loading, reported to the log and in `system://info`.
@@ -293,6 +295,8 @@ fn parse_entry(
         Some(Value::String(d)) => Some(d.clone()),
         Some(_) => return Err(problem(Some("description"), "must be a string".into())),
     };
+    let rules = super::rules::ToolRules::parse(e)
+        .map_err(|(field, message)| problem(Some(&field), message))?;
     let server = ServerConfig {
         name: name.to_string(),
         command,
@@ -301,6 +305,7 @@ fn parse_entry(
         cwd,
         description,
         source: source.to_string(),
+        rules,
     };
     Ok(Some((server, warnings)))
 }

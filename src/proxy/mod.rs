@@ -6,6 +6,7 @@
 //! configuration: they never reach a command line, and nothing from a tool argument is expanded.
 
 pub mod config;
+pub mod rules;
 pub mod search;
 pub mod upstream;
 
@@ -16,7 +17,11 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use self::config::{ConfigProblem, LoadedConfig};
+use self::rules::{ApprovalMode, Hints, Verdict};
 use self::upstream::Upstream;
+
+/// How long a call waits for the user to approve it.
+const APPROVAL_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Largest proxied result handed to a worker (a frame must stay well under the frame limit).
 pub const MAX_RESULT_BYTES: usize = 32 * 1024 * 1024;
@@ -48,15 +53,27 @@ impl ProxyError {
             message,
         }
     }
+    /// The configuration's rules hide the tool, or the user declined: raised as `ToolError`.
+    fn refused(kind: &'static str, message: String) -> Self {
+        ProxyError { kind, message }
+    }
 }
 
-/// One proxied call, for the run record (`upstream_calls`).
+/// One proxied call, for the run record (`upstream_calls`) and the audit log.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CallSummary {
     pub server: String,
     pub tool: String,
     pub ok: bool,
+    /// `ok`, `tool_error` (the tool answered `isError`), `failed` (transport, unknown tool, …),
+    /// `denied` (the configuration's rules), `declined` (the user said no), or `refused`
+    /// (approval was needed and could not be had).
+    pub outcome: &'static str,
     pub duration_ms: f64,
+    /// The names of the arguments; their values only where the server's `auditArguments` is on.
+    pub argument_keys: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<Value>,
 }
 
 pub struct Proxy {
@@ -64,10 +81,18 @@ pub struct Proxy {
     problems: Vec<ConfigProblem>,
     sources: Vec<String>,
     call_timeout: Duration,
+    approval: ApprovalMode,
+    /// The MCP client, to ask the user for approval (elicitation).
+    client: std::sync::Mutex<Option<rmcp::Peer<rmcp::RoleServer>>>,
 }
 
 impl Proxy {
-    pub fn new(config: LoadedConfig, startup_timeout: Duration, call_timeout: Duration) -> Proxy {
+    pub fn new(
+        config: LoadedConfig,
+        startup_timeout: Duration,
+        call_timeout: Duration,
+        approval: ApprovalMode,
+    ) -> Proxy {
         for p in &config.problems {
             tracing::warn!("MCP server configuration: {p}");
         }
@@ -81,7 +106,22 @@ impl Proxy {
             problems: config.problems,
             sources: config.sources,
             call_timeout,
+            approval,
+            client: std::sync::Mutex::new(None),
         }
+    }
+
+    /// Remembers the client that approval questions go to (the one serving the current call).
+    pub fn attach_client(&self, peer: rmcp::Peer<rmcp::RoleServer>) {
+        *crate::lock(&self.client) = Some(peer);
+    }
+
+    /// Whether the attached client can ask its user (form elicitation).
+    fn approver(&self) -> Option<rmcp::Peer<rmcp::RoleServer>> {
+        crate::lock(&self.client).clone().filter(|p| {
+            p.supported_elicitation_modes()
+                .contains(&rmcp::service::ElicitationMode::Form)
+        })
     }
 
     /// Names and descriptions, for workers (no commands, no env).
@@ -102,10 +142,12 @@ impl Proxy {
                 "command": u.config.command,
                 "source": u.config.source,
                 "running": u.is_running().await,
+                "rules": u.config.rules,
             }));
         }
         json!({
             "servers": servers,
+            "approval": self.approval,
             "sources": self.sources,
             "problems": self.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
         })
@@ -141,32 +183,56 @@ impl Proxy {
         unknown
     }
 
+    /// The tools code may see: what the server lists, minus what the rules deny. Each keeps
+    /// its annotations (`readOnlyHint`, `destructiveHint`, …) so code can read them too.
     pub async fn tools_json(&self, server: &str) -> Result<Value, ProxyError> {
-        let catalog = self.upstream(server)?.tools().await?;
-        serde_json::to_value(&catalog.tools).map_err(|e| ProxyError::unavailable(e.to_string()))
+        let upstream = self.upstream(server)?;
+        let catalog = upstream.tools().await?;
+        let visible: Vec<&rmcp::model::Tool> = catalog
+            .tools
+            .iter()
+            .filter(|t| {
+                !matches!(
+                    upstream.config.rules.verdict(server, &t.name, Hints::of(t)),
+                    Verdict::Denied(_)
+                )
+            })
+            .collect();
+        serde_json::to_value(&visible).map_err(|e| ProxyError::unavailable(e.to_string()))
     }
 
     pub async fn search(&self, query: &str, limit: usize) -> Value {
         let fetches = self
             .upstreams
             .values()
-            .map(|u| async move { (u.config.name.clone(), u.tools().await) });
+            .map(|u| async move { (u, u.tools().await) });
         let mut catalogs = Vec::new();
-        for (name, tools) in futures::future::join_all(fetches).await {
+        for (u, tools) in futures::future::join_all(fetches).await {
             match tools {
-                Ok(c) => catalogs.push(c),
+                Ok(c) => catalogs.push((u, c)),
                 Err(e) => {
-                    tracing::warn!(server = %name, error = %e.message, "left out of the search")
+                    tracing::warn!(server = %u.config.name, error = %e.message, "left out of the search")
                 }
             }
         }
-        json!(search::search(
-            catalogs.iter().flat_map(|c| c.index.iter()),
-            query,
-            limit
-        ))
+        let visible = catalogs.iter().flat_map(|(u, c)| {
+            c.tools
+                .iter()
+                .zip(c.index.iter())
+                .filter(|(t, _)| {
+                    !matches!(
+                        u.config
+                            .rules
+                            .verdict(&u.config.name, &t.name, Hints::of(t)),
+                        Verdict::Denied(_)
+                    )
+                })
+                .map(|(_, i)| i)
+        });
+        json!(search::search(visible, query, limit))
     }
 
+    /// Calls a tool if the rules allow it and, where it needs approval, the user approved.
     pub async fn call(
         &self,
         server: &str,
@@ -178,10 +244,24 @@ impl Proxy {
                 "tool arguments must be a dict".into(),
             ));
         };
-        let result = self
-            .upstream(server)?
-            .call(tool, args, self.call_timeout)
-            .await?;
+        let upstream = self.upstream(server)?;
+        let catalog = upstream.tools().await?;
+        if let Some(t) = catalog.tools.iter().find(|t| t.name == tool) {
+            match upstream.config.rules.verdict(server, tool, Hints::of(t)) {
+                Verdict::Allowed => {}
+                Verdict::Denied(why) => {
+                    return Err(ProxyError::refused(
+                        "denied",
+                        format!("{why} (in {}); code cannot call it", upstream.config.source),
+                    ));
+                }
+                Verdict::NeedsApproval(why) => {
+                    self.approve(server, tool, &args, &why, &upstream.config.source)
+                        .await?
+                }
+            }
+        }
+        let result = upstream.call(tool, args, self.call_timeout).await?;
         let size = serde_json::to_string(&result).map(|s| s.len()).unwrap_or(0);
         if size > MAX_RESULT_BYTES {
             return Err(ProxyError::unavailable(format!(
@@ -189,6 +269,95 @@ impl Proxy {
             )));
         }
         Ok(result)
+    }
+
+    /// Asks the user whether `server.tool(args)` may run, as the approval setting says.
+    async fn approve(
+        &self,
+        server: &str,
+        tool: &str,
+        args: &serde_json::Map<String, Value>,
+        why: &str,
+        source: &str,
+    ) -> Result<(), ProxyError> {
+        let how_to_allow = format!(
+            "To allow it without asking, set \"confirm\": false for server {server:?} (or list \"{tool}\" in its \"allow\") in {source}, or start ironcell with --approval allow (IRONCELL_APPROVAL=allow)"
+        );
+        match self.approval {
+            ApprovalMode::Allow => return Ok(()),
+            ApprovalMode::Deny => {
+                return Err(ProxyError::refused(
+                    "refused",
+                    format!(
+                        "{server}.{tool} needs approval ({why}), and ironcell runs with --approval deny. {how_to_allow}"
+                    ),
+                ));
+            }
+            ApprovalMode::Ask => {}
+        }
+        let Some(peer) = self.approver() else {
+            return Err(ProxyError::refused(
+                "refused",
+                format!(
+                    "{server}.{tool} needs your approval ({why}), but this MCP client cannot ask you (it does not support elicitation). {how_to_allow}"
+                ),
+            ));
+        };
+        let mut shown = serde_json::to_string_pretty(args).unwrap_or_default();
+        if shown.len() > 2000 {
+            let cut = (0..=2000)
+                .rev()
+                .find(|&i| shown.is_char_boundary(i))
+                .unwrap_or(0);
+            shown.truncate(cut);
+            shown.push_str("\n…");
+        }
+        let message = format!(
+            "Code running in ironcell wants to call {tool} on the MCP server {server:?} ({why}).\n\nArguments:\n{shown}\n\nAllow this call?"
+        );
+        let schema = serde_json::from_value::<rmcp::model::ElicitationSchema>(json!({
+            "type": "object",
+            "properties": {
+                "approve": {"type": "boolean", "title": "Allow this call", "default": false}
+            },
+            "required": ["approve"]
+        }))
+        .map_err(|e| ProxyError::unavailable(format!("approval form: {e}")))?;
+        let answer = peer
+            .create_elicitation_with_timeout(
+                rmcp::model::ElicitRequestParams::FormElicitationParams {
+                    meta: None,
+                    message,
+                    requested_schema: schema,
+                },
+                Some(APPROVAL_TIMEOUT),
+            )
+            .await;
+        let declined = |how: &str| {
+            Err(ProxyError::refused(
+                "declined",
+                format!("declined: the user {how} the call of {server}.{tool}"),
+            ))
+        };
+        match answer {
+            Ok(r) => match r.action {
+                rmcp::model::ElicitationAction::Accept
+                    if r.content.as_ref().and_then(|c| c.get("approve"))
+                        == Some(&Value::Bool(true)) =>
+                {
+                    Ok(())
+                }
+                rmcp::model::ElicitationAction::Accept => declined("did not approve"),
+                rmcp::model::ElicitationAction::Decline => declined("declined"),
+                _ => declined("cancelled"),
+            },
+            Err(e) => Err(ProxyError::refused(
+                "refused",
+                format!(
+                    "{server}.{tool} needs your approval ({why}), and asking failed: {e}. {how_to_allow}"
+                ),
+            )),
+        }
     }
 
     /// Answers one `request` frame from a worker: the payload for the `response` frame, and a
@@ -220,16 +389,30 @@ impl Proxy {
                     .get("arguments")
                     .cloned()
                     .unwrap_or_else(|| json!({}));
+                let argument_keys = match &args {
+                    Value::Object(m) => m.keys().cloned().collect(),
+                    _ => Vec::new(),
+                };
+                let audit_values = self
+                    .upstreams
+                    .get(&server)
+                    .is_some_and(|u| u.config.rules.audit_arguments);
+                let arguments = audit_values.then(|| args.clone());
                 let r = self.call(&server, &tool, args).await;
-                let ok = r
-                    .as_ref()
-                    .map(|v| v.get("isError") != Some(&Value::Bool(true)))
-                    .unwrap_or(false);
+                let outcome = match &r {
+                    Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => "tool_error",
+                    Ok(_) => "ok",
+                    Err(e) if matches!(e.kind, "denied" | "declined" | "refused") => e.kind,
+                    Err(_) => "failed",
+                };
                 summary = Some(CallSummary {
                     server,
                     tool,
-                    ok,
+                    ok: outcome == "ok",
+                    outcome,
                     duration_ms: (started.elapsed().as_secs_f64() * 1e6).round() / 1000.0,
+                    argument_keys,
+                    arguments,
                 });
                 r
             }

@@ -1,0 +1,350 @@
+//! The audit trail: one JSON line per run in `<state dir>/audit.jsonl`, and `ironcell audit`.
+//!
+//! A line holds when and where a run happened, a hash and the first lines of its code, how it
+//! ended, which limits it hit, and every proxied call it made (server, tool, argument names —
+//! values only where that server's `auditArguments` is on —, outcome, duration). The file is
+//! rotated by size (`IRONCELL_AUDIT_MAX`), keeping one older file, `audit.jsonl.1`. It lives in
+//! the state directory, outside every session directory, so no worker can write to it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::Digest;
+
+use crate::output::{RunRecord, RunStatus};
+
+const FILE: &str = "audit.jsonl";
+const OLD_FILE: &str = "audit.jsonl.1";
+/// Lines and characters of code kept in a line (the hash identifies the whole).
+const CODE_HEAD_LINES: usize = 3;
+const CODE_HEAD_CHARS: usize = 300;
+
+/// One run, as recorded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AuditEntry {
+    /// RFC 3339, UTC.
+    pub time: String,
+    pub session: String,
+    pub code_sha256: String,
+    pub code_head: String,
+    pub code_bytes: usize,
+    /// A run status (`ok`, `error`, `timeout`, …) or `refused` when no code ran.
+    pub status: String,
+    pub duration_ms: f64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub limits_hit: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upstream_calls: Vec<Value>,
+}
+
+impl AuditEntry {
+    /// The line for a run of `code` in `session` that ended as `outcome`.
+    pub fn new(session: &str, code: &str, outcome: &Result<RunRecord, String>) -> AuditEntry {
+        let head: String = code
+            .lines()
+            .take(CODE_HEAD_LINES)
+            .collect::<Vec<_>>()
+            .join("\n")
+            .chars()
+            .take(CODE_HEAD_CHARS)
+            .collect();
+        let mut e = AuditEntry {
+            time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            session: session.to_string(),
+            code_sha256: sha2::Sha256::digest(code.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect(),
+            code_head: head,
+            code_bytes: code.len(),
+            status: "refused".into(),
+            duration_ms: 0.0,
+            limits_hit: Vec::new(),
+            refused: None,
+            upstream_calls: Vec::new(),
+        };
+        match outcome {
+            Ok(r) => {
+                e.status = serde_json::to_value(r.status)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default();
+                e.duration_ms = r.duration_ms;
+                e.limits_hit = limits_hit(r);
+                e.upstream_calls = r
+                    .upstream_calls
+                    .iter()
+                    .filter_map(|c| serde_json::to_value(c).ok())
+                    .collect();
+            }
+            Err(why) => e.refused = Some(why.clone()),
+        }
+        e
+    }
+}
+
+fn limits_hit(r: &RunRecord) -> Vec<String> {
+    let mut hit = Vec::new();
+    match r.status {
+        RunStatus::Timeout => hit.push("wall_timeout".to_string()),
+        RunStatus::OutputLimit => hit.push("output_limit".to_string()),
+        RunStatus::ScratchQuota => hit.push("scratch_quota".to_string()),
+        _ => {}
+    }
+    if let Some(err) = &r.error {
+        let kind = match err.kind.as_str() {
+            "MemoryError" => Some("memory"),
+            "RecursionError" => Some("recursion"),
+            _ => None,
+        };
+        hit.extend(kind.map(str::to_string));
+    }
+    let text = r.notices.join(" ").to_lowercase();
+    for (needle, name) in [
+        ("cpu", "cpu_time"),
+        ("memory", "memory"),
+        ("signal", "signal"),
+    ] {
+        if r.status == RunStatus::Crashed && text.contains(needle) && !hit.iter().any(|h| h == name)
+        {
+            hit.push(name.to_string());
+        }
+    }
+    if r.stdout_truncated.is_some() || r.stderr_truncated.is_some() {
+        hit.push("inline_output".to_string());
+    }
+    hit
+}
+
+/// The audit log of one state directory.
+pub struct AuditLog {
+    dir: PathBuf,
+    max_bytes: u64,
+    write: Mutex<()>,
+}
+
+impl AuditLog {
+    pub fn new(state_dir: &Path, max_bytes: u64) -> AuditLog {
+        AuditLog {
+            dir: state_dir.to_path_buf(),
+            max_bytes: max_bytes.max(4096),
+            write: Mutex::new(()),
+        }
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(FILE)
+    }
+
+    /// Appends one line (rotating first if the file would pass the size limit). Failures are
+    /// logged, never fatal: a run's result does not depend on its audit line.
+    pub fn append(&self, entry: &AuditEntry) {
+        let line = match serde_json::to_string(entry) {
+            Ok(l) => l + "\n",
+            Err(e) => {
+                tracing::warn!(error = %e, "audit line could not be written");
+                return;
+            }
+        };
+        let _guard = crate::lock(&self.write);
+        if let Err(e) = self.append_line(&line) {
+            tracing::warn!(file = %self.path().display(), error = %e, "audit line could not be written");
+        }
+    }
+
+    fn append_line(&self, line: &str) -> std::io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::create_dir_all(&self.dir)?;
+        let path = self.path();
+        let size = std::fs::symlink_metadata(&path)
+            .map(|m| m.len())
+            .unwrap_or(0);
+        if size > 0 && size + line.len() as u64 > self.max_bytes {
+            std::fs::rename(&path, self.dir.join(OLD_FILE))?;
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)?;
+        f.write_all(line.as_bytes())
+    }
+
+    /// Every entry, oldest first (the rotated file, then the current one). Lines that do not
+    /// parse are skipped and counted.
+    pub fn read_all(&self) -> (Vec<AuditEntry>, usize) {
+        let mut entries = Vec::new();
+        let mut bad = 0;
+        for name in [OLD_FILE, FILE] {
+            let Ok(text) = std::fs::read_to_string(self.dir.join(name)) else {
+                continue;
+            };
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                match serde_json::from_str(line) {
+                    Ok(e) => entries.push(e),
+                    Err(_) => bad += 1,
+                }
+            }
+        }
+        (entries, bad)
+    }
+}
+
+/// `--since`: an RFC 3339 time, or a duration ago (`90m`, `2h`, `1d`).
+pub fn parse_since(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    if let Ok(t) = chrono::DateTime::parse_from_rfc3339(s) {
+        return Ok(t.with_timezone(&chrono::Utc));
+    }
+    let ago = match s.strip_suffix('d') {
+        Some(days) => days
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|d| d.is_finite() && *d >= 0.0)
+            .map(|d| Duration::from_secs_f64(d * 86_400.0))
+            .ok_or_else(|| format!("{s:?} is not a number of days"))?,
+        None => crate::config::parse_duration(s).map_err(|e| {
+            format!("{e}; --since takes an RFC 3339 time (2026-11-30T18:00:00Z) or a duration ago (90m, 2h, 1d)")
+        })?,
+    };
+    let ago = chrono::Duration::from_std(ago).map_err(|e| e.to_string())?;
+    Ok(chrono::Utc::now() - ago)
+}
+
+/// What `ironcell audit` prints.
+pub fn render(
+    log: &AuditLog,
+    session: Option<&str>,
+    since: Option<chrono::DateTime<chrono::Utc>>,
+    json: bool,
+) -> String {
+    let (entries, bad) = log.read_all();
+    let chosen: Vec<&AuditEntry> = entries
+        .iter()
+        .filter(|e| session.is_none_or(|s| e.session == s))
+        .filter(|e| {
+            since.is_none_or(|t| {
+                chrono::DateTime::parse_from_rfc3339(&e.time)
+                    .map(|et| et.with_timezone(&chrono::Utc) >= t)
+                    .unwrap_or(true)
+            })
+        })
+        .collect();
+    let mut out = String::new();
+    if json {
+        for e in &chosen {
+            out.push_str(&serde_json::to_string(e).unwrap_or_default());
+            out.push('\n');
+        }
+        return out;
+    }
+    if chosen.is_empty() {
+        out.push_str(&format!("no runs recorded in {}\n", log.path().display()));
+    } else {
+        out.push_str(&format!(
+            "{:<24} {:<14} {:<13} {:>9}  {:<30} code\n",
+            "time", "session", "status", "ms", "proxied calls"
+        ));
+        for e in &chosen {
+            let calls: Vec<String> = e
+                .upstream_calls
+                .iter()
+                .map(|c| {
+                    let s = |k: &str| c.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+                    let outcome = s("outcome");
+                    if outcome == "ok" {
+                        format!("{}.{}", s("server"), s("tool"))
+                    } else {
+                        format!("{}.{}:{outcome}", s("server"), s("tool"))
+                    }
+                })
+                .collect();
+            let mut status = e.status.clone();
+            if !e.limits_hit.is_empty() {
+                status = format!("{status}*");
+            }
+            let first_line = e.code_head.lines().next().unwrap_or("");
+            out.push_str(&format!(
+                "{:<24} {:<14} {:<13} {:>9.1}  {:<30} {}\n",
+                e.time.get(..23).unwrap_or(&e.time),
+                clip(&e.session, 14),
+                status,
+                e.duration_ms,
+                clip(&calls.join(","), 30),
+                clip(first_line, 60),
+            ));
+        }
+        out.push_str(&format!(
+            "{} run(s); * = a limit was hit (see --json); log: {}\n",
+            chosen.len(),
+            log.path().display()
+        ));
+    }
+    if bad > 0 {
+        out.push_str(&format!("{bad} unreadable line(s) skipped\n"));
+    }
+    out
+}
+
+fn clip(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n - 1).collect::<String>() + "…"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(session: &str, code: &str) -> AuditEntry {
+        AuditEntry::new(session, code, &Err("refused for the test".into()))
+    }
+
+    #[test]
+    fn lines_are_appended_read_back_and_rotated_by_size() {
+        let dir = std::env::temp_dir().join(format!("ironcell-audit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let log = AuditLog::new(&dir, 4096);
+        for i in 0..40 {
+            log.append(&entry(
+                &format!("s{i}"),
+                &format!("print({i})\n# {}", "x".repeat(50)),
+            ));
+        }
+        let (all, bad) = log.read_all();
+        assert_eq!(bad, 0);
+        assert!(dir.join(OLD_FILE).exists(), "the log was rotated");
+        assert!(std::fs::metadata(log.path()).map(|m| m.len()).unwrap_or(0) <= 4096);
+        assert_eq!(all.last().map(|e| e.session.as_str()), Some("s39"));
+        assert!(all.len() < 40, "only one older file is kept");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_entry_keeps_a_hash_and_the_head_of_the_code_only() {
+        let code = "a = 1\nb = 2\nc = 3\nsecret_line = 4\n";
+        let e = entry("s", code);
+        assert_eq!(e.code_head, "a = 1\nb = 2\nc = 3");
+        assert_eq!(e.code_sha256.len(), 64);
+        assert_eq!(e.status, "refused");
+    }
+
+    #[test]
+    fn since_takes_times_and_durations() {
+        assert!(parse_since("2026-11-30T18:00:00Z").is_ok());
+        let hour_ago = parse_since("1h").unwrap_or_else(|e| panic!("{e}"));
+        let now = chrono::Utc::now();
+        assert!((now - hour_ago).num_minutes() >= 59);
+        assert!(parse_since("1d").is_ok());
+        assert!(parse_since("yesterday").is_err());
+    }
+}

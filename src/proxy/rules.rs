@@ -1,0 +1,302 @@
+//! Control over proxied tools: which tools code may see and call, and which need the user's
+//! approval first.
+//!
+//! One `run_python` call can call any tool of any configured server, in a loop, out of sight of
+//! the client's per-tool approval prompt. The host owns the only path from the sandbox to the
+//! upstreams, so this is where the rules live. Per server, in the proxy configuration:
+//!
+//! - `allow`: glob patterns (`*`, `?`) of tool names; when present, only matching tools exist.
+//! - `deny`: glob patterns of tool names that never exist (wins over `allow`).
+//! - `readOnly: true`: only tools the server annotates `readOnlyHint: true` exist.
+//! - `confirm`: `true` (every call needs approval), `false` (none does, even tools annotated
+//!   `destructiveHint: true`), or a list of patterns needing approval in addition to the tools
+//!   annotated `destructiveHint: true` (the default).
+//! - `auditArguments: true`: the audit log records argument values, not only their names.
+//!
+//! A tool named exactly (no wildcard) in `allow` is explicitly allowed: it needs no approval.
+//! Annotations from an upstream are only hints; the configuration wins. Only an explicit
+//! `destructiveHint: true` asks for approval (the protocol's default for an unannotated tool
+//! is "destructive", which would make every tool of most servers ask).
+
+use serde_json::Value;
+
+/// The rules of one server, as written in its configuration entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ToolRules {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deny: Vec<String>,
+    #[serde(rename = "readOnly", skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
+    pub confirm: Confirm,
+    #[serde(rename = "auditArguments", skip_serializing_if = "std::ops::Not::not")]
+    pub audit_arguments: bool,
+}
+
+/// Which calls of a server need the user's approval.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Confirm {
+    /// Tools annotated `destructiveHint: true`, plus these patterns.
+    #[default]
+    Destructive,
+    DestructiveAnd(Vec<String>),
+    /// Every call.
+    Always,
+    /// No call.
+    Never,
+}
+
+/// What the rules say about one tool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The tool does not exist for code; the string names the rule.
+    Denied(String),
+    /// Callable without asking.
+    Allowed,
+    /// Callable after the user approves; the string says why approval is needed.
+    NeedsApproval(String),
+}
+
+/// The annotations that matter here, read from a tool's JSON (`annotations.readOnlyHint`, …).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Hints {
+    pub read_only: Option<bool>,
+    pub destructive: Option<bool>,
+}
+
+impl Hints {
+    pub fn of(tool: &rmcp::model::Tool) -> Hints {
+        tool.annotations
+            .as_ref()
+            .map(|a| Hints {
+                read_only: a.read_only_hint,
+                destructive: a.destructive_hint,
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl ToolRules {
+    /// Parses the rule fields of a configuration entry. Errors name the field.
+    pub fn parse(entry: &serde_json::Map<String, Value>) -> Result<ToolRules, (String, String)> {
+        let patterns = |field: &str| -> Result<Vec<String>, (String, String)> {
+            match entry.get(field) {
+                None | Some(Value::Null) => Ok(Vec::new()),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::String(s) if !s.is_empty() => Ok(s.clone()),
+                        _ => Err((
+                            format!("{field}[{i}]"),
+                            "must be a non-empty string (a tool name or glob pattern)".into(),
+                        )),
+                    })
+                    .collect(),
+                Some(_) => Err((
+                    field.to_string(),
+                    "must be an array of tool names or glob patterns".into(),
+                )),
+            }
+        };
+        let flag = |field: &str| -> Result<bool, (String, String)> {
+            match entry.get(field) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(_) => Err((field.to_string(), "must be true or false".into())),
+            }
+        };
+        let confirm = match entry.get("confirm") {
+            None | Some(Value::Null) => Confirm::Destructive,
+            Some(Value::Bool(true)) => Confirm::Always,
+            Some(Value::Bool(false)) => Confirm::Never,
+            Some(Value::Array(_)) => {
+                let p = patterns("confirm")?;
+                if p.is_empty() {
+                    Confirm::Destructive
+                } else {
+                    Confirm::DestructiveAnd(p)
+                }
+            }
+            Some(_) => {
+                return Err((
+                    "confirm".into(),
+                    "must be true, false, or an array of tool names or glob patterns".into(),
+                ));
+            }
+        };
+        Ok(ToolRules {
+            allow: patterns("allow")?,
+            deny: patterns("deny")?,
+            read_only: flag("readOnly")?,
+            confirm,
+            audit_arguments: flag("auditArguments")?,
+        })
+    }
+
+    /// What the rules say about `tool` of server `server`.
+    pub fn verdict(&self, server: &str, tool: &str, hints: Hints) -> Verdict {
+        if let Some(p) = self.deny.iter().find(|p| glob_match(p, tool)) {
+            return Verdict::Denied(format!(
+                "{server}.{tool} is denied by the rule \"deny\": [{p:?}] of server {server:?}"
+            ));
+        }
+        if !self.allow.is_empty() && !self.allow.iter().any(|p| glob_match(p, tool)) {
+            return Verdict::Denied(format!(
+                "{server}.{tool} is not in the \"allow\" list of server {server:?}"
+            ));
+        }
+        if self.read_only && hints.read_only != Some(true) {
+            return Verdict::Denied(format!(
+                "server {server:?} is \"readOnly\": true, and {tool} is not annotated readOnlyHint: true"
+            ));
+        }
+        if self.allow.iter().any(|p| p == tool) {
+            return Verdict::Allowed; // named exactly: the user allowed it on purpose
+        }
+        let listed = |ps: &[String]| ps.iter().any(|p| glob_match(p, tool));
+        match &self.confirm {
+            Confirm::Never => Verdict::Allowed,
+            Confirm::Always => {
+                Verdict::NeedsApproval(format!("server {server:?} has \"confirm\": true"))
+            }
+            Confirm::DestructiveAnd(ps) if listed(ps) => Verdict::NeedsApproval(format!(
+                "{tool} is listed under \"confirm\" for server {server:?}"
+            )),
+            Confirm::Destructive | Confirm::DestructiveAnd(_) => {
+                if hints.destructive == Some(true) && hints.read_only != Some(true) {
+                    Verdict::NeedsApproval(format!(
+                        "{server} annotates {tool} as destructive (destructiveHint: true)"
+                    ))
+                } else {
+                    Verdict::Allowed
+                }
+            }
+        }
+    }
+}
+
+/// Shell-style glob: `*` any run of characters, `?` one character, everything else literal.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    wildmatch::WildMatch::new(pattern).matches(name)
+}
+
+/// The default for calls that need approval (`--approval`, `IRONCELL_APPROVAL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalMode {
+    /// Ask the user through the client (elicitation); refuse where the client cannot ask.
+    #[default]
+    Ask,
+    /// Run them without asking.
+    Allow,
+    /// Refuse them.
+    Deny,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn rules(v: Value) -> ToolRules {
+        match v {
+            Value::Object(m) => ToolRules::parse(&m).unwrap_or_else(|e| panic!("{e:?}")),
+            _ => unreachable!(),
+        }
+    }
+    const RO: Hints = Hints {
+        read_only: Some(true),
+        destructive: None,
+    };
+    const DESTRUCTIVE: Hints = Hints {
+        read_only: Some(false),
+        destructive: Some(true),
+    };
+    const PLAIN: Hints = Hints {
+        read_only: None,
+        destructive: None,
+    };
+
+    #[test]
+    fn deny_wins_over_allow_and_names_the_rule() {
+        let r = rules(json!({"allow": ["*"], "deny": ["delete_*"]}));
+        match r.verdict("memory", "delete_entities", PLAIN) {
+            Verdict::Denied(why) => assert!(why.contains("\"deny\""), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        assert_eq!(r.verdict("memory", "read_graph", PLAIN), Verdict::Allowed);
+    }
+
+    #[test]
+    fn an_allow_list_hides_everything_else() {
+        let r = rules(json!({"allow": ["read_*", "search_nodes"]}));
+        assert_eq!(r.verdict("m", "read_graph", PLAIN), Verdict::Allowed);
+        assert!(matches!(
+            r.verdict("m", "create_entities", PLAIN),
+            Verdict::Denied(_)
+        ));
+    }
+
+    #[test]
+    fn read_only_admits_only_tools_annotated_read_only() {
+        let r = rules(json!({"readOnly": true}));
+        assert_eq!(r.verdict("m", "read_graph", RO), Verdict::Allowed);
+        assert!(matches!(r.verdict("m", "x", PLAIN), Verdict::Denied(_)));
+        assert!(matches!(
+            r.verdict("m", "x", DESTRUCTIVE),
+            Verdict::Denied(_)
+        ));
+    }
+
+    #[test]
+    fn destructive_tools_need_approval_unless_the_config_says_otherwise() {
+        let default = rules(json!({}));
+        assert!(matches!(
+            default.verdict("m", "drop", DESTRUCTIVE),
+            Verdict::NeedsApproval(_)
+        ));
+        assert_eq!(default.verdict("m", "plain", PLAIN), Verdict::Allowed);
+        let never = rules(json!({"confirm": false}));
+        assert_eq!(never.verdict("m", "drop", DESTRUCTIVE), Verdict::Allowed);
+        let exact = rules(json!({"allow": ["drop", "read_*"]}));
+        assert_eq!(exact.verdict("m", "drop", DESTRUCTIVE), Verdict::Allowed);
+        let listed = rules(json!({"confirm": ["create_*"]}));
+        assert!(matches!(
+            listed.verdict("m", "create_entities", PLAIN),
+            Verdict::NeedsApproval(_)
+        ));
+        assert!(matches!(
+            listed.verdict("m", "drop", DESTRUCTIVE),
+            Verdict::NeedsApproval(_)
+        ));
+        let always = rules(json!({"confirm": true}));
+        assert!(matches!(
+            always.verdict("m", "read_graph", RO),
+            Verdict::NeedsApproval(_)
+        ));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let bad = |v: Value| match v {
+            Value::Object(m) => ToolRules::parse(&m).err().map(|e| e.0),
+            _ => unreachable!(),
+        };
+        assert_eq!(bad(json!({"allow": "x"})).as_deref(), Some("allow"));
+        assert_eq!(bad(json!({"deny": [1]})).as_deref(), Some("deny[0]"));
+        assert_eq!(bad(json!({"readOnly": "yes"})).as_deref(), Some("readOnly"));
+        assert_eq!(bad(json!({"confirm": 3})).as_deref(), Some("confirm"));
+    }
+
+    #[test]
+    fn globs_match_whole_names() {
+        assert!(glob_match("read_*", "read_graph"));
+        assert!(!glob_match("read_*", "xread_graph"));
+        assert!(glob_match("get_?", "get_a"));
+        assert!(glob_match("exact", "exact"));
+        assert!(!glob_match("exact", "exactly"));
+    }
+}
