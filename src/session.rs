@@ -301,14 +301,16 @@ impl SessionManager {
             notices.push("session reset: fresh interpreter, empty working directory".into());
         }
         if let Some(mut w) = state.worker.take() {
+            // A dead zygote took every worker with it, even if its last reports are in flight.
+            let zygote_dead = lock(&self.zygote).is_dead();
             match w.liveness() {
-                Liveness::Alive => state.worker = Some(w),
+                Liveness::Alive if !zygote_dead => state.worker = Some(w),
                 Liveness::Exited(status) => {
                     state.pending_notice = Some(format!(
                         "this session's worker {status} while idle; variables and imports were lost (files are kept)"
                     ));
                 }
-                Liveness::ZygoteGone => {
+                Liveness::Alive | Liveness::ZygoteGone => {
                     state.pending_notice = Some(
                         "this session's state was lost: the Python zygote (the process that starts every worker) died, and its workers with it; this run uses a fresh worker from a new zygote (variables and imports start fresh, files are kept)".into(),
                     );
