@@ -9,8 +9,31 @@ use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
-/// Largest frame either side accepts. Code is capped well below this by the host.
+/// Largest frame a worker accepts from the host. Code is capped well below this by the host.
 pub const MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+
+/// Largest frame the host accepts from a worker, before the inline images of a `done` frame
+/// (see [`max_worker_frame_bytes`]): a bridge request's arguments, or a `done` frame's text.
+pub const MAX_WORKER_FRAME_BYTES: usize = 16 * 1024 * 1024;
+/// Longest `result` repr (in characters) in a `done` frame: the runner cuts at 20,000 and adds
+/// a short "... [N more characters]" note.
+pub const MAX_RESULT_CHARS: usize = 20_000 + 200;
+/// Longest error message or traceback (in characters) in a `done` frame; the worker cuts both
+/// at [`ERROR_FIELD_CUT_CHARS`].
+pub const MAX_ERROR_FIELD_CHARS: usize = 2 * ERROR_FIELD_CUT_CHARS;
+/// Where the worker cuts an error message or traceback before sending it.
+pub const ERROR_FIELD_CUT_CHARS: usize = 16 * 1024;
+/// Longest exception type name, bridge method name, mime type or best-effort layer note.
+pub const MAX_NAME_CHARS: usize = 256;
+/// Most images one `done` frame may carry (the runner sends at most 8).
+pub const MAX_IMAGES: usize = 16;
+/// Longest image path, in bytes (Linux's PATH_MAX).
+pub const MAX_PATH_BYTES: usize = 4096;
+/// Most bridge requests a worker may have waiting for an answer at once. The worker's bridge
+/// queues calls beyond this itself; a worker that sends more anyway breaks the protocol.
+pub const MAX_INFLIGHT_REQUESTS: usize = 64;
+/// Image types a `done` frame may name (what the runner detects by suffix or renders).
+pub const IMAGE_MIME_TYPES: &[&str] = &["image/png", "image/jpeg", "image/gif", "image/webp"];
 
 pub const KIND_JSON: u8 = b'J';
 pub const KIND_STDOUT: u8 = b'O';
@@ -97,6 +120,196 @@ pub struct CellImage {
     pub data: Option<String>,
 }
 
+/// Largest frame the host reads from a worker whose inline images are capped at
+/// `image_budget_bytes` each (base64 adds a third).
+pub fn max_worker_frame_bytes(image_budget_bytes: u64) -> usize {
+    let images = usize::try_from(image_budget_bytes)
+        .unwrap_or(usize::MAX)
+        .saturating_mul(MAX_IMAGES)
+        .saturating_mul(4)
+        / 3;
+    MAX_WORKER_FRAME_BYTES.saturating_add(images)
+}
+
+/// A worker broke the session protocol: the host kills it and reports this message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("protocol violation: {0}")]
+pub struct Violation(pub String);
+
+fn violation<T>(message: impl Into<String>) -> Result<T, Violation> {
+    Err(Violation(message.into()))
+}
+
+/// One frame from a worker, decoded and checked against every stateless cap.
+#[derive(Debug)]
+pub enum WorkerFrame<'a> {
+    Stdout(&'a [u8]),
+    Stderr(&'a [u8]),
+    Message(FromWorker),
+}
+
+/// Decodes a frame body (kind byte + payload) read from a worker's session socket.
+///
+/// The worker is the attacker here: everything it sends is checked before the host acts on
+/// it. What needs the session's state (the run id, the number of open requests) is checked by
+/// the caller.
+pub fn decode_worker_frame(
+    body: &[u8],
+    image_budget_bytes: u64,
+) -> Result<WorkerFrame<'_>, Violation> {
+    let Some((&kind, payload)) = body.split_first() else {
+        return violation("an empty frame");
+    };
+    match kind {
+        KIND_STDOUT => Ok(WorkerFrame::Stdout(payload)),
+        KIND_STDERR => Ok(WorkerFrame::Stderr(payload)),
+        KIND_JSON => {
+            let msg: FromWorker = serde_json::from_slice(payload).or_else(|e| {
+                violation(format!("a control frame that is not a valid message ({e})"))
+            })?;
+            validate_from_worker(&msg, image_budget_bytes)?;
+            Ok(WorkerFrame::Message(msg))
+        }
+        other => violation(format!("a frame of unknown kind {other:#04x}")),
+    }
+}
+
+/// Checks every field of a worker's message against its cap.
+pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result<(), Violation> {
+    match msg {
+        FromWorker::Ready { missing_layers, .. } => {
+            if missing_layers.len() > 64 {
+                return violation(format!(
+                    "`ready` lists {} missing layers",
+                    missing_layers.len()
+                ));
+            }
+            for l in missing_layers {
+                cap_chars("a missing-layer note", l, 4 * MAX_NAME_CHARS)?;
+            }
+            Ok(())
+        }
+        FromWorker::Fatal { message } => {
+            cap_chars("a fatal message", message, MAX_ERROR_FIELD_CHARS)
+        }
+        FromWorker::Request { method, params, .. } => {
+            if method.is_empty()
+                || method.len() > 64
+                || !method.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+            {
+                return violation(format!(
+                    "a bridge request with an invalid method name {:?}",
+                    method.chars().take(80).collect::<String>()
+                ));
+            }
+            if !params.is_object() {
+                return violation(format!(
+                    "bridge request {method:?} whose params are not an object"
+                ));
+            }
+            Ok(())
+        }
+        FromWorker::Done {
+            result,
+            error,
+            images,
+            ..
+        } => {
+            if let Some(r) = result {
+                cap_chars("the result", r, MAX_RESULT_CHARS)?;
+            }
+            if let Some(e) = error {
+                cap_chars("the error type", &e.kind, MAX_NAME_CHARS)?;
+                cap_chars("the error message", &e.message, MAX_ERROR_FIELD_CHARS)?;
+                cap_chars("the traceback", &e.traceback, MAX_ERROR_FIELD_CHARS)?;
+            }
+            if images.len() > MAX_IMAGES {
+                return violation(format!(
+                    "`done` carries {} images; the limit is {MAX_IMAGES}",
+                    images.len()
+                ));
+            }
+            for img in images {
+                validate_image(img, image_budget_bytes)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn cap_chars(what: &str, text: &str, limit: usize) -> Result<(), Violation> {
+    // Bytes bound characters from above, so the exact count is only needed near the limit.
+    if text.len() > limit && text.chars().count() > limit {
+        return violation(format!(
+            "{what} is {} characters; the limit is {limit}",
+            text.chars().count()
+        ));
+    }
+    Ok(())
+}
+
+fn validate_image(img: &CellImage, image_budget_bytes: u64) -> Result<(), Violation> {
+    session_relative_path(&img.path)?;
+    if !IMAGE_MIME_TYPES.contains(&img.mime.as_str()) {
+        return violation(format!(
+            "an image of type {:?} (expected one of {})",
+            img.mime.chars().take(MAX_NAME_CHARS).collect::<String>(),
+            IMAGE_MIME_TYPES.join(", ")
+        ));
+    }
+    if let Some(data) = &img.data {
+        let budget = usize::try_from(image_budget_bytes).unwrap_or(usize::MAX);
+        let limit = budget.saturating_add(2) / 3 * 4 + 4;
+        if data.len() > limit {
+            return violation(format!(
+                "inline image {:?} is {} base64 bytes; the budget (IRONCELL_IMAGE_BUDGET) allows {limit}",
+                img.path,
+                data.len()
+            ));
+        }
+        use base64::Engine;
+        if base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .is_err()
+        {
+            return violation(format!("inline image {:?} is not valid base64", img.path));
+        }
+    }
+    Ok(())
+}
+
+/// Checks, by its text alone, that `path` names something inside a session directory: relative,
+/// no `..` or `.` step, no empty step, no control characters, at most PATH_MAX bytes. (Whether
+/// it exists as a regular file, and not through a symlink, is for the filesystem to say.)
+pub fn session_relative_path(path: &str) -> Result<&str, Violation> {
+    let bad = |why: &str| {
+        violation(format!(
+            "path {:?} {why}",
+            path.chars().take(200).collect::<String>()
+        ))
+    };
+    if path.is_empty() {
+        return bad("is empty");
+    }
+    if path.len() > MAX_PATH_BYTES {
+        return bad("is longer than PATH_MAX");
+    }
+    if path.starts_with('/') {
+        return bad("is absolute; paths must be relative to the session directory");
+    }
+    if path.chars().any(char::is_control) {
+        return bad("contains control characters");
+    }
+    for step in path.split('/') {
+        match step {
+            "" => return bad("has an empty step"),
+            "." | ".." => return bad("has a `.` or `..` step; paths must stay inside the session"),
+            _ => {}
+        }
+    }
+    Ok(path)
+}
+
 /// Writes one frame to a blocking writer (the worker side).
 pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> io::Result<()> {
     let len = u32::try_from(payload.len() + 1)
@@ -177,5 +390,243 @@ mod tests {
         let mut buf = ((MAX_FRAME_BYTES + 2) as u32).to_be_bytes().to_vec();
         buf.push(KIND_JSON);
         assert!(read_frame(&mut &buf[..]).is_err());
+    }
+
+    fn done(result: Option<String>, images: Vec<CellImage>) -> FromWorker {
+        FromWorker::Done {
+            id: 1,
+            status: CellStatus::Ok,
+            result,
+            error: None,
+            exit_code: None,
+            images,
+        }
+    }
+
+    fn image(path: &str, data: Option<String>) -> CellImage {
+        CellImage {
+            path: path.into(),
+            mime: "image/png".into(),
+            bytes: 10,
+            width: None,
+            height: None,
+            data,
+        }
+    }
+
+    #[test]
+    fn paths_outside_the_session_are_refused_by_their_text() {
+        for ok in [
+            "a.png",
+            "sub/dir/b.png",
+            ".ironcell/figures/run-1-figure-1.png",
+            "..a.png",
+        ] {
+            assert!(session_relative_path(ok).is_ok(), "{ok}");
+        }
+        let long = "a/".repeat(3000);
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x.png",
+            "a/../../x",
+            "./a",
+            "a//b",
+            "a/\n.png",
+            &long,
+        ] {
+            assert!(session_relative_path(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_done_frame_past_any_cap_is_a_violation() {
+        let budget = 1000;
+        assert!(validate_from_worker(&done(Some("x".repeat(20_000)), vec![]), budget).is_ok());
+        let e = validate_from_worker(&done(Some("x".repeat(1 << 20)), vec![]), budget).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("protocol violation: the result is 1048576 characters")
+        );
+        let many = vec![image("a.png", None); MAX_IMAGES + 1];
+        assert!(validate_from_worker(&done(None, many), budget).is_err());
+        let big = Some("A".repeat(4000));
+        assert!(validate_from_worker(&done(None, vec![image("a.png", big)]), budget).is_err());
+        let fits = Some("QUFB".repeat(250)); // 1000 bytes of base64 for 750 bytes of data
+        assert!(validate_from_worker(&done(None, vec![image("a.png", fits)]), budget).is_ok());
+        let junk = Some("!!!!".into());
+        assert!(validate_from_worker(&done(None, vec![image("a.png", junk)]), budget).is_err());
+        let outside = vec![image("/home/u/.ssh/id_rsa", None)];
+        assert!(validate_from_worker(&done(None, outside), budget).is_err());
+        let mut odd = image("a.png", None);
+        odd.mime = "text/html".into();
+        assert!(validate_from_worker(&done(None, vec![odd]), budget).is_err());
+    }
+
+    #[test]
+    fn garbage_unknown_kinds_and_bad_requests_are_violations() {
+        assert!(decode_worker_frame(b"", 0).is_err());
+        assert!(decode_worker_frame(b"Xabc", 0).is_err());
+        assert!(decode_worker_frame(b"J{not json", 0).is_err());
+        assert!(decode_worker_frame(br#"J{"op":"launch"}"#, 0).is_err());
+        assert!(
+            decode_worker_frame(
+                br#"J{"op":"request","id":1,"method":"../x","params":{}}"#,
+                0
+            )
+            .is_err()
+        );
+        assert!(
+            decode_worker_frame(
+                br#"J{"op":"request","id":1,"method":"call","params":[]}"#,
+                0
+            )
+            .is_err()
+        );
+        assert!(matches!(
+            decode_worker_frame(
+                br#"J{"op":"request","id":1,"method":"call","params":{}}"#,
+                0
+            ),
+            Ok(WorkerFrame::Message(FromWorker::Request { id: 1, .. }))
+        ));
+        assert!(matches!(
+            decode_worker_frame(b"Ohi", 0),
+            Ok(WorkerFrame::Stdout(b"hi"))
+        ));
+    }
+
+    use proptest::prelude::*;
+
+    fn any_image() -> impl Strategy<Value = CellImage> {
+        (
+            "[a-z./]{0,12}",
+            prop::sample::select(vec!["image/png", "image/gif", "text/plain"]),
+            any::<u64>(),
+            proptest::option::of(any::<u32>()),
+            proptest::option::of("[A-Za-z0-9+/=!]{0,64}"),
+        )
+            .prop_map(|(path, mime, bytes, width, data)| CellImage {
+                path,
+                mime: mime.into(),
+                bytes,
+                width,
+                height: width,
+                data,
+            })
+    }
+
+    fn any_message() -> impl Strategy<Value = FromWorker> {
+        let text = || proptest::option::of(".{0,40}");
+        prop_oneof![
+            (
+                any::<i32>(),
+                prop::collection::vec(".{0,20}", 0..3),
+                any::<u64>()
+            )
+                .prop_map(|(pid, missing_layers, lockdown_us)| FromWorker::Ready {
+                    pid,
+                    missing_layers,
+                    lockdown_us
+                }),
+            ".{0,60}".prop_map(|message| FromWorker::Fatal { message }),
+            (any::<u64>(), "[a-z_/.]{0,10}", any::<bool>()).prop_map(|(id, method, obj)| {
+                let params = if obj {
+                    serde_json::json!({"q": method})
+                } else {
+                    serde_json::json!([1])
+                };
+                FromWorker::Request { id, method, params }
+            }),
+            (
+                any::<u64>(),
+                prop::sample::select(vec![
+                    CellStatus::Ok,
+                    CellStatus::Error,
+                    CellStatus::Interrupted,
+                    CellStatus::Exit
+                ]),
+                text(),
+                proptest::option::of((".{0,10}", ".{0,40}", ".{0,40}")),
+                proptest::option::of(any::<i64>()),
+                prop::collection::vec(any_image(), 0..4),
+            )
+                .prop_map(|(id, status, result, error, exit_code, images)| {
+                    FromWorker::Done {
+                        id,
+                        status,
+                        result,
+                        error: error.map(|(kind, message, traceback)| PyErrorInfo {
+                            kind,
+                            message,
+                            traceback,
+                        }),
+                        exit_code,
+                        images,
+                    }
+                }),
+        ]
+    }
+
+    proptest! {
+        /// Any byte string is either a clean error or a frame; never a panic, never a frame
+        /// longer than the input, never an allocation of what a forged length claims.
+        #[test]
+        fn reading_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let mut r = &bytes[..];
+            let mut frames = 0;
+            while let Ok(Some((_, payload))) = read_frame(&mut r) {
+                prop_assert!(payload.len() < bytes.len());
+                frames += 1;
+                prop_assert!(frames <= bytes.len());
+            }
+        }
+
+        /// Any frame body decodes or is a violation, never a panic.
+        #[test]
+        fn decoding_arbitrary_bodies_never_panics(kind in any::<u8>(), payload in prop::collection::vec(any::<u8>(), 0..256)) {
+            let mut body = vec![kind];
+            body.extend(&payload);
+            match decode_worker_frame(&body, 1024) {
+                Ok(WorkerFrame::Stdout(b)) | Ok(WorkerFrame::Stderr(b)) => prop_assert_eq!(b, &payload[..]),
+                Ok(WorkerFrame::Message(_)) => prop_assert_eq!(kind, KIND_JSON),
+                Err(v) => prop_assert!(v.to_string().starts_with("protocol violation: ")),
+            }
+        }
+
+        /// Any JSON text in a control frame is parsed without panicking.
+        #[test]
+        fn decoding_arbitrary_json_never_panics(text in r#"\{"op":"(ready|fatal|request|done)"(,"[a-z_]{1,8}":("[^"\\]{0,8}"|-?[0-9]{1,20}|\[\]|\{\}|null|true))*\}"#) {
+            let mut body = vec![KIND_JSON];
+            body.extend(text.as_bytes());
+            let _ = decode_worker_frame(&body, 1024);
+        }
+
+        /// Every message a worker can produce survives the wire, and the host's verdict on it
+        /// does not change in transit; accepted images always name a path inside the session.
+        #[test]
+        fn every_message_round_trips_and_accepted_paths_stay_inside(msg in any_message()) {
+            let body = json_body(&msg).unwrap();
+            let mut wire = Vec::new();
+            write_frame(&mut wire, body[0], &body[1..]).unwrap();
+            let (kind, payload) = read_frame(&mut &wire[..]).unwrap().unwrap();
+            let mut again = vec![kind];
+            again.extend(payload);
+            let verdict = validate_from_worker(&msg, 1024).is_ok();
+            match decode_worker_frame(&again, 1024) {
+                Ok(WorkerFrame::Message(m)) => {
+                    prop_assert!(verdict);
+                    prop_assert_eq!(format!("{m:?}"), format!("{msg:?}"));
+                    if let FromWorker::Done { images, .. } = m {
+                        for img in images {
+                            prop_assert!(!img.path.starts_with('/'));
+                            prop_assert!(!img.path.split('/').any(|s| s == ".." || s.is_empty()));
+                        }
+                    }
+                }
+                Ok(_) => prop_assert!(false, "a control message decoded as output"),
+                Err(_) => prop_assert!(!verdict),
+            }
+        }
     }
 }

@@ -5,19 +5,20 @@
 //! `submit(method, params_json, callback)` (the callback runs on the worker's reader thread with
 //! the answer; `mcp` turns it into an asyncio future with `call_soon_threadsafe`). Requests
 //! travel to the host as `request` frames on the session socket; the host's answer arrives as a
-//! `response` frame, which the worker's reader thread hands to [`resolve`].
+//! `response` frame, which the worker's reader thread hands to [`resolve`]. At most
+//! [`MAX_INFLIGHT_REQUESTS`] requests are open at once; further ones queue in the worker.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyConnectionError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::frame::{self, FromWorker, KIND_JSON};
+use crate::frame::{self, FromWorker, KIND_JSON, MAX_INFLIGHT_REQUESTS};
 
 enum Waiter {
     Blocking(mpsc::Sender<String>),
@@ -26,25 +27,63 @@ enum Waiter {
 
 struct Bridge {
     writer: Arc<Mutex<UnixStream>>,
-    pending: Mutex<HashMap<u64, Waiter>>,
+    pending: Mutex<Pending>,
     next_id: AtomicU64,
 }
 
+/// Requests in flight. At most [`MAX_INFLIGHT_REQUESTS`] are sent and unanswered at once (the
+/// host holds the worker to that); more wait here, in order, and go out as answers come in. So
+/// `asyncio.gather` over hundreds of calls just works, at the pace of the upstream.
+#[derive(Default)]
+struct Pending {
+    waiters: HashMap<u64, Waiter>,
+    /// Sent and not yet answered (even if their waiter gave up): what the host counts.
+    open: HashSet<u64>,
+    queued: VecDeque<(u64, Vec<u8>)>,
+}
+
 static BRIDGE: OnceLock<Bridge> = OnceLock::new();
+
+impl Bridge {
+    fn pending(&self) -> MutexGuard<'_, Pending> {
+        crate::lock(&self.pending)
+    }
+
+    /// Writes one request frame. Called without the GIL: the write can wait on the host.
+    fn write(&self, body: &[u8]) -> std::io::Result<()> {
+        let mut w = crate::lock(&self.writer);
+        frame::write_frame(&mut *w, KIND_JSON, body)
+    }
+}
 
 /// Connects the bridge to the worker's session socket. Called once per worker.
 pub fn connect(writer: Arc<Mutex<UnixStream>>) {
     let _ = BRIDGE.set(Bridge {
         writer,
-        pending: Mutex::new(HashMap::new()),
+        pending: Mutex::new(Pending::default()),
         next_id: AtomicU64::new(1),
     });
 }
 
-/// Delivers the host's answer (a JSON object with `result` or `error`) to whoever waits for it.
+/// Delivers the host's answer (a JSON object with `result` or `error`) to whoever waits for it,
+/// and sends the next queued request in the slot it frees. Runs on the reader thread.
 pub fn resolve(id: u64, payload: String) {
     let Some(bridge) = BRIDGE.get() else { return };
-    let waiter = bridge.pending.lock().ok().and_then(|mut p| p.remove(&id));
+    let (waiter, next) = {
+        let mut p = bridge.pending();
+        let waiter = p.waiters.remove(&id);
+        let mut next = None;
+        if p.open.remove(&id) {
+            while let Some((qid, body)) = p.queued.pop_front() {
+                if p.waiters.contains_key(&qid) {
+                    p.open.insert(qid);
+                    next = Some((qid, body));
+                    break;
+                }
+            }
+        }
+        (waiter, next)
+    };
     match waiter {
         Some(Waiter::Blocking(tx)) => {
             let _ = tx.send(payload);
@@ -56,14 +95,28 @@ pub fn resolve(id: u64, payload: String) {
         }),
         None => {}
     }
+    if let Some((qid, body)) = next
+        && let Err(e) = bridge.write(&body)
+    {
+        let msg = format!("sending a queued call to the ironcell host failed: {e}");
+        resolve_with_error(qid, &msg);
+    }
+}
+
+fn resolve_with_error(id: u64, message: &str) {
+    let payload =
+        serde_json::json!({"error": {"kind": "unavailable", "message": message}}).to_string();
+    resolve(id, payload);
 }
 
 /// Fails every waiting request (the host went away).
 pub fn fail_all(reason: &str) {
     let Some(bridge) = BRIDGE.get() else { return };
-    let waiters: Vec<(u64, Waiter)> = match bridge.pending.lock() {
-        Ok(mut p) => p.drain().collect(),
-        Err(_) => return,
+    let waiters: Vec<(u64, Waiter)> = {
+        let mut p = bridge.pending();
+        p.open.clear();
+        p.queued.clear();
+        p.waiters.drain().collect()
     };
     let payload =
         serde_json::json!({"error": {"kind": "unavailable", "message": reason}}).to_string();
@@ -79,35 +132,52 @@ pub fn fail_all(reason: &str) {
     }
 }
 
-fn send(method: &str, params_json: &str, waiter: Waiter) -> PyResult<u64> {
+/// Forgets a request whose caller gave up (KeyboardInterrupt). One already sent stays open
+/// until the host answers it, since the host still counts it.
+fn abandon(id: u64) {
+    if let Some(b) = BRIDGE.get() {
+        let mut p = b.pending();
+        p.waiters.remove(&id);
+        p.queued.retain(|(qid, _)| *qid != id);
+    }
+}
+
+fn send(py: Python<'_>, method: &str, params_json: &str, waiter: Waiter) -> PyResult<u64> {
     let bridge = BRIDGE
         .get()
         .ok_or_else(|| PyConnectionError::new_err("the mcp bridge is not connected"))?;
     let params: serde_json::Value = serde_json::from_str(params_json)
         .map_err(|e| PyValueError::new_err(format!("arguments are not JSON-serializable: {e}")))?;
     let id = bridge.next_id.fetch_add(1, Ordering::Relaxed);
-    if let Ok(mut p) = bridge.pending.lock() {
-        p.insert(id, waiter);
-    }
     let msg = FromWorker::Request {
         id,
         method: method.to_string(),
         params,
     };
     let body = serde_json::to_vec(&msg).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let sent = bridge
-        .writer
-        .lock()
-        .map_err(|_| PyConnectionError::new_err("session socket lock poisoned"))
-        .and_then(|mut w| {
-            frame::write_frame(&mut *w, KIND_JSON, &body)
-                .map_err(|e| PyConnectionError::new_err(e.to_string()))
-        });
-    if let Err(e) = sent {
-        if let Ok(mut p) = bridge.pending.lock() {
-            p.remove(&id);
+    let send_now = {
+        let mut p = bridge.pending();
+        p.waiters.insert(id, waiter);
+        if p.open.len() < MAX_INFLIGHT_REQUESTS && p.queued.is_empty() {
+            p.open.insert(id);
+            Some(body)
+        } else {
+            p.queued.push_back((id, body));
+            None
         }
-        return Err(e);
+    };
+    if let Some(body) = send_now {
+        // Without the GIL: while this write waits for the host, the reader thread must be able
+        // to run answer callbacks, or neither side would read.
+        let sent = py.detach(|| bridge.write(&body));
+        if let Err(e) = sent {
+            let mut p = bridge.pending();
+            p.waiters.remove(&id);
+            p.open.remove(&id);
+            return Err(PyConnectionError::new_err(format!(
+                "sending to the ironcell host failed: {e}"
+            )));
+        }
     }
     Ok(id)
 }
@@ -121,7 +191,7 @@ pub mod _ironcell_bridge {
     #[pyfunction]
     fn request(py: Python<'_>, method: &str, params_json: &str) -> PyResult<String> {
         let (tx, mut rx) = mpsc::channel();
-        let id = send(method, params_json, Waiter::Blocking(tx))?;
+        let id = send(py, method, params_json, Waiter::Blocking(tx))?;
         loop {
             // The receiver moves into the GIL-free closure and back (it is Send, not Sync).
             let (waited, back) =
@@ -131,11 +201,7 @@ pub mod _ironcell_bridge {
                 Ok(payload) => return Ok(payload),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if let Err(e) = py.check_signals() {
-                        if let Some(b) = BRIDGE.get()
-                            && let Ok(mut p) = b.pending.lock()
-                        {
-                            p.remove(&id);
-                        }
+                        abandon(id);
                         return Err(e);
                     }
                 }
@@ -148,7 +214,12 @@ pub mod _ironcell_bridge {
 
     /// Sends a request; `callback(payload)` is called on the bridge thread with the answer.
     #[pyfunction]
-    fn submit(method: &str, params_json: &str, callback: Py<PyAny>) -> PyResult<()> {
-        send(method, params_json, Waiter::Callback(callback)).map(|_| ())
+    fn submit(
+        py: Python<'_>,
+        method: &str,
+        params_json: &str,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        send(py, method, params_json, Waiter::Callback(callback)).map(|_| ())
     }
 }

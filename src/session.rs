@@ -8,33 +8,31 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::lock;
 use std::time::{Duration, Instant};
 
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use nix::sys::signal::Signal;
-use tokio::sync::oneshot;
-use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
-use crate::frame::{
-    self, CellStatus, FromWorker, KIND_JSON, KIND_STDERR, KIND_STDOUT, PyErrorInfo, ToWorker,
-};
+use crate::frame::{self, CellStatus, FromWorker, PyErrorInfo, ToWorker, Violation, WorkerFrame};
 use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
 use crate::proxy::{CallSummary, Proxy};
 use crate::sandbox::Sandbox;
 use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
 
+mod live;
+use live::{LiveWorker, Liveness, Outgoing, SendError};
+
 /// How long a new worker may take to report `ready`.
 const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often a running cell's scratch dir is measured against the quota.
 const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
-/// How long to wait for the zygote's report after a worker's socket closed.
-const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why a call was refused before any code ran. Shown to the model as an `isError` result.
 #[derive(Debug, thiserror::Error)]
@@ -81,45 +79,6 @@ pub struct RunRequest {
     pub progress: Option<tokio::sync::watch::Sender<Progress>>,
 }
 
-struct LiveWorker {
-    pid: i32,
-    /// Sandbox layers this worker runs without (best-effort mode only).
-    missing_layers: Vec<String>,
-    io: Framed<tokio::net::UnixStream, LengthDelimitedCodec>,
-    exit: oneshot::Receiver<ExitInfo>,
-}
-
-impl LiveWorker {
-    /// The worker's exit status if the zygote has already reported it.
-    fn exited(&mut self) -> Option<ExitInfo> {
-        self.exit.try_recv().ok()
-    }
-
-    fn signal(&self, sig: Signal) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), sig);
-    }
-
-    /// Kills the worker and waits (briefly) for the zygote to confirm.
-    async fn kill(mut self) -> Option<ExitInfo> {
-        if let Some(status) = self.exited() {
-            return Some(status);
-        }
-        self.signal(Signal::SIGKILL);
-        tokio::time::timeout(EXIT_REPORT_TIMEOUT, self.exit)
-            .await
-            .ok()?
-            .ok()
-    }
-
-    /// After the socket closed: how did the process end?
-    async fn wait_exit(self) -> Option<ExitInfo> {
-        tokio::time::timeout(EXIT_REPORT_TIMEOUT, self.exit)
-            .await
-            .ok()?
-            .ok()
-    }
-}
-
 struct SessionState {
     worker: Option<LiveWorker>,
     /// Told to the model in the next run of this session (why its state was lost).
@@ -142,7 +101,8 @@ pub struct SessionManager {
     exe: PathBuf,
     zygote: Mutex<Arc<Zygote>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
-    live_workers: AtomicUsize,
+    /// One permit per possible live worker (IRONCELL_MAX_SESSIONS); each live worker holds one.
+    session_slots: Arc<Semaphore>,
     run_counter: AtomicU64,
     /// How long the last workers took to lock themselves down, in microseconds.
     recent_lockdown_us: Mutex<Vec<u64>>,
@@ -183,6 +143,7 @@ impl SessionManager {
             settings.approval,
         ));
         let zygote = Zygote::start(&exe, &settings.preload)?;
+        let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
         Ok(Arc::new(SessionManager {
             settings,
             sandbox,
@@ -190,7 +151,7 @@ impl SessionManager {
             exe,
             zygote: Mutex::new(Arc::new(zygote)),
             sessions: Mutex::new(HashMap::new()),
-            live_workers: AtomicUsize::new(0),
+            session_slots,
             recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
@@ -215,9 +176,9 @@ impl SessionManager {
         z.ready().await
     }
 
-    /// Pids of the zygote and all live workers (for tests and `system://info`).
+    /// How many workers are alive (for tests and `system://info`).
     pub fn live_worker_count(&self) -> usize {
-        self.live_workers.load(Ordering::SeqCst)
+        (self.settings.max_sessions as usize).saturating_sub(self.session_slots.available_permits())
     }
 
     /// Median lockdown time of the most recent workers, in milliseconds.
@@ -334,7 +295,6 @@ impl SessionManager {
 
         if req.reset {
             if let Some(w) = state.worker.take() {
-                self.live_workers.fetch_sub(1, Ordering::SeqCst);
                 w.kill().await;
             }
             state.pending_notice = None;
@@ -342,14 +302,20 @@ impl SessionManager {
             notices.push("session reset: fresh interpreter, empty working directory".into());
         }
         if let Some(mut w) = state.worker.take() {
-            match w.exited() {
-                Some(status) => {
-                    self.live_workers.fetch_sub(1, Ordering::SeqCst);
+            // A dead zygote took every worker with it, even if its last reports are in flight.
+            let zygote_dead = lock(&self.zygote).is_dead();
+            match w.liveness() {
+                Liveness::Alive if !zygote_dead => state.worker = Some(w),
+                Liveness::Exited(status) => {
                     state.pending_notice = Some(format!(
                         "this session's worker {status} while idle; variables and imports were lost (files are kept)"
                     ));
                 }
-                None => state.worker = Some(w),
+                Liveness::Alive | Liveness::ZygoteGone => {
+                    state.pending_notice = Some(
+                        "this session's state was lost: the Python zygote (the process that starts every worker) died, and its workers with it; this run uses a fresh worker from a new zygote (variables and imports start fresh, files are kept)".into(),
+                    );
+                }
             }
         }
         let mut session_state = "kept";
@@ -415,27 +381,21 @@ impl SessionManager {
 
     /// Reserves a worker slot (evicting an idle session if all are taken), then spawns.
     async fn spawn_worker(&self, session: &Session) -> Result<LiveWorker, RunRefusal> {
-        let max = self.settings.max_sessions as usize;
         // The slot is taken before the (slow) spawn, so concurrent calls cannot all pass the cap.
-        while self
-            .live_workers
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .is_err()
-        {
-            self.evict_one_idle_session(&session.name).await?;
-        }
-        let spawned = self.spawn_worker_in_reserved_slot(session).await;
-        if spawned.is_err() {
-            self.live_workers.fetch_sub(1, Ordering::SeqCst);
-        }
-        spawned
+        // The live worker holds it; whatever ends the worker gives it back.
+        let slot = loop {
+            match self.session_slots.clone().try_acquire_owned() {
+                Ok(slot) => break slot,
+                Err(_) => self.evict_one_idle_session(&session.name).await?,
+            }
+        };
+        self.spawn_worker_in_slot(session, slot).await
     }
 
-    async fn spawn_worker_in_reserved_slot(
+    async fn spawn_worker_in_slot(
         &self,
         session: &Session,
+        slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<LiveWorker, RunRefusal> {
         std::fs::create_dir_all(&session.scratch).map_err(|e| {
             RunRefusal::WorkerStart(format!("creating {}: {e}", session.scratch.display()))
@@ -464,44 +424,40 @@ impl SessionManager {
             .await
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
         let forked_ms = spawn_started.elapsed().as_secs_f64() * 1000.0;
-        spawned
-            .socket
-            .set_nonblocking(true)
+        let mut worker = LiveWorker::new(spawned, slot, self.settings.image_budget)
             .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
-        let socket = tokio::net::UnixStream::from_std(spawned.socket)
-            .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
-        let mut worker = LiveWorker {
-            pid: spawned.pid,
-            missing_layers: Vec::new(),
-            io: Framed::new(socket, frame::host_codec()),
-            exit: spawned.exit,
-        };
+        let budget = worker.image_budget_bytes;
         let ready = tokio::time::timeout(WORKER_READY_TIMEOUT, async {
             loop {
-                match worker.io.next().await {
-                    Some(Ok(f)) if f.first() == Some(&KIND_JSON) => {
-                        match serde_json::from_slice::<FromWorker>(&f[1..]) {
-                            Ok(FromWorker::Ready {
-                                missing_layers,
-                                lockdown_us,
-                                ..
-                            }) => {
-                                let mut recent = lock(&self.recent_lockdown_us);
-                                if recent.len() >= 64 {
-                                    recent.remove(0);
-                                }
-                                recent.push(lockdown_us);
-                                return Ok(missing_layers);
-                            }
-                            Ok(FromWorker::Fatal { message }) => return Err(message),
-                            _ => continue,
-                        }
+                let f = match worker.frames.next().await {
+                    Some(Ok(f)) => f,
+                    Some(Err(e)) => {
+                        return Err(oversized_frame(&e).map_or_else(|| e.to_string(), |v| v.to_string()));
                     }
-                    Some(Ok(f)) => {
-                        tracing::warn!(output = %String::from_utf8_lossy(&f[1..]), "worker wrote during setup");
-                    }
-                    Some(Err(e)) => return Err(e.to_string()),
                     None => return Err("the worker exited during setup".into()),
+                };
+                match frame::decode_worker_frame(&f, budget) {
+                    Ok(WorkerFrame::Message(FromWorker::Ready {
+                        missing_layers,
+                        lockdown_us,
+                        ..
+                    })) => {
+                        let mut recent = lock(&self.recent_lockdown_us);
+                        if recent.len() >= 64 {
+                            recent.remove(0);
+                        }
+                        recent.push(lockdown_us);
+                        return Ok(missing_layers);
+                    }
+                    Ok(WorkerFrame::Message(FromWorker::Fatal { message })) => return Err(message),
+                    Ok(WorkerFrame::Stdout(b)) | Ok(WorkerFrame::Stderr(b)) => {
+                        let shown = &b[..b.len().min(2048)];
+                        tracing::warn!(output = %String::from_utf8_lossy(shown), "worker wrote during setup");
+                    }
+                    Ok(WorkerFrame::Message(_)) => {
+                        return Err(Violation("a message other than `ready` during setup".into()).to_string());
+                    }
+                    Err(v) => return Err(v.to_string()),
                 }
             }
         })
@@ -546,7 +502,6 @@ impl SessionManager {
                 continue;
             };
             if let Some(w) = st.worker.take() {
-                self.live_workers.fetch_sub(1, Ordering::SeqCst);
                 w.kill().await;
                 st.pending_notice = Some(format!(
                     "this session was stopped to make room for another (at most {} live sessions, IRONCELL_MAX_SESSIONS); variables were lost, files are kept",
@@ -573,7 +528,6 @@ impl SessionManager {
             };
             let had_worker = st.worker.is_some();
             if let Some(w) = st.worker.take() {
-                self.live_workers.fetch_sub(1, Ordering::SeqCst);
                 w.kill().await;
             }
             let had_files = s.scratch.exists();
@@ -630,110 +584,214 @@ impl SessionManager {
             return CellOutcome::lost(stdout, stderr, RunStatus::Crashed, "no worker".into(), None);
         };
 
-        let sent = match frame::json_body(&ToWorker::Run {
+        let run = ToWorker::Run {
             id: run_no,
             code: code.to_string(),
-        }) {
-            Ok(body) => worker.io.send(body).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
         };
-        if let Err(e) = sent {
-            tracing::warn!(error = %e, "sending a cell failed");
+        match frame::json_body(&run).map(|body| worker.send(body)) {
+            Ok(Ok(())) | Ok(Err(SendError::Gone)) => {} // a gone worker shows as the socket's end
+            Ok(Err(SendError::NotReading)) => {
+                if let Some(w) = state.worker.take() {
+                    w.kill().await;
+                }
+                let why = "the worker stopped reading its session socket and was killed";
+                return CellOutcome::lost(
+                    stdout,
+                    stderr,
+                    RunStatus::Crashed,
+                    why.into(),
+                    Some(why.into()),
+                );
+            }
+            Err(e) => {
+                let why = format!("the cell could not be encoded: {e}");
+                return CellOutcome::lost(stdout, stderr, RunStatus::Crashed, why, None);
+            }
         }
 
         let deadline = tokio::time::Instant::now() + timeout;
         let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
         let quota = self.sandbox.scratch_quota_bytes();
-        let (answers_tx, mut answers_rx) =
-            tokio::sync::mpsc::unbounded_channel::<(u64, serde_json::Value, Option<CallSummary>)>();
+        // Summaries of the proxied calls this cell made; their answers go straight to the
+        // worker's writer, so the loop below never waits on the worker's socket.
+        let (summaries_tx, mut summaries_rx) =
+            tokio::sync::mpsc::unbounded_channel::<CallSummary>();
         let mut quota_check = tokio::time::interval(QUOTA_CHECK_EVERY);
         let cell_started = tokio::time::Instant::now();
         let mut progress_tick =
             tokio::time::interval_at(cell_started + PROGRESS_EVERY, PROGRESS_EVERY);
         quota_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
+        while let Some(worker) = state.worker.as_mut() {
             let wake_at = stopping.map(|(_, kill_at)| kill_at).unwrap_or(deadline);
-            tokio::select! {
-                next = worker.io.next() => match next {
-                    Some(Ok(f)) => {
-                        let (kind, body) = match f.split_first() { Some((k, b)) => (*k, b), None => continue };
-                        match kind {
-                            KIND_STDOUT => stdout.push(body),
-                            KIND_STDERR => stderr.push(body),
-                            KIND_JSON => match serde_json::from_slice::<FromWorker>(body) {
-                                Ok(FromWorker::Request { id, method, params }) => {
-                                    // Proxied calls run concurrently; answers come back below.
-                                    let proxy = self.proxy.clone();
-                                    let tx = answers_tx.clone();
-                                    tokio::spawn(async move {
-                                        let (payload, summary) = proxy.handle(&method, &params).await;
-                                        let _ = tx.send((id, payload, summary));
-                                    });
+            let event = tokio::select! {
+                next = worker.frames.next() => CellEvent::Frame(next),
+                _ = tokio::time::sleep_until(wake_at) => CellEvent::Wake,
+                Some(call) = summaries_rx.recv() => CellEvent::Call(call),
+                _ = progress_tick.tick(), if progress.is_some() => CellEvent::Progress,
+                _ = quota_check.tick() => CellEvent::QuotaCheck,
+                _ = cancel.cancelled(), if stopping.is_none() => CellEvent::Cancel,
+            };
+            match event {
+                CellEvent::Frame(Some(Ok(f))) => {
+                    let message = match frame::decode_worker_frame(&f, worker.image_budget_bytes) {
+                        Ok(WorkerFrame::Stdout(b)) => {
+                            stdout.push(b);
+                            None
+                        }
+                        Ok(WorkerFrame::Stderr(b)) => {
+                            stderr.push(b);
+                            None
+                        }
+                        Ok(WorkerFrame::Message(m)) => Some(m),
+                        Err(v) => return end_for_violation(state, stdout, stderr, v).await,
+                    };
+                    match message {
+                        None => {}
+                        Some(FromWorker::Request { id, method, params }) => {
+                            let Some(slot) = worker.request_slot() else {
+                                let v = Violation(format!(
+                                    "more than {} bridge requests open at once",
+                                    frame::MAX_INFLIGHT_REQUESTS
+                                ));
+                                return end_for_violation(state, stdout, stderr, v).await;
+                            };
+                            // Proxied calls run concurrently; an answer may outlive this cell.
+                            let proxy = self.proxy.clone();
+                            let summaries = summaries_tx.clone();
+                            let answers = worker.answers();
+                            tokio::spawn(async move {
+                                let (payload, summary) = proxy.handle(&method, &params).await;
+                                if let Some(call) = summary {
+                                    let _ = summaries.send(call);
                                 }
-                                Ok(FromWorker::Done { status, result, error, exit_code, images, .. }) => {
-                                    let status = match (stopping, status) {
-                                        (Some((RunStatus::OutputLimit, _)), _) => RunStatus::OutputLimit,
-                                        (Some((reason, _)), CellStatus::Interrupted) => reason,
-                                        (_, CellStatus::Ok) => RunStatus::Ok,
-                                        (_, CellStatus::Error) | (_, CellStatus::Interrupted) => RunStatus::Error,
-                                        (_, CellStatus::Exit) => RunStatus::Exit,
-                                    };
-                                    let error = if matches!(status, RunStatus::Timeout | RunStatus::Cancelled | RunStatus::OutputLimit) {
-                                        None
-                                    } else {
-                                        error
-                                    };
-                                    let mut done = CellOutcome::finished(stdout, stderr, status, result, error, exit_code);
-                                    done.images = images;
-                                    return done;
+                                match frame::json_body(&ToWorker::Response { id, payload }) {
+                                    Ok(body) => {
+                                        let _ = answers
+                                            .send(Outgoing {
+                                                body,
+                                                _slot: Some(slot),
+                                            })
+                                            .await;
+                                    }
+                                    Err(e) => {
+                                        tracing::warn!(error = %e, "encoding an answer failed")
+                                    }
                                 }
-                                _ => {}
-                            },
-                            _ => {}
+                            });
                         }
-                        if stopping.is_none() && stdout.total() + stderr.total() > s.max_output_bytes {
-                            worker.signal(Signal::SIGINT);
-                            stopping = Some((RunStatus::OutputLimit, tokio::time::Instant::now() + s.interrupt_grace));
+                        Some(FromWorker::Done { id, .. }) if id != run_no => {
+                            let v = Violation(format!(
+                                "a `done` frame for run {id} while run {run_no} is running"
+                            ));
+                            return end_for_violation(state, stdout, stderr, v).await;
                         }
-                    }
-                    Some(Err(_)) | None => {
-                        // The worker is gone mid-cell.
-                        let Some(w) = state.worker.take() else { break };
-                        self.live_workers.fetch_sub(1, Ordering::SeqCst);
-                        let exit = w.wait_exit().await;
-                        let why = exit.map(|e| e.to_string()).unwrap_or_else(|| "ended".into());
-                        let status = match stopping { Some((reason, _)) => reason, None => RunStatus::Crashed };
-                        let reason = crash_reason(exit);
-                        return CellOutcome::lost(stdout, stderr, status, format!("the worker process {why}{reason}"), Some(why));
-                    }
-                },
-                _ = tokio::time::sleep_until(wake_at) => {
-                    match stopping {
-                        None => {
-                            worker.signal(Signal::SIGINT);
-                            stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + s.interrupt_grace));
-                        }
-                        Some((reason, _)) => {
-                            let Some(w) = state.worker.take() else { break };
-                            self.live_workers.fetch_sub(1, Ordering::SeqCst);
-                            let exit = w.kill().await;
-                            let why = format!(
-                                "did not stop within {:.1} s of an interrupt and was killed",
-                                s.interrupt_grace.as_secs_f64()
+                        Some(FromWorker::Done {
+                            status,
+                            result,
+                            error,
+                            exit_code,
+                            images,
+                            ..
+                        }) => {
+                            // Calls answered before `done` were summarized before their answer.
+                            while let Ok(call) = summaries_rx.try_recv() {
+                                calls.push(call);
+                            }
+                            let status = match (stopping, status) {
+                                (Some((RunStatus::OutputLimit, _)), _) => RunStatus::OutputLimit,
+                                (Some((reason, _)), CellStatus::Interrupted) => reason,
+                                (_, CellStatus::Ok) => RunStatus::Ok,
+                                (_, CellStatus::Error) | (_, CellStatus::Interrupted) => {
+                                    RunStatus::Error
+                                }
+                                (_, CellStatus::Exit) => RunStatus::Exit,
+                            };
+                            let error = if matches!(
+                                status,
+                                RunStatus::Timeout | RunStatus::Cancelled | RunStatus::OutputLimit
+                            ) {
+                                None
+                            } else {
+                                error
+                            };
+                            let mut done = CellOutcome::finished(
+                                stdout, stderr, status, result, error, exit_code,
                             );
-                            let _ = exit;
-                            return CellOutcome::lost(stdout, stderr, reason, format!("the worker {why}"), Some(why));
+                            // Only images that really are files in the session are linked.
+                            done.images = images
+                                .into_iter()
+                                .filter(|img| is_regular_file_beneath(&session.scratch, &img.path))
+                                .collect();
+                            return done;
+                        }
+                        Some(other) => {
+                            let what = match other {
+                                FromWorker::Ready { .. } => "ready",
+                                _ => "fatal",
+                            };
+                            let v = Violation(format!("a `{what}` message in the middle of a run"));
+                            return end_for_violation(state, stdout, stderr, v).await;
                         }
                     }
+                    if stopping.is_none() && stdout.total() + stderr.total() > s.max_output_bytes {
+                        worker.signal(Signal::SIGINT);
+                        stopping = Some((
+                            RunStatus::OutputLimit,
+                            tokio::time::Instant::now() + s.interrupt_grace,
+                        ));
+                    }
+                }
+                CellEvent::Frame(Some(Err(e))) if oversized_frame(&e).is_some() => {
+                    let v = oversized_frame(&e).unwrap_or_else(|| Violation(e.to_string()));
+                    return end_for_violation(state, stdout, stderr, v).await;
+                }
+                CellEvent::Frame(_) => {
+                    // The worker is gone mid-cell.
+                    let Some(w) = state.worker.take() else { break };
+                    let exit = w.wait_exit().await;
+                    let why = exit.map(|e| e.to_string()).unwrap_or_else(|| {
+                        "ended (its exit status is unknown: the zygote that reports it is gone)"
+                            .into()
+                    });
+                    let status = match stopping {
+                        Some((reason, _)) => reason,
+                        None => RunStatus::Crashed,
+                    };
+                    let reason = crash_reason(exit);
+                    return CellOutcome::lost(
+                        stdout,
+                        stderr,
+                        status,
+                        format!("the worker process {why}{reason}"),
+                        Some(why),
+                    );
+                }
+                CellEvent::Wake => match stopping {
+                    None => {
+                        worker.signal(Signal::SIGINT);
+                        stopping = Some((
+                            RunStatus::Timeout,
+                            tokio::time::Instant::now() + s.interrupt_grace,
+                        ));
+                    }
+                    Some((reason, _)) => {
+                        let Some(w) = state.worker.take() else { break };
+                        w.kill().await;
+                        let why = format!(
+                            "did not stop within {:.1} s of an interrupt and was killed",
+                            s.interrupt_grace.as_secs_f64()
+                        );
+                        return CellOutcome::lost(
+                            stdout,
+                            stderr,
+                            reason,
+                            format!("the worker {why}"),
+                            Some(why),
+                        );
+                    }
                 },
-                Some((id, payload, summary)) = answers_rx.recv() => {
-                    calls.extend(summary);
-                    if let Ok(body) = frame::json_body(&ToWorker::Response { id, payload })
-                        && let Err(e) = worker.io.send(body).await {
-                            tracing::warn!(error = %e, "answering a proxied call failed");
-                        }
-                },
-                _ = progress_tick.tick(), if progress.is_some() => {
+                CellEvent::Call(call) => calls.push(call),
+                CellEvent::Progress => {
                     if let Some(p) = progress {
                         let recent = [stdout.recent_lines(5), stderr.recent_lines(3)]
                             .into_iter()
@@ -747,25 +805,33 @@ impl SessionManager {
                             recent_output: recent,
                         });
                     }
-                },
-                _ = quota_check.tick() => {
+                }
+                CellEvent::QuotaCheck => {
                     let used = directory_size(&session.scratch, quota + 1);
                     if used > quota {
                         let Some(w) = state.worker.take() else { break };
-                        self.live_workers.fetch_sub(1, Ordering::SeqCst);
                         w.kill().await;
                         let _ = std::fs::remove_dir_all(&session.scratch);
                         let why = format!(
                             "killed: the session directory grew past its quota ({} MiB); its files were removed",
                             quota >> 20
                         );
-                        return CellOutcome::lost(stdout, stderr, RunStatus::ScratchQuota, why.clone(), Some(why));
+                        return CellOutcome::lost(
+                            stdout,
+                            stderr,
+                            RunStatus::ScratchQuota,
+                            why.clone(),
+                            Some(why),
+                        );
                     }
-                },
-                _ = cancel.cancelled(), if stopping.is_none() => {
+                }
+                CellEvent::Cancel => {
                     worker.signal(Signal::SIGINT);
-                    stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + s.interrupt_grace));
-                },
+                    stopping = Some((
+                        RunStatus::Cancelled,
+                        tokio::time::Instant::now() + s.interrupt_grace,
+                    ));
+                }
             }
         }
         CellOutcome::lost(
@@ -776,6 +842,70 @@ impl SessionManager {
             None,
         )
     }
+}
+
+/// What woke a running cell's loop.
+enum CellEvent {
+    Frame(Option<std::io::Result<bytes::BytesMut>>),
+    Wake,
+    Call(CallSummary),
+    Progress,
+    QuotaCheck,
+    Cancel,
+}
+
+/// A read error that is the worker's doing: a frame header claiming more than the cap.
+fn oversized_frame(e: &std::io::Error) -> Option<Violation> {
+    (e.kind() == std::io::ErrorKind::InvalidData)
+        .then(|| Violation(format!("a frame the host cannot accept ({e})")))
+}
+
+/// Kills a worker that broke the session protocol and reports it as this run's outcome.
+async fn end_for_violation(
+    state: &mut SessionState,
+    stdout: StreamCollector,
+    stderr: StreamCollector,
+    v: Violation,
+) -> CellOutcome {
+    tracing::warn!(error = %v, "killing a worker that broke the session protocol");
+    let exit = match state.worker.take() {
+        Some(w) => w.kill().await,
+        None => None,
+    };
+    let how = exit.map(|e| format!(" ({e})")).unwrap_or_default();
+    let mut outcome = CellOutcome::lost(
+        stdout,
+        stderr,
+        RunStatus::Crashed,
+        format!("{v}; the worker was killed{how}"),
+        Some(format!("{v}; it was killed")),
+    );
+    if let Some(e) = outcome.record.error.as_mut() {
+        e.kind = "ProtocolViolation".into();
+    }
+    outcome
+}
+
+/// Whether `rel` (already checked by its text) is a regular file beneath `root`, reached without
+/// following any symlink, so a result never links what the worker planted outside.
+fn is_regular_file_beneath(root: &Path, rel: &str) -> bool {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, open, openat2};
+    let Ok(dir) = open(
+        root,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        nix::sys::stat::Mode::empty(),
+    ) else {
+        return false;
+    };
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+    let Ok(file) = openat2(&dir, rel, how) else {
+        return false;
+    };
+    nix::sys::stat::fstat(&file)
+        .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG)
+        .unwrap_or(false)
 }
 
 fn crash_reason(exit: Option<ExitInfo>) -> &'static str {

@@ -381,7 +381,11 @@ impl Proxy {
                     .and_then(Value::as_u64)
                     .unwrap_or(5)
                     .clamp(1, 100) as usize;
-                Ok(self.search(&s("query"), limit).await)
+                let query = s("query");
+                match search::check_query(&query) {
+                    Ok(()) => Ok(self.search(&query, limit).await),
+                    Err(message) => Err(ProxyError::bad_request(message)),
+                }
             }
             "call" => {
                 let (server, tool) = (s("server"), s("tool"));

@@ -7,6 +7,23 @@
 
 use serde::Serialize;
 
+/// Longest query accepted, in characters. A query is a few keywords; a megabyte one would only
+/// cost time (each word is scored against every word of every tool).
+pub const MAX_QUERY_CHARS: usize = 1000;
+/// Most distinct words of a query that are scored.
+const MAX_QUERY_WORDS: usize = 32;
+
+/// Refuses a query longer than [`MAX_QUERY_CHARS`], with a message that says what to do.
+pub fn check_query(query: &str) -> Result<(), String> {
+    let n = query.chars().count();
+    if n > MAX_QUERY_CHARS {
+        return Err(format!(
+            "the search query is {n} characters; the limit is {MAX_QUERY_CHARS}. Search with a few keywords"
+        ));
+    }
+    Ok(())
+}
+
 /// One searchable tool, split into words once (when its server's tool list is fetched).
 pub struct Indexed {
     server: String,
@@ -133,7 +150,10 @@ pub fn search<'a>(
     query: &str,
     limit: usize,
 ) -> Vec<Hit> {
-    let q = words(query);
+    let mut q = words(query);
+    let mut seen = std::collections::HashSet::new();
+    q.retain(|w| seen.insert(w.clone()));
+    q.truncate(MAX_QUERY_WORDS);
     if q.is_empty() {
         return Vec::new();
     }
@@ -208,6 +228,21 @@ mod tests {
             search(&entries, "createEntities", 1)[0].tool,
             "create_entities"
         );
+    }
+
+    #[test]
+    fn a_megabyte_query_is_refused_and_a_long_one_is_cheap() {
+        assert!(check_query("create issue").is_ok());
+        let huge = "word ".repeat(200_000);
+        let err = check_query(&huge).unwrap_err();
+        assert!(
+            err.contains("1000000 characters") && err.contains("limit is 1000"),
+            "{err}"
+        );
+        // Even unchecked, repeated words are scored once and the word count is capped.
+        let entries = [e("github", "create_issue", "Create a new issue")];
+        let hits = search(&entries, &"issue ".repeat(10_000), 1);
+        assert_eq!(hits[0].tool, "create_issue");
     }
 
     #[test]

@@ -137,8 +137,9 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         };
         let done = run_cell(&runner, id, &code);
         flush_python_streams(py);
-        // Everything the cell wrote is in the pipes now; send it before `done`.
-        pump.drain_then(|| send_json(&writer, &done))?;
+        // Everything the cell wrote is in the pipes now; send it before `done`. Without the
+        // GIL, so the bridge's reader thread can hand out answers while this write waits.
+        py.detach(|| pump.drain_then(|| send_json(&writer, &done)))?;
     }
 }
 
@@ -249,11 +250,40 @@ fn done_from_dict(id: u64, d: &Bound<'_, PyDict>) -> FromWorker {
     FromWorker::Done {
         id,
         status,
-        result: get_str("result"),
-        error,
+        result: get_str("result").map(|r| cut_chars(r, frame::MAX_RESULT_CHARS)),
+        error: error.map(|e| PyErrorInfo {
+            kind: cut_chars(e.kind, frame::MAX_NAME_CHARS),
+            message: cut_chars(e.message, frame::ERROR_FIELD_CUT_CHARS),
+            traceback: cut_chars(e.traceback, frame::ERROR_FIELD_CUT_CHARS),
+        }),
         exit_code,
-        images,
+        images: images_the_host_accepts(images),
     }
+}
+
+/// Cuts `text` to `limit` characters, saying how much was left out (the host refuses longer).
+fn cut_chars(text: String, limit: usize) -> String {
+    if text.len() <= limit || text.chars().count() <= limit {
+        return text;
+    }
+    let total = text.chars().count();
+    let note = format!("... [{} more characters]", total - (limit - 64));
+    let mut cut: String = text.chars().take(limit - 64).collect();
+    cut.push_str(&note);
+    cut
+}
+
+/// Leaves out images the host would refuse (odd names, too many), so an honest worker never
+/// breaks the protocol because of a file name.
+fn images_the_host_accepts(images: Vec<crate::frame::CellImage>) -> Vec<crate::frame::CellImage> {
+    images
+        .into_iter()
+        .filter(|img| {
+            frame::session_relative_path(&img.path).is_ok()
+                && frame::IMAGE_MIME_TYPES.contains(&img.mime.as_str())
+        })
+        .take(frame::MAX_IMAGES)
+        .collect()
 }
 
 fn send_json(writer: &Mutex<UnixStream>, msg: &FromWorker) -> anyhow::Result<()> {

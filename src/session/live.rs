@@ -1,0 +1,218 @@
+//! The host's handle on one live worker process.
+//!
+//! The worker is the attacker, so the handle is built so that no path can forget it:
+//! - Dropping a [`LiveWorker`] SIGKILLs the process unless the zygote already reported its exit
+//!   (the zygote reaps it and reports the status). Every early return, panic or `?` therefore
+//!   ends the worker instead of leaving it running outside every limit.
+//! - The handle holds the session slot (a permit of the manager's semaphore), so the cap on
+//!   live sessions is given back exactly once, when the worker is gone.
+//! - Frames to the worker go through a bounded queue to a writer task. The cell loop never
+//!   awaits a write, so a worker that stops reading its socket cannot stall timeouts, cancels
+//!   or output collection; the queue is bounded because open bridge requests are (each queued
+//!   answer holds its request slot).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::SinkExt;
+use nix::sys::signal::Signal;
+use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+
+use crate::frame::{self, MAX_INFLIGHT_REQUESTS};
+use crate::zygote::{ExitInfo, SpawnedWorker};
+
+/// How long to wait for the zygote's report after a worker's socket closed or it was killed.
+const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Frames queued for the writer: every possible answer, plus a few control frames (`run`).
+const OUTBOX_FRAMES: usize = MAX_INFLIGHT_REQUESTS + 4;
+
+/// A frame on its way to the worker. `_slot` is the bridge-request slot its answer used, freed
+/// when the writer takes the frame.
+pub(super) struct Outgoing {
+    pub body: Bytes,
+    pub _slot: Option<OwnedSemaphorePermit>,
+}
+
+/// What is known about whether the worker still runs.
+pub(super) enum Liveness {
+    Alive,
+    Exited(ExitInfo),
+    /// The zygote is gone, so nobody can report (or reap) the worker any more; it died with
+    /// the zygote through its parent-death signal.
+    ZygoteGone,
+}
+
+/// Why a frame could not be queued for the worker.
+pub(super) enum SendError {
+    /// The queue is full: the worker has stopped reading its socket.
+    NotReading,
+    /// The writer task ended: the socket is broken, the worker is gone.
+    Gone,
+}
+
+pub(super) struct LiveWorker {
+    pub pid: i32,
+    /// Sandbox layers this worker runs without (best-effort mode only).
+    pub missing_layers: Vec<String>,
+    pub frames: FramedRead<OwnedReadHalf, LengthDelimitedCodec>,
+    pub image_budget_bytes: u64,
+    outbox: mpsc::Sender<Outgoing>,
+    /// `None` once the zygote's report was taken (or can no longer come).
+    exit: Option<oneshot::Receiver<ExitInfo>>,
+    /// Slots for bridge requests waiting for their answer.
+    requests: Arc<Semaphore>,
+    /// This worker's place under the cap on live sessions.
+    _session_slot: OwnedSemaphorePermit,
+}
+
+impl LiveWorker {
+    /// Wraps a freshly spawned worker. Must be called inside the tokio runtime.
+    pub fn new(
+        spawned: SpawnedWorker,
+        session_slot: OwnedSemaphorePermit,
+        image_budget_bytes: u64,
+    ) -> std::io::Result<LiveWorker> {
+        let SpawnedWorker { pid, socket, exit } = spawned;
+        // From here on, an error return drops `guard`, which kills the worker.
+        let mut guard = KillOnDrop(Some(pid));
+        socket.set_nonblocking(true)?;
+        let socket = tokio::net::UnixStream::from_std(socket)?;
+        let (read, write) = socket.into_split();
+        let reader = LengthDelimitedCodec::builder()
+            .length_field_length(4)
+            .big_endian()
+            .max_frame_length(frame::max_worker_frame_bytes(image_budget_bytes))
+            .new_codec();
+        let (outbox, queued) = mpsc::channel(OUTBOX_FRAMES);
+        tokio::spawn(write_frames_to_worker(
+            FramedWrite::new(write, frame::host_codec()),
+            queued,
+        ));
+        guard.0 = None;
+        Ok(LiveWorker {
+            pid,
+            missing_layers: Vec::new(),
+            frames: FramedRead::new(read, reader),
+            image_budget_bytes,
+            outbox,
+            exit: Some(exit),
+            requests: Arc::new(Semaphore::new(MAX_INFLIGHT_REQUESTS)),
+            _session_slot: session_slot,
+        })
+    }
+
+    /// Whether the worker still runs, as far as the zygote has told.
+    pub fn liveness(&mut self) -> Liveness {
+        let Some(rx) = self.exit.as_mut() else {
+            return Liveness::ZygoteGone;
+        };
+        match rx.try_recv() {
+            Ok(status) => {
+                self.exit = None;
+                Liveness::Exited(status)
+            }
+            Err(oneshot::error::TryRecvError::Empty) => Liveness::Alive,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                self.exit = None;
+                Liveness::ZygoteGone
+            }
+        }
+    }
+
+    pub fn signal(&self, sig: Signal) {
+        if self.exit.is_some() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), sig);
+        }
+    }
+
+    /// Queues a frame for the worker without waiting.
+    pub fn send(&self, body: Bytes) -> Result<(), SendError> {
+        self.outbox
+            .try_send(Outgoing { body, _slot: None })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => SendError::NotReading,
+                mpsc::error::TrySendError::Closed(_) => SendError::Gone,
+            })
+    }
+
+    /// A slot for one more open bridge request, if the worker is within its limit.
+    pub fn request_slot(&self) -> Option<OwnedSemaphorePermit> {
+        self.requests.clone().try_acquire_owned().ok()
+    }
+
+    /// Where a proxied call's answer goes (it may outlive the cell that asked).
+    pub fn answers(&self) -> mpsc::Sender<Outgoing> {
+        self.outbox.clone()
+    }
+
+    /// Kills the worker and waits (briefly) for the zygote to confirm it was reaped.
+    pub async fn kill(mut self) -> Option<ExitInfo> {
+        match self.liveness() {
+            Liveness::Exited(status) => return Some(status),
+            Liveness::ZygoteGone => return None,
+            Liveness::Alive => {}
+        }
+        self.signal(Signal::SIGKILL);
+        self.wait_exit().await
+    }
+
+    /// After the socket closed: how did the process end? (Killed if it still runs.)
+    pub async fn wait_exit(mut self) -> Option<ExitInfo> {
+        let rx = self.exit.take()?;
+        match tokio::time::timeout(EXIT_REPORT_TIMEOUT, rx).await {
+            Ok(Ok(status)) => Some(status),
+            Ok(Err(_)) => None, // the zygote went away: no report will come
+            Err(_) => {
+                // No report in time: make sure, then give up waiting.
+                let _ =
+                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), Signal::SIGKILL);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for LiveWorker {
+    fn drop(&mut self) {
+        // Only a worker whose exit was not reported can still run; one the zygote reaped must
+        // not be signalled (its pid may belong to someone else by now).
+        if let Some(rx) = self.exit.as_mut()
+            && matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+        {
+            tracing::debug!(pid = self.pid, "killing a worker the host let go of");
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Kills a pid on drop unless disarmed: covers the steps between spawn and a full handle.
+struct KillOnDrop(Option<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// The writer task: sends queued frames in order until the queue closes or the socket breaks.
+async fn write_frames_to_worker(
+    mut sink: FramedWrite<tokio::net::unix::OwnedWriteHalf, LengthDelimitedCodec>,
+    mut queued: mpsc::Receiver<Outgoing>,
+) {
+    while let Some(Outgoing { body, _slot: slot }) = queued.recv().await {
+        // The request slot frees as its answer leaves the queue, before the write: the worker
+        // cannot see the answer (and reuse the slot) before the host counts the slot free, and
+        // the queue still holds at most one answer per slot.
+        drop(slot);
+        if let Err(e) = sink.send(body).await {
+            tracing::debug!(error = %e, "writing to a worker failed; it is gone");
+            break;
+        }
+    }
+}

@@ -1,0 +1,341 @@
+"""Faults and a hostile worker, seen from the host: SECURITY.md cases 51-54.
+
+The worker is the attacker: from inside run_python it writes forged frames onto its own
+session socket (fd 3, the one the bridge uses), stops reading answers, or loses its zygote. The
+host must kill it and say why, keep every cap, and give the session a fresh worker; other
+sessions and the server keep serving. Forged frames are tried as root and as `nobody`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import RawServer, pid_alive, shared_tmp_dir, wait_until
+
+TEST_SERVER = Path(__file__).parent / "servers" / "test_server.py"
+
+FORGE = r'''
+import os, struct, json, time
+def frame(kind, payload):
+    return struct.pack('>I', len(payload) + 1) + kind + payload
+def done(**fields):
+    msg = {"op": "done", "id": 1, "status": "ok", "result": None, "error": None, "exit_code": None}
+    msg.update(fields)
+    return frame(b'J', json.dumps(msg).encode())
+'''
+
+# (name, bytes the worker writes onto its session socket, what the report must say)
+FORGERIES = [
+    ("garbage", "b'\\x00\\x00\\x00\\x06Zjunk!'", "a frame of unknown kind 0x5a"),
+    ("bad_json", "frame(b'J', b'{not json')", "not a valid message"),
+    ("unknown_op", "frame(b'J', b'{\"op\":\"launch\"}')", "not a valid message"),
+    ("huge_length", "b'\\xff\\xff\\xff\\xffJ' + b'x' * 100", "a frame the host cannot accept"),
+    ("wrong_run_id", "done(id=999999999)", "a `done` frame for run 999999999"),
+    # A done frame announcing a 100 MB result: refused at its header, never read or allocated.
+    ("100_mb_result",
+     "struct.pack('>I', 100_000_030) + b'J{\"op\":\"done\",\"id\":1,\"result\":\"' + b'x' * 1_000_000",
+     "a frame the host cannot accept"),
+    ("1_mb_result", "done(result='x' * 1_000_000)", "the result is 1000000 characters"),
+    ("absolute_image_path",
+     "done(images=[{'path': '/etc/passwd', 'mime': 'image/png', 'bytes': 1}])", "is absolute"),
+    ("dotdot_image_path",
+     "done(images=[{'path': '../../x.png', 'mime': 'image/png', 'bytes': 1}])", "`..` step"),
+    ("oversized_image",
+     "done(images=[{'path': 'a.png', 'mime': 'image/png', 'bytes': 1, 'data': 'A' * 4_000_000}])",
+     "the budget (IRONCELL_IMAGE_BUDGET)"),
+    ("ready_mid_run", "frame(b'J', b'{\"op\":\"ready\",\"pid\":1}')", "a `ready` message in the middle of a run"),
+    ("bad_method", "frame(b'J', b'{\"op\":\"request\",\"id\":1,\"method\":\"../x\",\"params\":{}}')",
+     "invalid method name"),
+]
+
+
+class Host:
+    """A server run as `as_user` in a directory that user can use."""
+
+    def __init__(self, as_user: str = "root", **env: str):
+        self.dir = shared_tmp_dir()
+        (self.dir / "state").mkdir(mode=0o777)
+        os.chmod(self.dir / "state", 0o777)
+        self.srv = RawServer(self.dir, as_user=as_user, MCP_BRIDGE_STATE_DIR=str(self.dir / "state"), **env)
+        self.srv.initialize()
+
+    def run(self, code: str, session: str = "s", **args) -> dict:
+        return self.srv.call(code, session=session, **args)["structuredContent"]
+
+    def live_workers(self) -> int:
+        r = self.srv.request("resources/read", {"uri": "system://info"})
+        return json.loads(r["result"]["contents"][0]["text"])["sessions"]["live_workers"]
+
+    def zygote_pid(self) -> int:
+        return eval(self.run("import os\nos.getppid()", session="probe")["result"])
+
+    def worker_pids(self) -> set[int]:
+        """The zygote's live children, as the kernel sees them."""
+        zygote = self.zygote_pid()
+        kids: set[int] = set()
+        for task in os.listdir(f"/proc/{zygote}/task"):
+            with open(f"/proc/{zygote}/task/{task}/children") as f:
+                kids.update(int(p) for p in f.read().split())
+        return {p for p in kids if pid_alive(p)}
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+@pytest.fixture(scope="module", params=["root", "nobody"])
+def host(request):
+    h = Host(request.param)
+    yield h
+    h.close()
+
+
+def assert_fresh_after_loss(h: Host, session: str, old_pid: int, cause: str) -> None:
+    """The next run in `session` says the state was lost (and why), and runs in a new worker."""
+    nxt = h.run("import os\n(os.getpid(), 'x' in globals())", session=session)
+    pid, had_x = eval(nxt["result"])
+    assert nxt["status"] == "ok" and pid != old_pid and had_x is False, nxt
+    assert any(cause in n and "fresh" in n for n in nxt["notices"]), nxt["notices"]
+
+
+@pytest.mark.parametrize("name,payload,expected", FORGERIES, ids=[f[0] for f in FORGERIES])
+def test_51_a_forged_frame_kills_the_worker_and_the_next_run_is_fresh(host, name, payload, expected):
+    session = f"forge-{name}"
+    before = host.run("import os\nx = 1\nos.getpid()", session=session)
+    pid = int(before["result"])
+    # After the forgery the cell sleeps: only the host killing it can end the run in time.
+    code = FORGE + f"os.write(3, {payload})\ntime.sleep(600)\n"
+    rec = host.run(code, session=session, timeout_s=600)
+    assert rec["status"] == "crashed", rec
+    assert rec["error"]["type"] == "ProtocolViolation", rec
+    assert rec["error"]["message"].startswith("protocol violation: "), rec
+    assert expected in rec["error"]["message"], rec["error"]["message"]
+    assert len(json.dumps(rec)) < 200_000  # nothing the worker claimed came through
+    assert not rec.get("images") and rec.get("result") is None
+    assert wait_until(lambda: not pid_alive(pid), 5), "the violating worker still runs"
+    assert_fresh_after_loss(host, session, pid, "protocol violation")
+    # Each violating worker gave its session slot back: the slots held are the live workers.
+    workers = host.worker_pids()
+    assert host.live_workers() == len(workers), workers
+
+
+def test_51_the_server_keeps_serving_other_sessions_after_forgeries(host):
+    assert host.run("21 * 2", session="bystander")["result"] == "42"
+
+
+def test_51_an_image_the_worker_names_is_linked_only_if_it_is_a_file_in_the_session(host):
+    code = r'''
+import os
+os.makedirs('d', exist_ok=True)
+with open('real.png', 'wb') as f:
+    f.write(b'\x89PNG\r\n\x1a\n' + b'\0' * 32)
+if not os.path.lexists('d/link.png'):
+    os.symlink('/etc/hostname', 'd/link.png')
+'done'
+'''
+    rec = host.run(code, session="images")
+    assert rec["status"] == "ok", rec
+    paths = [i["path"] for i in rec.get("images", [])]
+    assert "real.png" in paths and "d/link.png" not in paths, rec["images"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults: the zygote, a worker, an upstream dying
+# ---------------------------------------------------------------------------------------------
+
+def test_54_after_the_zygote_is_killed_the_next_run_says_state_was_lost_and_runs_fresh(host):
+    before = host.run("import os\nx = 1\n(os.getpid(), os.getppid())", session="z")
+    worker, zygote = eval(before["result"])
+    os.kill(zygote, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(zygote) and not pid_alive(worker), 5)
+    started = time.monotonic()
+    nxt = host.run("import os\n(os.getpid(), os.getppid(), 'x' in globals(), 6 * 7)", session="z")
+    assert time.monotonic() - started < 25  # an answer, not a background job that never ends
+    pid, ppid, had_x, value = eval(nxt["result"])
+    assert nxt["status"] == "ok" and value == 42 and had_x is False, nxt
+    assert pid != worker and ppid != zygote
+    assert nxt["session_state"] == "restarted", nxt
+    assert any("zygote" in n and "lost" in n for n in nxt["notices"]), nxt["notices"]
+    # The session is not stuck busy: it keeps its new state.
+    assert host.run("x = 5\nx", session="z")["result"] == "5"
+    assert host.run("x", session="z")["result"] == "5"
+
+
+def test_54_a_run_in_progress_when_the_zygote_dies_finishes_with_a_clear_result(host):
+    zygote = host.zygote_pid()
+    srv = host.srv
+    rid = "mid-run-zygote"
+    srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "run_python",
+        "arguments": {"code": "import time\nprint('started', flush=True)\ntime.sleep(120)", "session": "zm",
+                      "timeout_s": 300}}})
+    time.sleep(2)
+    os.kill(zygote, signal.SIGKILL)
+    r = srv.wait_for(rid, timeout=30)["result"]["structuredContent"]
+    assert r["status"] == "crashed" and r["session_state"] == "lost", r
+    assert "worker" in r["error"]["message"], r
+    nxt = host.run("1 + 1", session="zm")
+    assert nxt["status"] == "ok" and nxt["result"] == "2", nxt
+
+
+def test_a_worker_killed_mid_run_is_reported_and_the_next_run_is_fresh(host):
+    pid = int(host.run("import os\nx = 1\nos.getpid()", session="wk")["result"])
+    srv = host.srv
+    rid = "mid-run-worker"
+    srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "run_python", "arguments": {"code": "import time\ntime.sleep(120)", "session": "wk"}}})
+    time.sleep(1)
+    os.kill(pid, signal.SIGKILL)
+    r = srv.wait_for(rid, timeout=30)["result"]["structuredContent"]
+    assert r["status"] == "crashed" and "SIGKILL" in r["error"]["message"], r
+    assert_fresh_after_loss(host, "wk", pid, "SIGKILL")
+
+
+# ---------------------------------------------------------------------------------------------
+# With a proxied upstream (root only: the harness Python lives under /root)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def proxied():
+    cfg_dir = shared_tmp_dir()
+    cfg = cfg_dir / "servers.json"
+    cfg.write_text(json.dumps({"mcpServers": {
+        "test-server": {"command": sys.executable, "args": [str(TEST_SERVER)]},
+    }}))
+    h = Host("root", MCP_BRIDGE_CONFIG=str(cfg), IRONCELL_WAIT_BUDGET="120s")
+    yield h
+    h.close()
+
+
+def test_52_five_hundred_gathered_calls_complete(proxied):
+    code = """
+import asyncio
+r = await asyncio.gather(*(mcp_test_server.sleep(seconds=0) for _ in range(500)))
+(len(r), sum(x["result"] if isinstance(x, dict) else x for x in r))
+"""
+    rec = proxied.run(code, session="gather", timeout_s=120)
+    assert rec["status"] == "ok" and eval(rec["result"]) == (500, 0), (rec.get("error"), rec.get("stderr"))
+    assert len(rec["upstream_calls"]) == 500
+
+
+def test_52_a_timeout_ends_five_hundred_pending_calls_and_the_session_recovers(proxied):
+    proxied.run("kept = 'yes'", session="stuck")
+    code = """
+import asyncio
+await asyncio.gather(*(mcp_test_server.sleep(seconds=60) for _ in range(500)))
+"""
+    started = time.monotonic()
+    rec = proxied.run(code, session="stuck", timeout_s=3)
+    assert rec["status"] == "timeout", rec
+    assert time.monotonic() - started < 30
+    nxt = proxied.run("kept", session="stuck")
+    assert nxt["status"] == "ok", nxt
+    assert nxt["result"] == "'yes'" or nxt["session_state"] in ("restarted", "lost"), nxt
+
+
+def test_52_a_cancel_ends_five_hundred_pending_calls_and_the_session_recovers(proxied):
+    srv = proxied.srv
+    rid = "gather-cancel"
+    code = "import asyncio\nawait asyncio.gather(*(mcp_test_server.sleep(seconds=60) for _ in range(500)))"
+    srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "run_python", "arguments": {"code": code, "session": "cancel", "timeout_s": 300}}})
+    time.sleep(2)
+    srv.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}})
+    started = time.monotonic()
+    nxt = proxied.run("'after'", session="cancel")  # queues behind the cancelled run
+    assert time.monotonic() - started < 30
+    assert nxt["status"] == "ok" and nxt["result"] == "'after'", nxt
+
+
+def test_52_a_worker_that_stops_reading_answers_cannot_wedge_the_session(proxied):
+    # 200 calls with 1 MiB answers, then the cell holds the GIL (a huge switch interval), so the
+    # worker's reader thread, which needs the GIL to hand out answers, stops reading: the
+    # answers fill the socket and the host's writes to the worker block. Timeout must still
+    # work, and the session must recover.
+    proxied.run("kept = 'yes'", session="noread")
+    code = """
+import asyncio, sys
+tasks = [asyncio.ensure_future(mcp_test_server.huge(megabytes=1)) for _ in range(200)]
+await asyncio.sleep(1)
+sys.setswitchinterval(1000)
+while True:
+    pass
+"""
+    started = time.monotonic()
+    rec = proxied.run(code, session="noread", timeout_s=5)
+    assert rec["status"] == "timeout", rec
+    assert time.monotonic() - started < 40
+    nxt = proxied.run("import sys\nsys.setswitchinterval(0.005)\n(kept, 2 + 3)", session="noread", timeout_s=60)
+    assert nxt["status"] == "ok" and eval(nxt["result"]) == ("yes", 5), nxt
+
+
+def test_52_more_open_requests_than_the_limit_is_a_protocol_violation(proxied):
+    code = """
+import json, os, struct, time
+def frame(kind, payload):
+    return struct.pack('>I', len(payload) + 1) + kind + payload
+for i in range(65):
+    p = {"server": "test-server", "tool": "sleep", "arguments": {"seconds": 60}}
+    os.write(3, frame(b'J', json.dumps({"op": "request", "id": 10**6 + i, "method": "call", "params": p}).encode()))
+time.sleep(600)
+"""
+    rec = proxied.run(code, session="flood", timeout_s=600)
+    assert rec["status"] == "crashed" and rec["error"]["type"] == "ProtocolViolation", rec
+    assert "more than 64 bridge requests open at once" in rec["error"]["message"]
+    assert proxied.run("1", session="flood")["status"] == "ok"
+
+
+def test_53_a_megabyte_search_query_is_refused_and_ping_keeps_answering(proxied):
+    code = """
+import mcp
+try:
+    await runtime.search_tool_docs("sleep " * 200_000)
+    msg = "no error"
+except mcp.MCPError as e:
+    msg = str(e)
+msg
+"""
+    srv = proxied.srv
+    rid = "big-search"
+    srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "run_python", "arguments": {"code": code, "session": "search"}}})
+    pong = srv.request("ping", timeout=10)
+    assert "result" in pong
+    msg = eval(srv.wait_for(rid, timeout=30)["result"]["structuredContent"]["result"])
+    assert "1200000 characters" in msg and "limit is 1000" in msg, msg
+    hits = eval(proxied.run("await runtime.search_tool_docs('sleep', limit=1)", session="search")["result"])
+    assert hits[0]["tool"] == "sleep"
+
+
+def test_an_upstream_killed_mid_call_is_reported_and_restarted_on_next_use(proxied):
+    proxied.run("kept = 1", session="up")
+    pid_of_upstream = "r = mcp_test_server.pid_sync()\nr['result'] if isinstance(r, dict) else r"
+    upstream = int(proxied.run(pid_of_upstream, session="up")["result"])
+    srv = proxied.srv
+    rid = "upstream-kill"
+    code = """
+import mcp
+try:
+    mcp_test_server.sleep_sync(seconds=60)
+    msg = "no error"
+except mcp.MCPError as e:
+    msg = type(e).__name__ + ": " + str(e)
+msg
+"""
+    srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "run_python", "arguments": {"code": code, "session": "up", "timeout_s": 120}}})
+    time.sleep(2)
+    os.kill(upstream, signal.SIGKILL)
+    r = srv.wait_for(rid, timeout=60)["result"]["structuredContent"]
+    assert r["status"] == "ok", r
+    assert "ServerUnavailableError" in r["result"], r
+    again = proxied.run(pid_of_upstream + "\n", session="up")
+    assert again["status"] == "ok" and int(again["result"]) != upstream, again
+    assert proxied.run("kept", session="up")["result"] == "1"
