@@ -54,6 +54,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         sandbox.policy.limits.open_files,
         sandbox.policy.limits.scratch_quota_mib
     );
+    println!(
+        "/tmp          {}",
+        crate::sandbox::private_tmp::host_status(
+            settings.private_tmp,
+            &settings.resolved_state_dir()
+        )
+        .describe()
+    );
     println!("\n{:<58}provided by", "protection");
     for p in sandbox.protections() {
         let by = if p.layers.is_empty() {

@@ -20,6 +20,7 @@
 
 pub mod landlock;
 pub mod policy;
+pub mod private_tmp;
 pub mod rlimits;
 pub mod seccomp;
 pub mod sys;
@@ -51,6 +52,9 @@ pub struct SandboxPlan {
     pub filesystem: Option<FilesystemGrants>,
     pub limits: WorkerLimits,
     pub seccomp: bool,
+    /// Whether the worker tries a private mount namespace with its session dir over `/tmp`.
+    #[serde(default)]
+    pub private_tmp: private_tmp::PrivateTmpMode,
 }
 
 /// The host's view of the sandbox: policy, kernel abilities and the operator's choices.
@@ -64,6 +68,8 @@ pub struct Sandbox {
     pub landlock_abi_cap: Option<i32>,
     pub seccomp_available: bool,
     pub memory_bytes: u64,
+    /// Private `/tmp` per session (see [`private_tmp`]); set from the settings.
+    pub private_tmp: private_tmp::PrivateTmpMode,
 }
 
 /// One protection a user relies on and the layers that provide it on this host.
@@ -97,6 +103,7 @@ impl Sandbox {
             landlock_abi_cap: abi_cap,
             seccomp_available: sys::seccomp_available(),
             memory_bytes,
+            private_tmp: private_tmp::PrivateTmpMode::Auto,
         }
     }
 
@@ -162,6 +169,7 @@ impl Sandbox {
                 open_files: l.open_files,
             },
             seccomp: self.seccomp_available,
+            private_tmp: self.private_tmp,
         }
     }
 
