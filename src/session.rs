@@ -139,6 +139,8 @@ pub struct SessionManager {
     settings: Settings,
     sandbox: Sandbox,
     proxy: Arc<Proxy>,
+    /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
+    memory: Arc<crate::memory::MemoryStore>,
     exe: PathBuf,
     zygote: Mutex<Arc<Zygote>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
@@ -182,10 +184,13 @@ impl SessionManager {
             settings.call_timeout,
         ));
         let zygote = Zygote::start(&exe, &settings.preload)?;
+        crate::config::report_not_applicable_variables(&settings);
+        let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
         Ok(Arc::new(SessionManager {
             settings,
             sandbox,
             proxy,
+            memory,
             exe,
             zygote: Mutex::new(Arc::new(zygote)),
             sessions: Mutex::new(HashMap::new()),
@@ -663,9 +668,13 @@ impl SessionManager {
                                 Ok(FromWorker::Request { id, method, params }) => {
                                     // Proxied calls run concurrently; answers come back below.
                                     let proxy = self.proxy.clone();
+                                    let memory = self.memory.clone();
                                     let tx = answers_tx.clone();
                                     tokio::spawn(async move {
-                                        let (payload, summary) = proxy.handle(&method, &params).await;
+                                        let (payload, summary) = match method.strip_prefix("memory.") {
+                                            Some(op) => (memory.handle(op, &params), None),
+                                            None => proxy.handle(&method, &params).await,
+                                        };
                                         let _ = tx.send((id, payload, summary));
                                     });
                                 }
