@@ -61,6 +61,10 @@ pub struct CallSummary {
 
 pub struct Proxy {
     upstreams: BTreeMap<String, Arc<Upstream>>,
+    /// Servers named in the configuration whose entry is broken: name → what is wrong.
+    broken: BTreeMap<String, String>,
+    /// Servers whose last start (or tool listing) failed: name → why. Cleared on success.
+    failures: std::sync::Mutex<BTreeMap<String, String>>,
     problems: Vec<ConfigProblem>,
     sources: Vec<String>,
     call_timeout: Duration,
@@ -71,25 +75,76 @@ impl Proxy {
         for p in &config.problems {
             tracing::warn!("MCP server configuration: {p}");
         }
-        let upstreams = config
+        let upstreams: BTreeMap<String, Arc<Upstream>> = config
             .servers
             .into_iter()
             .map(|(name, c)| (name, Arc::new(Upstream::new(c, startup_timeout))))
             .collect();
+        let mut broken = BTreeMap::new();
+        for p in &config.problems {
+            if let Some(name) = &p.server
+                && !upstreams.contains_key(name)
+            {
+                broken.entry(name.clone()).or_insert_with(|| {
+                    format!("its configuration is broken and it was not loaded: {p}")
+                });
+            }
+        }
         Proxy {
             upstreams,
+            broken,
+            failures: std::sync::Mutex::new(BTreeMap::new()),
             problems: config.problems,
             sources: config.sources,
             call_timeout,
         }
     }
 
-    /// Names and descriptions, for workers (no commands, no env).
+    /// Names and descriptions, for workers (no commands, no env), with `error` for each server
+    /// that is configured but unusable: a broken entry, or a failed start.
     pub fn server_summaries(&self) -> Vec<Value> {
-        self.upstreams
+        let failures = crate::lock(&self.failures).clone();
+        let mut out: Vec<Value> = self
+            .upstreams
             .values()
-            .map(|u| json!({"name": u.config.name, "description": u.config.description}))
+            .map(|u| {
+                let mut s = json!({"name": u.config.name, "description": u.config.description});
+                if let Some(why) = failures.get(&u.config.name) {
+                    s["error"] = json!(why);
+                }
+                s
+            })
+            .collect();
+        for (name, why) in &self.broken {
+            out.push(json!({"name": name, "description": null, "error": why}));
+        }
+        out
+    }
+
+    /// Servers that cannot be used right now, and why (for discovery and search answers).
+    pub fn unavailable(&self) -> Vec<Value> {
+        let failures = crate::lock(&self.failures).clone();
+        failures
+            .iter()
+            .chain(&self.broken)
+            .map(|(name, why)| json!({"server": name, "error": why}))
             .collect()
+    }
+
+    /// The server's tool catalog, remembering whether it could be had.
+    async fn catalog(&self, server: &str) -> Result<Arc<upstream::ToolCatalog>, ProxyError> {
+        let upstream = self.upstream(server)?;
+        let result = upstream.tools().await;
+        let mut failures = crate::lock(&self.failures);
+        match &result {
+            Ok(_) => {
+                failures.remove(server);
+            }
+            Err(e) => {
+                failures.insert(server.to_string(), e.message.clone());
+            }
+        }
+        result
     }
 
     /// For `system://info`: servers, whether running, where they came from, what was wrong.
@@ -112,6 +167,11 @@ impl Proxy {
     }
 
     fn upstream(&self, name: &str) -> Result<&Arc<Upstream>, ProxyError> {
+        if let Some(why) = self.broken.get(name) {
+            return Err(ProxyError::unavailable(format!(
+                "MCP server {name:?} is unavailable: {why}"
+            )));
+        }
         self.upstreams.get(name).ok_or_else(|| ProxyError {
             kind: "unknown_server",
             message: format!(
@@ -142,15 +202,15 @@ impl Proxy {
     }
 
     pub async fn tools_json(&self, server: &str) -> Result<Value, ProxyError> {
-        let catalog = self.upstream(server)?.tools().await?;
+        let catalog = self.catalog(server).await?;
         serde_json::to_value(&catalog.tools).map_err(|e| ProxyError::unavailable(e.to_string()))
     }
 
     pub async fn search(&self, query: &str, limit: usize) -> Value {
         let fetches = self
             .upstreams
-            .values()
-            .map(|u| async move { (u.config.name.clone(), u.tools().await) });
+            .keys()
+            .map(|name| async move { (name, self.catalog(name).await) });
         let mut catalogs = Vec::new();
         for (name, tools) in futures::future::join_all(fetches).await {
             match tools {
@@ -160,11 +220,8 @@ impl Proxy {
                 }
             }
         }
-        json!(search::search(
-            catalogs.iter().flat_map(|c| c.index.iter()),
-            query,
-            limit
-        ))
+        let hits = search::search(catalogs.iter().flat_map(|c| c.index.iter()), query, limit);
+        json!({"results": hits, "unavailable": self.unavailable()})
     }
 
     pub async fn call(
@@ -178,6 +235,7 @@ impl Proxy {
                 "tool arguments must be a dict".into(),
             ));
         };
+        self.catalog(server).await?;
         let result = self
             .upstream(server)?
             .call(tool, args, self.call_timeout)
