@@ -156,3 +156,15 @@ def test_doctor_says_which_tmp_is_in_force():
         assert "/tmp          fallback" in out, out
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_worker_in_its_namespace_is_still_supervised(ns_box):
+    # The host still interrupts it on timeout (SIGINT; the session survives)...
+    rec = ns_box.srv.call("import time\ntime.sleep(60)", session="slow", timeout_s=1)["structuredContent"]
+    assert rec["status"] == "timeout" and rec["session_state"] != "lost", rec
+    assert ns_box.value("import os\nos.path.samefile('/tmp', '.')", session="slow") is True
+    # ...and kills it when it ignores the interrupt (SIGKILL; the next run starts fresh).
+    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    rec = ns_box.srv.call(code, session="slow", timeout_s=1)["structuredContent"]
+    assert rec["session_state"] == "lost", rec
+    assert ns_box.value("import os\nos.path.samefile('/tmp', '.')", session="slow") is True
