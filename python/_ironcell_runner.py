@@ -58,7 +58,7 @@ def prepare_worker(env, servers_json="[]", options_json="{}"):
     _quiet_for_reported_coroutines()
     tmp = _options.get("private_tmp") or {}
     if tmp.get("mechanism") != "namespace":
-        _refuse_host_tmp(tmp.get("reason") or "no private mount namespace")
+        _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
     _watch_figure_saves()
     _images_written_since(None)  # files already here are never this run's images
     # Fresh streams over the worker's captured fd 1 and 2 (pipes now; the zygote's streams were
@@ -315,7 +315,7 @@ _TMP_EVENTS = {"open": (0,), "os.listdir": (0,), "os.scandir": (0,), "os.mkdir":
                "glob.glob": (0,), "os.makedirs": (0,)}
 
 
-def _refuse_host_tmp(reason):
+def _refuse_host_tmp(reason, allowed=()):
     """Without a private mount namespace `/tmp` is the host's, which Landlock keeps out of
     reach; say so plainly instead of a bare EACCES (the sandbox, not this hook, is the
     boundary)."""
@@ -324,6 +324,8 @@ def _refuse_host_tmp(reason):
 
     message = (f"/tmp is not available in this session ({reason}); use the session directory "
                "instead: a relative path, tempfile, or os.environ['TMPDIR']")
+    # Granted paths beneath /tmp (e.g. the session dir itself) stay usable.
+    allowed = tuple(os.path.normpath(a) for a in allowed)
 
     def hook(event, args, _events=_TMP_EVENTS):
         where = _events.get(event)
@@ -336,7 +338,8 @@ def _refuse_host_tmp(reason):
                     path = os.path.normpath(os.fsdecode(p))
                 except Exception:
                     continue
-                if path == "/tmp" or path.startswith("/tmp/"):
+                if ((path == "/tmp" or path.startswith("/tmp/"))
+                        and not any(path == a or path.startswith(a + "/") for a in allowed)):
                     raise PermissionError(errno.EACCES, message, os.fsdecode(p))
 
     sys.addaudithook(hook)

@@ -56,7 +56,13 @@ pub enum PrivateTmp {
         how: String,
     },
     /// No private mount namespace: `/tmp` is refused; `TMPDIR`/`tempfile` use the session dir.
-    Fallback { reason: String },
+    Fallback {
+        reason: String,
+        /// Paths beneath `/tmp` the sandbox still grants (the session dir when the state dir is
+        /// there, granted folders): the refusal leaves them alone.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        allowed: Vec<String>,
+    },
 }
 
 impl PrivateTmp {
@@ -70,7 +76,7 @@ impl PrivateTmp {
             PrivateTmp::Namespace { how } => format!(
                 "private per session: the session directory is mounted over /tmp in the worker's own {how}"
             ),
-            PrivateTmp::Fallback { reason } => format!(
+            PrivateTmp::Fallback { reason, .. } => format!(
                 "fallback: /tmp is refused inside sessions, TMPDIR and tempfile use the session directory ({reason})"
             ),
         }
@@ -232,11 +238,6 @@ pub fn mount_session_dir_over_tmp(
     session_dir: &Path,
     plan: &super::SandboxPlan,
 ) -> PrivateTmp {
-    if mode == PrivateTmpMode::Off {
-        return PrivateTmp::Fallback {
-            reason: "turned off by IRONCELL_PRIVATE_TMP=off".into(),
-        };
-    }
     let grants: Vec<&Path> = plan
         .filesystem
         .iter()
@@ -244,39 +245,48 @@ pub fn mount_session_dir_over_tmp(
         .map(|p| p.as_path())
         .filter(|p| *p != session_dir)
         .collect();
+    let fallback = |reason: String| PrivateTmp::Fallback {
+        reason,
+        allowed: std::iter::once(session_dir)
+            .chain(grants.iter().copied())
+            .filter(|p| p.starts_with("/tmp"))
+            .map(|p| p.display().to_string())
+            .collect(),
+    };
+    if mode == PrivateTmpMode::Off {
+        return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into());
+    }
     if let Some(reason) = paths_beneath_tmp(session_dir, &grants) {
-        return PrivateTmp::Fallback { reason };
+        return fallback(reason);
     }
     let prepared = match Prepared::new(session_dir) {
         Ok(p) => p,
-        Err(e) => {
-            return PrivateTmp::Fallback {
-                reason: format!("unusable session path: {e}"),
-            };
-        }
+        Err(e) => return fallback(format!("unusable session path: {e}")),
     };
     match enter_namespace_and_mount(&prepared) {
         Ok(how) => PrivateTmp::Namespace { how: how.into() },
-        Err(e) => PrivateTmp::Fallback { reason: e.reason() },
+        Err(e) => fallback(e.reason()),
     }
 }
 
 /// What workers of this host will get, found once by trying the same steps in a short-lived
 /// child (bind-mounting `/tmp` over itself). For `doctor` and `system://info`.
 pub fn host_status(mode: PrivateTmpMode, state_dir: &Path) -> PrivateTmp {
+    let fallback = |reason: String| PrivateTmp::Fallback {
+        reason,
+        allowed: Vec::new(),
+    };
     if mode == PrivateTmpMode::Off {
-        return PrivateTmp::Fallback {
-            reason: "turned off by IRONCELL_PRIVATE_TMP=off".into(),
-        };
+        return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into());
     }
     if let Some(reason) = paths_beneath_tmp(&state_dir.join("sessions"), &[]) {
-        return PrivateTmp::Fallback { reason };
+        return fallback(reason);
     }
     static PROBE: OnceLock<PrivateTmp> = OnceLock::new();
     PROBE
         .get_or_init(|| match probe_in_child() {
             Ok(how) => PrivateTmp::Namespace { how: how.into() },
-            Err(reason) => PrivateTmp::Fallback { reason },
+            Err(reason) => fallback(reason),
         })
         .clone()
 }

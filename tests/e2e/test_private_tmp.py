@@ -135,6 +135,10 @@ def test_session_dirs_beneath_tmp_fall_back_and_say_why(tmp_path):
         srv.initialize()
         r = srv.call("import os\ntry:\n    open('/tmp/x-ironcell', 'w')\nexcept PermissionError as e:\n    print(e)")
         assert "MCP_BRIDGE_STATE_DIR" in r["structuredContent"]["stdout"], r
+        # The session dir itself (beneath /tmp here) stays usable by absolute path and tempfile.
+        r = srv.call("import tempfile\nd = tempfile.mkdtemp()\nopen(os.path.join(d, 'f'), 'w').write('x')\n"
+                     "open(os.path.abspath('g'), 'w').write('y')\n(d.startswith(os.getcwd()), open('g').read())")
+        assert r["structuredContent"]["result"] == "(True, 'y')", r
         info = json.loads(srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
         assert info["sandbox"]["private_tmp"]["detail"]["mechanism"] == "fallback"
     finally:
