@@ -20,6 +20,7 @@ import traceback
 import types
 
 CELL_FILENAME = "<cell>"
+_ASYNCIO_DIR = __import__("os").path.dirname(asyncio.__file__)
 MAX_RESULT_CHARS = 20_000
 MAX_TRACEBACK_FRAMES = 12
 
@@ -50,6 +51,16 @@ def prepare_worker(env, servers_json="[]", options_json="{}"):
     # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
     sys.modules["__main__"] = _main_module
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A coroutine left un-awaited is reported every time, in the cell that made it.
+    import warnings
+
+    warnings.filterwarnings("always", message="coroutine .* was never awaited", category=RuntimeWarning)
+    _quiet_for_reported_coroutines()
+    tmp = _options.get("private_tmp") or {}
+    if tmp.get("mechanism") != "namespace":
+        _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
+    _watch_figure_saves()
+    _images_written_since(None)  # files already here are never this run's images
     # Fresh streams over the worker's captured fd 1 and 2 (pipes now; the zygote's streams were
     # made for whatever its fds were). Line-buffered so output streams while a cell runs.
     for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -60,6 +71,53 @@ def prepare_worker(env, servers_json="[]", options_json="{}"):
 
 def _globals():
     return _main_module.__dict__
+
+
+def _warn_unawaited(coro, where):
+    import warnings
+
+    name = getattr(coro, "__qualname__", None) or getattr(coro, "__name__", "?")
+    warnings.warn_explicit(
+        f"coroutine {name!r} was never awaited ({where}): add `await` in front of the call",
+        RuntimeWarning, CELL_FILENAME, 0)
+
+
+def _warn_unawaited_globals():
+    """A coroutine stored in a global and not awaited is reported in the cell that made it,
+    once: not again when it is garbage-collected cells later."""
+    import weakref
+
+    _dead_reported.clear()
+    for k, v in list(_globals().items()):
+        if (inspect.iscoroutine(v) and inspect.getcoroutinestate(v) == inspect.CORO_CREATED
+                and id(v) not in _reported_coroutines):
+            _reported_coroutines[id(v)] = weakref.ref(v, lambda _, i=id(v): _dead_reported.add(i))
+            _warn_unawaited(v, f"it is stored in `{k}`")
+
+
+_reported_coroutines = {}  # id -> weakref of coroutines already reported
+_dead_reported = set()  # ids of reported coroutines being destroyed right now
+
+
+def _quiet_for_reported_coroutines():
+    """CPython warns when a never-awaited coroutine is destroyed; for one already reported in
+    the cell that made it, stay quiet. (A destroyed coroutine's weakref callbacks run just
+    before that warning, so `_dead_reported` names it at that moment.)"""
+    import warnings
+
+    if not hasattr(warnings, "_warn_unawaited_coroutine"):
+        return
+
+    def warn_unawaited(coro):
+        if id(coro) in _dead_reported:
+            _dead_reported.discard(id(coro))
+            _reported_coroutines.pop(id(coro), None)
+            return
+        name = getattr(coro, "__qualname__", None) or getattr(coro, "__name__", "?")
+        warnings.warn(f"coroutine {name!r} was never awaited: add `await` in front of the call",
+                      RuntimeWarning, stacklevel=2)
+
+    warnings._warn_unawaited_coroutine = warn_unawaited
 
 
 def _run_awaitable(obj):
@@ -73,13 +131,37 @@ def _run_awaitable(obj):
         asyncio.set_event_loop(None)
 
 
+def _is_machinery(filename):
+    """Frames the user did not write and cannot act on: this runner and asyncio's loop."""
+    import os
+
+    return filename == __file__ or os.path.dirname(filename) == _ASYNCIO_DIR
+
+
+def _user_frames(stack):
+    """The cell's own frames and the library frames below them; nothing of the runner or
+    asyncio (whose loop drives top-level `await`) before or between them."""
+    frames = list(stack)
+    first_cell = next((i for i, f in enumerate(frames) if f.filename == CELL_FILENAME), None)
+    if first_cell is not None:
+        frames = frames[first_cell:]
+    return [f for f in frames if not _is_machinery(f.filename)]
+
+
 def _short_traceback(exc):
     # A negative limit keeps only the innermost frames, without formatting a deep recursion's
     # hundred thousand others first.
-    tb_exc = traceback.TracebackException.from_exception(exc, limit=-(MAX_TRACEBACK_FRAMES + 4))
-    # Drop the runner's own frames; keep the tail the user can act on.
-    frames = [f for f in tb_exc.stack if f.filename != __file__]
-    tb_exc.stack = traceback.StackSummary.from_list(frames[-MAX_TRACEBACK_FRAMES:])
+    tb_exc = traceback.TracebackException.from_exception(exc, limit=-(MAX_TRACEBACK_FRAMES + 24))
+    # Chained exceptions (`raise ... from`, "during handling") get the same treatment.
+    seen = set()
+    pending = [tb_exc]
+    while pending:
+        t = pending.pop()
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        t.stack = traceback.StackSummary.from_list(_user_frames(t.stack)[-MAX_TRACEBACK_FRAMES:])
+        pending.extend([t.__cause__, t.__context__])
     return "".join(tb_exc.format())
 
 
@@ -133,8 +215,11 @@ def _save_open_figures(run_id):
         if nums:
             os.makedirs(".ironcell/figures", exist_ok=True)
         for k, num in enumerate(nums[:MAX_IMAGES_PER_RUN]):
+            fig = plt.figure(num)
+            if getattr(fig, "_ironcell_saved_in_run", None) == run_id:
+                continue  # the code saved it itself: that file comes back instead
             path = f".ironcell/figures/run-{run_id}-figure-{k + 1}.png"
-            plt.figure(num).savefig(path, dpi=100, bbox_inches="tight")
+            fig.savefig(path, dpi=100, bbox_inches="tight")
             paths.append(path)
         plt.close("all")
     except Exception as exc:  # a broken figure must not lose the cell's result
@@ -143,6 +228,9 @@ def _save_open_figures(run_id):
 
 
 def _images_written_since(started):
+    """Image files written or changed since `started` (None: only remember what is there).
+    A file is this run's only if it is not exactly as an earlier run left it, so a file from an
+    earlier run is never sent again as this run's image."""
     import os
 
     found = []
@@ -153,13 +241,108 @@ def _images_written_since(started):
                 continue
             path = os.path.relpath(os.path.join(root, name))
             try:
-                if os.stat(path).st_mtime >= started:
-                    found.append(path)
+                st = os.stat(path)
             except OSError:
-                pass
-        if len(found) >= MAX_IMAGES_PER_RUN:
+                continue
+            state = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if started is not None and st.st_mtime >= started and _seen_images.get(path) != state:
+                found.append(path)
+            _seen_images[path] = state
+        if len(_seen_images) > 10_000:
             break
     return sorted(found)[:MAX_IMAGES_PER_RUN]
+
+
+_seen_images = {}
+_current_run = [0]
+
+
+def _watch_figure_saves():
+    """Marks matplotlib figures the code saved to a file itself, so a figure saved and left
+    open comes back once (as the saved file), not twice."""
+    import importlib.abc
+
+    if "matplotlib.figure" in sys.modules:
+        _mark_saved_figures(sys.modules["matplotlib.figure"])
+        return
+
+    class PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "matplotlib.figure":
+                return None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None and spec.loader is not None:
+                    load = spec.loader.exec_module
+
+                    def exec_module(module, _load=load):
+                        _load(module)
+                        _mark_saved_figures(module)
+
+                    spec.loader.exec_module = exec_module
+                    return spec
+            return None
+
+    sys.meta_path.insert(0, PatchOnImport())
+
+
+def _mark_saved_figures(figure_module):
+    import os
+
+    cls = getattr(figure_module, "Figure", None)
+    original = getattr(cls, "savefig", None)
+    if original is None or getattr(original, "_ironcell_marks", False):
+        return
+
+    def savefig(self, fname, *args, **kwargs):
+        result = original(self, fname, *args, **kwargs)
+        if isinstance(fname, (str, bytes, os.PathLike)):
+            self._ironcell_saved_in_run = _current_run[0]
+        return result
+
+    savefig.__doc__ = original.__doc__
+    savefig.__wrapped__ = original
+    savefig._ironcell_marks = True
+    cls.savefig = savefig
+
+
+_TMP_EVENTS = {"open": (0,), "os.listdir": (0,), "os.scandir": (0,), "os.mkdir": (0,),
+               "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.chdir": (0,),
+               "os.symlink": (1,), "os.link": (1,), "os.truncate": (0,), "os.utime": (0,),
+               "os.chmod": (0,), "shutil.copyfile": (1,), "shutil.rmtree": (0,),
+               "glob.glob": (0,), "os.makedirs": (0,)}
+
+
+def _refuse_host_tmp(reason, allowed=()):
+    """Without a private mount namespace `/tmp` is the host's, which Landlock keeps out of
+    reach; say so plainly instead of a bare EACCES (the sandbox, not this hook, is the
+    boundary)."""
+    import errno
+    import os
+
+    message = (f"/tmp is not available in this session ({reason}); use the session directory "
+               "instead: a relative path, tempfile, or os.environ['TMPDIR']")
+    # Granted paths beneath /tmp (e.g. the session dir itself) stay usable.
+    allowed = tuple(os.path.normpath(a) for a in allowed)
+
+    def hook(event, args, _events=_TMP_EVENTS):
+        where = _events.get(event)
+        if where is None:
+            return
+        for i in where:
+            p = args[i] if i < len(args) else None
+            if isinstance(p, (str, bytes)) or hasattr(p, "__fspath__"):
+                try:
+                    path = os.path.normpath(os.fsdecode(p))
+                except Exception:
+                    continue
+                if ((path == "/tmp" or path.startswith("/tmp/"))
+                        and not any(path == a or path.startswith(a + "/") for a in allowed)):
+                    raise PermissionError(errno.EACCES, message, os.fsdecode(p))
+
+    sys.addaudithook(hook)
 
 
 def _inline_image(path):
@@ -219,6 +402,7 @@ def run_cell(code, run_id=0):
     import time
 
     started = time.time()
+    _current_run[0] = run_id
     out = {"status": "ok", "result": None, "error": None, "exit_code": None, "images": []}
     try:
         _register_source(code)
@@ -246,6 +430,10 @@ def run_cell(code, run_id=0):
             value = eval(expr, g)
             if inspect.iscoroutine(value) and expr.co_flags & inspect.CO_COROUTINE:
                 value = _run_awaitable(value)
+            elif inspect.iscoroutine(value):
+                _warn_unawaited(value, "the cell's last expression")
+                value.close()
+                value = None
             if value is not None:
                 g["_"] = value
                 out["result"] = _repr(value)
@@ -263,6 +451,7 @@ def run_cell(code, run_id=0):
         out["status"] = "error"
         out["error"] = _error(exc)
     finally:
+        _warn_unawaited_globals()
         _flush()
     if out["status"] != "interrupted":
         try:

@@ -146,6 +146,18 @@ pub struct Settings {
     #[arg(long, global = true, env = "MCP_BRIDGE_IMAGE", hide = true)]
     pub container_image: Option<String>,
 
+    /// `/tmp` inside a session: `auto` mounts the session directory over it in a private mount
+    /// namespace where the kernel allows; `off` forces the fallback (`/tmp` refused, TMPDIR used).
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_PRIVATE_TMP",
+        value_enum,
+        default_value = "auto",
+        ignore_case = true
+    )]
+    pub private_tmp: crate::sandbox::private_tmp::PrivateTmpMode,
+
     /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
     /// ~/.local/state/ironcell).
     #[arg(long, global = true, env = "MCP_BRIDGE_STATE_DIR")]
@@ -156,12 +168,14 @@ impl Settings {
     /// Loads the policy file and probes the kernel: the sandbox this server will apply.
     pub fn sandbox(&self) -> Result<crate::sandbox::Sandbox, crate::sandbox::policy::PolicyError> {
         let policy = crate::sandbox::policy::Policy::load(&self.policy)?;
-        Ok(crate::sandbox::Sandbox::new(
+        let mut sandbox = crate::sandbox::Sandbox::new(
             policy,
             self.sandbox,
             self.landlock_abi_max,
             self.memory_limit,
-        ))
+        );
+        sandbox.private_tmp = self.private_tmp;
+        Ok(sandbox)
     }
 
     /// The state directory to use, resolved from the flag, XDG, HOME, or /tmp.
@@ -176,6 +190,62 @@ impl Settings {
             return PathBuf::from(h).join(".local/state/ironcell");
         }
         PathBuf::from(format!("/tmp/ironcell-{}", nix::unistd::getuid()))
+    }
+}
+
+/// Variables of the container-based bridge that mean nothing here, and why. They are accepted
+/// (never a startup error) and reported once in the log and in `system://info`.
+const NOT_APPLICABLE: &[(&str, &str)] = &[
+    ("MCP_BRIDGE_RUNTIME", "ironcell uses no container runtime"),
+    (
+        "MCP_BRIDGE_IMAGE",
+        "ironcell uses no container image; it embeds the Python it was built for",
+    ),
+    (
+        "MCP_BRIDGE_PIDS",
+        "workers cannot start processes at all (seccomp refuses fork and exec)",
+    ),
+    (
+        "MCP_BRIDGE_CPUS",
+        "there is no CPU quota; the policy's limits.cpu_seconds bounds CPU time",
+    ),
+    (
+        "MCP_BRIDGE_CONTAINER_USER",
+        "workers run as the user that runs ironcell",
+    ),
+    (
+        "MCP_BRIDGE_RUNTIME_IDLE_TIMEOUT",
+        "there is no container to stop; idle sessions end after IRONCELL_SESSION_TTL",
+    ),
+    (
+        "MCP_BRIDGE_ALLOW_SELF_SERVER",
+        "ironcell never proxies itself",
+    ),
+    (
+        "MCP_BRIDGE_MEMORY",
+        "ironcell's memory limit is MCP_BRIDGE_MEMORY_LIMIT (or --memory-limit)",
+    ),
+];
+
+/// `(variable, value, why it is ignored)` for each bridge variable set that does not apply here.
+pub fn not_applicable_variables(s: &Settings) -> Vec<(String, String, String)> {
+    NOT_APPLICABLE
+        .iter()
+        .filter_map(|(name, why)| {
+            let value = match *name {
+                "MCP_BRIDGE_RUNTIME" => s.container_runtime.clone(),
+                "MCP_BRIDGE_IMAGE" => s.container_image.clone(),
+                _ => std::env::var(name).ok(),
+            }?;
+            Some((name.to_string(), value, why.to_string()))
+        })
+        .collect()
+}
+
+/// Logs, once at start, each bridge variable that is set but does not apply here.
+pub fn report_not_applicable_variables(s: &Settings) {
+    for (name, value, why) in not_applicable_variables(s) {
+        tracing::warn!("{name}={value:?} is ignored: {why}");
     }
 }
 

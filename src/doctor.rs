@@ -62,6 +62,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
             "NONE: workers run as root, which RLIMIT_NPROC never binds, and no writable pids cgroup exists (run ironcell as a normal user, or as root with the cgroup v1 pids hierarchy mounted and writable)".into()
         })
     );
+    println!(
+        "/tmp          {}",
+        crate::sandbox::private_tmp::host_status(
+            settings.private_tmp,
+            &settings.resolved_state_dir()
+        )
+        .describe()
+    );
     println!("\n{:<58}provided by", "protection");
     for p in sandbox.protections() {
         let by = if p.layers.is_empty() {

@@ -195,7 +195,9 @@ pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result
         FromWorker::Request { method, params, .. } => {
             if method.is_empty()
                 || method.len() > 64
-                || !method.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+                || !method.split('.').all(|part| {
+                    !part.is_empty() && part.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+                })
             {
                 return violation(format!(
                     "a bridge request with an invalid method name {:?}",

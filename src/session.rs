@@ -98,6 +98,8 @@ pub struct SessionManager {
     settings: Settings,
     sandbox: Sandbox,
     proxy: Arc<Proxy>,
+    /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
+    memory: Arc<crate::memory::MemoryStore>,
     exe: PathBuf,
     zygote: Mutex<Arc<Zygote>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
@@ -144,10 +146,13 @@ impl SessionManager {
         ));
         let zygote = Zygote::start(&exe, &settings.preload)?;
         let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
+        crate::config::report_not_applicable_variables(&settings);
+        let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
         Ok(Arc::new(SessionManager {
             settings,
             sandbox,
             proxy,
+            memory,
             exe,
             zygote: Mutex::new(Arc::new(zygote)),
             sessions: Mutex::new(HashMap::new()),
@@ -657,10 +662,25 @@ impl SessionManager {
                             };
                             // Proxied calls run concurrently; an answer may outlive this cell.
                             let proxy = self.proxy.clone();
+                            let memory = self.memory.clone();
                             let summaries = summaries_tx.clone();
                             let answers = worker.answers();
                             tokio::spawn(async move {
-                                let (payload, summary) = proxy.handle(&method, &params).await;
+                                let (payload, summary) = match method.strip_prefix("memory.") {
+                                    // The host does the file I/O, off the async runtime.
+                                    Some(op) => {
+                                        let op = op.to_string();
+                                        let answer = tokio::task::spawn_blocking(move || {
+                                            memory.handle(&op, &params)
+                                        })
+                                        .await
+                                        .unwrap_or_else(|e| {
+                                            serde_json::json!({"error": {"kind": "unavailable", "message": e.to_string()}})
+                                        });
+                                        (answer, None)
+                                    }
+                                    None => proxy.handle(&method, &params).await,
+                                };
                                 if let Some(call) = summary {
                                     let _ = summaries.send(call);
                                 }

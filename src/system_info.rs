@@ -32,6 +32,9 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         Err(e) => json!({"error": format!("{e:#}")}),
     };
     let s = sessions.settings();
+    let mut sandbox = sandbox_summary(sessions.sandbox());
+    let tmp = crate::sandbox::private_tmp::host_status(s.private_tmp, &s.resolved_state_dir());
+    sandbox["private_tmp"] = json!({"in_force": tmp.describe(), "detail": tmp});
     json!({
         "ironcell": env!("CARGO_PKG_VERSION"),
         "os": System::long_os_version().unwrap_or_default(),
@@ -50,7 +53,7 @@ pub async fn collect(sessions: &SessionManager) -> Value {
             "inline_output_bytes": s.inline_output_bytes,
             "max_output_bytes": s.max_output_bytes,
         },
-        "sandbox": sandbox_summary(sessions.sandbox()),
+        "sandbox": sandbox,
         "mcp": sessions.proxy().describe().await,
         "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
@@ -86,20 +89,11 @@ pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
     })
 }
 
-/// Container-only settings of the Podman-based bridge, accepted and reported as unused.
+/// Settings of the container-based bridge that were given but do not apply here, and why.
 fn not_applicable(s: &crate::config::Settings) -> Value {
     let mut out = serde_json::Map::new();
-    if let Some(v) = &s.container_runtime {
-        out.insert(
-            "MCP_BRIDGE_RUNTIME".into(),
-            json!(format!("{v} (ironcell uses no container runtime)")),
-        );
-    }
-    if let Some(v) = &s.container_image {
-        out.insert(
-            "MCP_BRIDGE_IMAGE".into(),
-            json!(format!("{v} (ironcell uses no container image)")),
-        );
+    for (name, value, why) in crate::config::not_applicable_variables(s) {
+        out.insert(name, json!(format!("{value} (ignored: {why})")));
     }
     Value::Object(out)
 }

@@ -78,6 +78,10 @@ pub struct CallSummary {
 
 pub struct Proxy {
     upstreams: BTreeMap<String, Arc<Upstream>>,
+    /// Servers named in the configuration whose entry is broken: name → what is wrong.
+    broken: BTreeMap<String, String>,
+    /// Servers whose last start (or tool listing) failed: name → why. Cleared on success.
+    failures: std::sync::Mutex<BTreeMap<String, String>>,
     problems: Vec<ConfigProblem>,
     sources: Vec<String>,
     call_timeout: Duration,
@@ -96,13 +100,25 @@ impl Proxy {
         for p in &config.problems {
             tracing::warn!("MCP server configuration: {p}");
         }
-        let upstreams = config
+        let upstreams: BTreeMap<String, Arc<Upstream>> = config
             .servers
             .into_iter()
             .map(|(name, c)| (name, Arc::new(Upstream::new(c, startup_timeout))))
             .collect();
+        let mut broken = BTreeMap::new();
+        for p in &config.problems {
+            if let Some(name) = &p.server
+                && !upstreams.contains_key(name)
+            {
+                broken.entry(name.clone()).or_insert_with(|| {
+                    format!("its configuration is broken and it was not loaded: {p}")
+                });
+            }
+        }
         Proxy {
             upstreams,
+            broken,
+            failures: std::sync::Mutex::new(BTreeMap::new()),
             problems: config.problems,
             sources: config.sources,
             call_timeout,
@@ -124,12 +140,51 @@ impl Proxy {
         })
     }
 
-    /// Names and descriptions, for workers (no commands, no env).
+    /// Names and descriptions, for workers (no commands, no env), with `error` for each server
+    /// that is configured but unusable: a broken entry, or a failed start.
     pub fn server_summaries(&self) -> Vec<Value> {
-        self.upstreams
+        let failures = crate::lock(&self.failures).clone();
+        let mut out: Vec<Value> = self
+            .upstreams
             .values()
-            .map(|u| json!({"name": u.config.name, "description": u.config.description}))
+            .map(|u| {
+                let mut s = json!({"name": u.config.name, "description": u.config.description});
+                if let Some(why) = failures.get(&u.config.name) {
+                    s["error"] = json!(why);
+                }
+                s
+            })
+            .collect();
+        for (name, why) in &self.broken {
+            out.push(json!({"name": name, "description": null, "error": why}));
+        }
+        out
+    }
+
+    /// Servers that cannot be used right now, and why (for discovery and search answers).
+    pub fn unavailable(&self) -> Vec<Value> {
+        let failures = crate::lock(&self.failures).clone();
+        failures
+            .iter()
+            .chain(&self.broken)
+            .map(|(name, why)| json!({"server": name, "error": why}))
             .collect()
+    }
+
+    /// The server's tool catalog, remembering whether it could be had.
+    async fn catalog(&self, server: &str) -> Result<Arc<upstream::ToolCatalog>, ProxyError> {
+        let upstream = self.upstream(server)?;
+        let result = upstream.tools().await;
+        let mut failures = crate::lock(&self.failures);
+        match &result {
+            Ok(_) => {
+                failures.remove(server);
+            }
+            Err(e) => {
+                failures.insert(server.to_string(), e.message.clone());
+            }
+        }
+        result
     }
 
     /// For `system://info`: servers, whether running, where they came from, what was wrong.
@@ -154,6 +209,11 @@ impl Proxy {
     }
 
     fn upstream(&self, name: &str) -> Result<&Arc<Upstream>, ProxyError> {
+        if let Some(why) = self.broken.get(name) {
+            return Err(ProxyError::unavailable(format!(
+                "MCP server {name:?} is unavailable: {why}"
+            )));
+        }
         self.upstreams.get(name).ok_or_else(|| ProxyError {
             kind: "unknown_server",
             message: format!(
@@ -187,7 +247,7 @@ impl Proxy {
     /// its annotations (`readOnlyHint`, `destructiveHint`, …) so code can read them too.
     pub async fn tools_json(&self, server: &str) -> Result<Value, ProxyError> {
         let upstream = self.upstream(server)?;
-        let catalog = upstream.tools().await?;
+        let catalog = self.catalog(server).await?;
         let visible: Vec<&rmcp::model::Tool> = catalog
             .tools
             .iter()
@@ -205,7 +265,7 @@ impl Proxy {
         let fetches = self
             .upstreams
             .values()
-            .map(|u| async move { (u, u.tools().await) });
+            .map(|u| async move { (u, self.catalog(&u.config.name).await) });
         let mut catalogs = Vec::new();
         for (u, tools) in futures::future::join_all(fetches).await {
             match tools {
@@ -229,7 +289,8 @@ impl Proxy {
                 })
                 .map(|(_, i)| i)
         });
-        json!(search::search(visible, query, limit))
+        let hits = search::search(visible, query, limit);
+        json!({"results": hits, "unavailable": self.unavailable()})
     }
 
     /// Calls a tool if the rules allow it and, where it needs approval, the user approved.
@@ -245,7 +306,7 @@ impl Proxy {
             ));
         };
         let upstream = self.upstream(server)?;
-        let catalog = upstream.tools().await?;
+        let catalog = self.catalog(server).await?;
         if let Some(t) = catalog.tools.iter().find(|t| t.name == tool) {
             match upstream.config.rules.verdict(server, tool, Hints::of(t)) {
                 Verdict::Allowed => {}

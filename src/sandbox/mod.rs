@@ -24,6 +24,7 @@
 pub mod cgroup;
 pub mod landlock;
 pub mod policy;
+pub mod private_tmp;
 pub mod rlimits;
 pub mod seccomp;
 pub mod sys;
@@ -58,6 +59,9 @@ pub struct SandboxPlan {
     /// Where a root worker makes its pids cgroup (its thread cap); `None`: RLIMIT_NPROC.
     #[serde(default)]
     pub pids_cgroup_parent: Option<PathBuf>,
+    /// Whether the worker tries a private mount namespace with its session dir over `/tmp`.
+    #[serde(default)]
+    pub private_tmp: private_tmp::PrivateTmpMode,
 }
 
 /// The host's view of the sandbox: policy, kernel abilities and the operator's choices.
@@ -76,6 +80,8 @@ pub struct Sandbox {
     pub pids_cgroup_parent: Option<PathBuf>,
     /// Whether workers run as real uid 0, for which the kernel ignores RLIMIT_NPROC.
     pub root_workers: bool,
+    /// Private `/tmp` per session (see [`private_tmp`]); set from the settings.
+    pub private_tmp: private_tmp::PrivateTmpMode,
 }
 
 /// One protection a user relies on and the layers that provide it on this host.
@@ -118,6 +124,7 @@ impl Sandbox {
             memory_bytes,
             pids_cgroup_parent,
             root_workers: nix::unistd::getuid().is_root(),
+            private_tmp: private_tmp::PrivateTmpMode::Auto,
         }
     }
 
@@ -209,6 +216,7 @@ impl Sandbox {
             },
             seccomp: self.seccomp_available,
             pids_cgroup_parent: self.pids_cgroup_parent.clone(),
+            private_tmp: self.private_tmp,
         }
     }
 

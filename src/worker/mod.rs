@@ -9,7 +9,9 @@
 //!    land in this session's output and can never reach the host's MCP stream.
 //! 3. `setsid` (own session, no terminal) and a parent-death signal (the worker dies with the
 //!    zygote, which dies with the host).
-//! 4. Enter the scratch directory and replace the environment with the session's fixed one.
+//! 4. Enter the scratch directory and replace the environment with the session's fixed one;
+//!    mount the scratch directory over `/tmp` in a private mount namespace where the kernel
+//!    allows ([`crate::sandbox::private_tmp`]).
 //! 5. Lock down: capabilities, no_new_privs, non-dumpable, rlimits, Landlock, seccomp
 //!    ([`crate::sandbox::apply_lockdown_to_current_process`] explains the order).
 //! 6. Only now start the output pump thread, say `ready`, and serve `run` frames.
@@ -91,8 +93,17 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
     for (k, v) in &spec.env {
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
     }
+    // Step 4b: the session dir over /tmp in a private mount namespace (or the fallback); must
+    // precede the lockdown, which forbids mounts (crate::sandbox::private_tmp explains).
+    let private_tmp = crate::sandbox::private_tmp::mount_session_dir_over_tmp(
+        spec.sandbox.private_tmp,
+        &spec.scratch,
+        &spec.sandbox,
+    );
     let servers = serde_json::to_string(&spec.mcp_servers)?;
-    let options = serde_json::json!({"image_budget": spec.image_budget_bytes}).to_string();
+    let options =
+        serde_json::json!({"image_budget": spec.image_budget_bytes, "private_tmp": private_tmp})
+            .to_string();
     runner
         .call_method1("prepare_worker", (env, servers, options))
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;

@@ -1,0 +1,258 @@
+//! Memory: small JSON values that agent code saves with `save_memory(key, value)` and reads back
+//! with `load_memory(key)` in any later session, after restarts too (the bridge's API).
+//!
+//! The worker is hostile, so it never touches these files: it sends `memory.*` requests over its
+//! session socket and the host does the I/O, in `<state dir>/memory/`, which no sandbox grants.
+//! File names are derived by the host from the key (hex of its UTF-8 bytes), never taken from
+//! the worker; keys, values and the whole store are size-capped. One store per ironcell user
+//! (the state dir is per user).
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+/// Longest key, in bytes of UTF-8.
+pub const MAX_KEY_BYTES: usize = 100;
+/// Largest stored entry (value and metadata, as JSON).
+pub const MAX_ENTRY_BYTES: usize = 1 << 20;
+/// Largest store, all entries together.
+pub const MAX_STORE_BYTES: u64 = 32 << 20;
+/// Most entries.
+pub const MAX_ENTRIES: usize = 4096;
+
+pub struct MemoryStore {
+    dir: PathBuf,
+    /// Serializes writers, so the caps hold across concurrent sessions.
+    lock: Mutex<()>,
+}
+
+/// A refused request: becomes `ValueError` (bad key/value) or `MCPError` in Python.
+struct Refusal {
+    kind: &'static str,
+    message: String,
+}
+
+fn bad(message: String) -> Refusal {
+    Refusal {
+        kind: "bad_request",
+        message,
+    }
+}
+
+fn io_failure(what: &str, e: std::io::Error) -> Refusal {
+    Refusal {
+        kind: "unavailable",
+        message: format!("memory store: {what}: {e}"),
+    }
+}
+
+impl MemoryStore {
+    pub fn new(state_dir: &Path) -> MemoryStore {
+        MemoryStore {
+            dir: state_dir.join("memory"),
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// Answers one `memory.<op>` request: the payload of the `response` frame.
+    pub fn handle(&self, op: &str, params: &Value) -> Value {
+        let outcome = match op {
+            "save" => self.save(params),
+            "load" => self.load(params),
+            "delete" => self.delete(params),
+            "list" => self.list(),
+            other => Err(bad(format!("unknown memory operation {other:?}"))),
+        };
+        match outcome {
+            Ok(result) => json!({ "result": result }),
+            Err(r) => json!({"error": {"kind": r.kind, "message": r.message}}),
+        }
+    }
+
+    fn path_for(&self, params: &Value) -> Result<(String, PathBuf), Refusal> {
+        let key = match params.get("key") {
+            Some(Value::String(k)) => k.clone(),
+            _ => return Err(bad("a memory key must be a string".into())),
+        };
+        if key.is_empty() || key.len() > MAX_KEY_BYTES {
+            return Err(bad(format!(
+                "a memory key must be 1 to {MAX_KEY_BYTES} bytes long (got {})",
+                key.len()
+            )));
+        }
+        if key.chars().any(char::is_control) {
+            return Err(bad("a memory key cannot contain control characters".into()));
+        }
+        let name: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+        Ok((key, self.dir.join(format!("{name}.json"))))
+    }
+
+    fn ensure_dir(&self) -> Result<(), Refusal> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .map_err(|e| io_failure(&format!("creating {}", self.dir.display()), e))
+    }
+
+    /// Entries (path, size) in the store; only names this module could have made.
+    fn entries(&self) -> Vec<(PathBuf, u64)> {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter(|e| {
+                e.file_name().to_str().is_some_and(|n| {
+                    n.strip_suffix(".json")
+                        .is_some_and(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_hexdigit()))
+                })
+            })
+            .filter_map(|e| {
+                let meta = e.metadata().ok()?;
+                meta.is_file().then(|| (e.path(), meta.len()))
+            })
+            .collect()
+    }
+
+    fn read_entry(path: &Path) -> Option<Value> {
+        let text = std::fs::read_to_string(path).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    fn save(&self, params: &Value) -> Result<Value, Refusal> {
+        let (key, path) = self.path_for(params)?;
+        let value = params.get("value").cloned().unwrap_or(Value::Null);
+        let metadata = match params.get("metadata") {
+            None | Some(Value::Null) => json!({}),
+            Some(m @ Value::Object(_)) => m.clone(),
+            Some(_) => return Err(bad("memory metadata must be a dict".into())),
+        };
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let _guard = crate::lock(&self.lock);
+        self.ensure_dir()?;
+        let created = Self::read_entry(&path)
+            .and_then(|e| e.get("created_at").cloned())
+            .unwrap_or(json!(now));
+        let entry = json!({"key": key, "value": value, "metadata": metadata,
+                           "created_at": created, "updated_at": now});
+        let text = serde_json::to_string(&entry).map_err(|e| bad(e.to_string()))?;
+        if text.len() > MAX_ENTRY_BYTES {
+            return Err(bad(format!(
+                "memory {key:?} is {} bytes as JSON; the limit per entry is {MAX_ENTRY_BYTES} bytes",
+                text.len()
+            )));
+        }
+        let entries = self.entries();
+        let existing = entries.iter().find(|(p, _)| *p == path).map(|(_, s)| *s);
+        if existing.is_none() && entries.len() >= MAX_ENTRIES {
+            return Err(bad(format!(
+                "the memory store holds {MAX_ENTRIES} entries, its limit; delete_memory() some first"
+            )));
+        }
+        let total: u64 = entries.iter().map(|(_, s)| *s).sum::<u64>() - existing.unwrap_or(0);
+        if total + text.len() as u64 > MAX_STORE_BYTES {
+            return Err(bad(format!(
+                "the memory store would exceed {} MiB; delete_memory() some entries first",
+                MAX_STORE_BYTES >> 20
+            )));
+        }
+        // Written beside and renamed over, so a reader never sees half an entry.
+        let tmp = self.dir.join(format!(".write-{}", std::process::id()));
+        std::fs::write(&tmp, text.as_bytes()).map_err(|e| io_failure("writing", e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io_failure("renaming", e))?;
+        Ok(json!({"key": key, "created_at": created, "updated_at": now}))
+    }
+
+    fn load(&self, params: &Value) -> Result<Value, Refusal> {
+        let (_, path) = self.path_for(params)?;
+        Ok(match Self::read_entry(&path) {
+            Some(entry) => json!({"found": true, "entry": entry}),
+            None => json!({"found": false}),
+        })
+    }
+
+    fn delete(&self, params: &Value) -> Result<Value, Refusal> {
+        let (_, path) = self.path_for(params)?;
+        let _guard = crate::lock(&self.lock);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(json!({"deleted": true})),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(json!({"deleted": false})),
+            Err(e) => Err(io_failure("deleting", e)),
+        }
+    }
+
+    fn list(&self) -> Result<Value, Refusal> {
+        let mut out: Vec<Value> = self
+            .entries()
+            .into_iter()
+            .filter_map(|(p, size)| {
+                let e = Self::read_entry(&p)?;
+                Some(json!({"key": e.get("key")?, "metadata": e.get("metadata").cloned().unwrap_or(json!({})),
+                            "created_at": e.get("created_at"), "updated_at": e.get("updated_at"), "bytes": size}))
+            })
+            .collect();
+        out.sort_by(|a, b| a["key"].as_str().cmp(&b["key"].as_str()));
+        Ok(Value::Array(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(name: &str) -> MemoryStore {
+        let d = std::env::temp_dir().join(format!("ironcell-mem-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        MemoryStore::new(&d)
+    }
+
+    #[test]
+    fn values_round_trip_and_keys_never_become_paths() {
+        let s = store("rt");
+        for key in ["../../etc/passwd", "a/b", "ключ", ".."] {
+            let r = s.handle("save", &json!({"key": key, "value": {"n": [1, 2]}}));
+            assert!(r.get("result").is_some(), "{r}");
+            let r = s.handle("load", &json!({"key": key}));
+            assert_eq!(r["result"]["entry"]["value"], json!({"n": [1, 2]}), "{r}");
+        }
+        for (p, _) in s.entries() {
+            assert_eq!(p.parent(), Some(s.dir.as_path()));
+        }
+        assert_eq!(
+            s.handle("list", &json!({}))["result"]
+                .as_array()
+                .unwrap()
+                .len(),
+            4
+        );
+        assert_eq!(
+            s.handle("delete", &json!({"key": "a/b"}))["result"]["deleted"],
+            true
+        );
+        assert_eq!(
+            s.handle("load", &json!({"key": "a/b"}))["result"]["found"],
+            false
+        );
+    }
+
+    #[test]
+    fn bad_keys_and_oversized_values_are_refused() {
+        let s = store("bad");
+        for key in [json!(""), json!("x".repeat(101)), json!("a\nb"), json!(3)] {
+            let r = s.handle("save", &json!({"key": key, "value": 1}));
+            assert_eq!(r["error"]["kind"], "bad_request", "{r}");
+        }
+        let big = "x".repeat(MAX_ENTRY_BYTES);
+        let r = s.handle("save", &json!({"key": "big", "value": big}));
+        assert!(
+            r["error"]["message"].as_str().unwrap().contains("limit"),
+            "{r}"
+        );
+    }
+}
