@@ -1,16 +1,17 @@
 //! Session files as MCP resources: `ironcell://session/<session>/<path>`.
 //!
 //! The host reads these files on the client's behalf, outside the sandbox, while the sandboxed
-//! code controls what is in the directory. So a path is refused unless, after opening, the file
-//! really lies inside the session's directory: `..`, absolute paths and symlinks pointing out
-//! (even a symlinked parent directory, or one swapped in between check and open) are refused.
+//! code controls what is in the directory. So every lookup goes through [`crate::host_fs`]:
+//! fd-relative, refusing `..`, absolute paths and symlinks at every step (even a symlinked parent
+//! directory, or one swapped in between a listing and a read), and serving regular files only.
 
-use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::AsFd;
 use std::path::{Component, Path, PathBuf};
 use std::time::SystemTime;
 
 use serde::Serialize;
+
+use crate::host_fs;
 
 pub const URI_PREFIX: &str = "ironcell://session/";
 /// Largest file served through `resources/read`.
@@ -93,92 +94,142 @@ fn checked_relative(rel: &str) -> Result<PathBuf, String> {
     Ok(p.to_path_buf())
 }
 
-/// Reads `rel` beneath `root`, refusing anything that resolves outside it.
+/// Reads `rel` beneath the session directory `root`, following no symlink at any step (so
+/// nothing outside the session can be reached, however the worker rearranges its directory).
 pub fn read_within(root: &Path, rel: &str) -> Result<Vec<u8>, String> {
     let rel = checked_relative(rel)?;
-    let root =
-        std::fs::canonicalize(root).map_err(|_| "this session has no files yet".to_string())?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(root.join(&rel))
-        .map_err(|e| format!("cannot open {}: {e}", rel.display()))?;
-    // Where the opened file really is (a symlinked parent or a swap after the check shows here).
-    use std::os::fd::AsRawFd;
-    let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
-        .map_err(|e| format!("cannot resolve {}: {e}", rel.display()))?;
-    if !real.starts_with(&root) {
-        return Err(format!(
+    let dir =
+        host_fs::open_session_dir(root).map_err(|_| "this session has no files yet".to_string())?;
+    host_fs::read_regular_file(dir.as_fd(), &rel, MAX_READ_BYTES).map_err(|e| match e {
+        host_fs::ReadError::Open(err) if err.raw_os_error() == Some(libc::ELOOP) => format!(
+            "{} is or passes through a symlink; session files are served only by their real path",
+            rel.display()
+        ),
+        host_fs::ReadError::Open(err) if err.raw_os_error() == Some(libc::EXDEV) => format!(
             "{} leaves the session directory; it is refused",
             rel.display()
-        ));
-    }
-    let meta = file.metadata().map_err(|e| e.to_string())?;
-    if !meta.is_file() {
-        return Err(format!("{} is not a regular file", rel.display()));
-    }
-    if meta.len() > MAX_READ_BYTES {
-        return Err(format!(
-            "{} is {} bytes; resources are served up to {MAX_READ_BYTES} bytes (read it in run_python instead)",
-            rel.display(),
-            meta.len()
-        ));
-    }
-    let mut buf = Vec::with_capacity(meta.len() as usize);
-    file.take(MAX_READ_BYTES)
-        .read_to_end(&mut buf)
-        .map_err(|e| e.to_string())?;
-    Ok(buf)
+        ),
+        host_fs::ReadError::TooLarge { size, max } => format!(
+            "{} is {size} bytes; resources are served up to {max} bytes (read it in run_python instead)",
+            rel.display()
+        ),
+        other => format!("{}: {other}", rel.display()),
+    })
 }
 
-/// Regular files beneath `root` (relative paths, sizes, mtimes), at most `limit`, sorted.
-pub fn list(root: &Path, limit: usize) -> Vec<(String, u64, SystemTime)> {
-    let mut out = Vec::new();
-    let mut pending = vec![PathBuf::new()];
-    while let Some(dir) = pending.pop() {
-        let Ok(entries) = std::fs::read_dir(root.join(&dir)) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let rel = dir.join(entry.file_name());
-            let Ok(meta) = entry.path().symlink_metadata() else {
-                continue;
-            };
-            if meta.is_dir() {
-                pending.push(rel);
-            } else if meta.is_file() {
-                if let Some(s) = rel.to_str() {
-                    out.push((
-                        s.to_string(),
-                        meta.len(),
-                        meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-                    ));
-                }
-                if out.len() >= limit {
-                    out.sort();
-                    return out;
-                }
-            }
+/// Entries a listing looks at before it stops.
+pub const MAX_LISTED_ENTRIES: usize = 20_000;
+
+/// What [`list`] found.
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// Regular files: relative path, size, mtime; sorted.
+    pub files: Vec<(String, u64, SystemTime)>,
+    /// Why the listing is incomplete, if it is.
+    pub incomplete: Option<String>,
+}
+
+struct Lister {
+    files: Vec<(String, u64, SystemTime)>,
+    limit: usize,
+    seen: usize,
+    skip_hidden: bool,
+    since: Option<SystemTime>,
+    incomplete: Option<String>,
+}
+
+impl host_fs::Visitor for Lister {
+    fn entry(&mut self, e: &host_fs::Entry<'_>) -> host_fs::Step {
+        self.seen += 1;
+        if self.seen > MAX_LISTED_ENTRIES {
+            self.incomplete = Some(format!(
+                "the listing stopped after {MAX_LISTED_ENTRIES} entries"
+            ));
+            return host_fs::Step::Stop;
         }
+        if self.skip_hidden && e.name.to_bytes().starts_with(b".") {
+            return host_fs::Step::Skip;
+        }
+        if !host_fs::is_regular(e.stat) {
+            return host_fs::Step::Descend;
+        }
+        let mtime = SystemTime::UNIX_EPOCH
+            .checked_add(std::time::Duration::new(
+                e.stat.st_mtime.max(0) as u64,
+                e.stat.st_mtime_nsec.clamp(0, 999_999_999) as u32,
+            ))
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        if self.since.is_some_and(|since| mtime < since) {
+            return host_fs::Step::Descend;
+        }
+        // Paths past PATH_MAX could not be read back through resources/read anyway.
+        if e.relative_path_len() >= libc::PATH_MAX as usize {
+            return host_fs::Step::Descend;
+        }
+        if let Some(rel) = e.relative_path() {
+            self.files.push((rel, e.stat.st_size.max(0) as u64, mtime));
+        }
+        if self.files.len() >= self.limit {
+            return host_fs::Step::Stop;
+        }
+        host_fs::Step::Descend
     }
-    out.sort();
-    out
+
+    fn unreadable(&mut self, path: String, error: std::io::Error) -> host_fs::Step {
+        tracing::debug!(%path, %error, "a session directory could not be listed");
+        host_fs::Step::Descend
+    }
+}
+
+fn walk_files(root: &Path, limit: usize, skip_hidden: bool, since: Option<SystemTime>) -> Listing {
+    let Ok(dir) = host_fs::open_session_dir(root) else {
+        return Listing::default();
+    };
+    let mut lister = Lister {
+        files: Vec::new(),
+        limit,
+        seen: 0,
+        skip_hidden,
+        since,
+        incomplete: None,
+    };
+    if let Err(e) = host_fs::walk(dir.as_fd(), &mut lister) {
+        lister.incomplete = Some(format!("the listing stopped: {e}"));
+    }
+    lister.files.sort();
+    Listing {
+        files: lister.files,
+        incomplete: lister.incomplete,
+    }
+}
+
+/// Regular files beneath the session directory `root` (relative paths, sizes, mtimes), at most
+/// `limit`, sorted. The walk holds a directory fd at every step and never follows a symlink, so
+/// a directory swapped for a symlink mid-walk cannot bring a host path into the listing.
+pub fn list(root: &Path, limit: usize) -> Listing {
+    walk_files(root, limit, false, None)
 }
 
 /// Files a run created or changed (modified at or after `since`), leaving out hidden paths
 /// (ironcell's own `.ironcell/`, caches such as `.cache/matplotlib`).
-pub fn changed_since(root: &Path, session: &str, since: SystemTime, limit: usize) -> Vec<FileRef> {
-    list(root, 10_000)
+pub fn changed_since(
+    root: &Path,
+    session: &str,
+    since: SystemTime,
+    limit: usize,
+) -> (Vec<FileRef>, Option<String>) {
+    let listing = walk_files(root, limit, true, Some(since));
+    let refs = listing
+        .files
         .into_iter()
-        .filter(|(rel, _, mtime)| *mtime >= since && !rel.starts_with('.') && !rel.contains("/."))
-        .take(limit)
         .map(|(rel, size, _)| FileRef {
             uri: session_uri(session, &rel),
             mime: mime_for(&rel),
             path: rel,
             size,
         })
-        .collect()
+        .collect();
+    (refs, listing.incomplete)
 }
 
 #[cfg(test)]

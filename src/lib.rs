@@ -18,6 +18,7 @@
 //! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, and the lockdown order.
 //! - [`doctor`]: `ironcell doctor`, which shows each sandbox layer on this host.
 //! - [`frame`]: the framing and messages on a session socket.
+//! - [`host_fs`]: fd-relative, symlink-refusing file operations in session directories.
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
 //! - [`system_info`]: what `system://info` reports.
 //! - `python/_ironcell_runner.py`: the notebook-style cell runner, embedded in the binary.
@@ -35,6 +36,7 @@ pub mod demo;
 pub mod doctor;
 pub mod files;
 pub mod frame;
+pub mod host_fs;
 pub mod jobs;
 pub mod memory;
 pub mod output;

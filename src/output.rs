@@ -48,6 +48,9 @@ pub struct Truncation {
     pub uri: Option<String>,
     /// True when even the saved file stops short (the output limit was hit).
     pub file_complete: bool,
+    /// Why the whole output could not be saved, if it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_error: Option<String>,
 }
 
 /// The full record of one run: `structuredContent` of the tool result.
@@ -202,6 +205,12 @@ impl RunRecord {
 
 fn truncation_line(stream: &str, t: &Truncation) -> String {
     let omitted = t.total_bytes.saturating_sub(t.shown_bytes);
+    if let Some(why) = &t.file_error {
+        return format!(
+            "[{stream} truncated: {omitted} of {} bytes omitted above; the whole output was not saved: {why}]",
+            t.total_bytes
+        );
+    }
     match &t.file {
         Some(f) if t.file_complete => format!(
             "[{stream} truncated: {omitted} of {} bytes omitted above; the whole output is in {f}]",
@@ -227,20 +236,20 @@ pub struct StreamCollector {
     tail_cap: usize,
     total: u64,
     spill_cap: u64,
-    spill_path: PathBuf,
+    spill_target: SpillTarget,
     spill_display: String,
     spill: Option<File>,
     spilled: u64,
-    spill_failed: bool,
+    spill_error: Option<String>,
 }
 
 impl StreamCollector {
-    /// `spill_path` is where the whole stream goes if it is cut; `spill_display` is how the
+    /// `spill_target` is where the whole stream goes if it is cut; `spill_display` is how the
     /// result names it for the model.
     pub fn new(
         inline_bytes: u64,
         spill_cap: u64,
-        spill_path: PathBuf,
+        spill_target: SpillTarget,
         spill_display: String,
     ) -> Self {
         let inline = inline_bytes as usize;
@@ -251,11 +260,11 @@ impl StreamCollector {
             tail_cap: inline / 4,
             total: 0,
             spill_cap,
-            spill_path,
+            spill_target,
             spill_display,
             spill: None,
             spilled: 0,
-            spill_failed: false,
+            spill_error: None,
         }
     }
 
@@ -294,30 +303,28 @@ impl StreamCollector {
     }
 
     fn spill_bytes(&mut self, newest: &[u8]) {
-        if self.spill_failed {
+        if self.spill_error.is_some() {
             return;
         }
         if self.spill.is_none() {
-            let opened = self
-                .spill_path
-                .parent()
-                .map(std::fs::create_dir_all)
-                .transpose()
-                .and_then(|_| File::create(&self.spill_path));
-            let mut f = match opened {
+            let mut f = match self.spill_target.create() {
                 Ok(f) => f,
                 Err(e) => {
-                    tracing::warn!(path = %self.spill_path.display(), error = %e, "cannot save output");
-                    self.spill_failed = true;
+                    let why = format!(
+                        "{} could not be created ({e}); if the code put something at that path, remove it",
+                        self.spill_display
+                    );
+                    tracing::warn!(error = %why, "cannot save output");
+                    self.spill_error = Some(why);
                     return;
                 }
             };
             let (a, b) = self.tail.as_slices();
-            if [&self.head[..], a, b]
+            if let Err(e) = [&self.head[..], a, b]
                 .iter()
-                .any(|part| f.write_all(part).is_err())
+                .try_for_each(|part| f.write_all(part))
             {
-                self.spill_failed = true;
+                self.spill_error = Some(format!("writing {} failed: {e}", self.spill_display));
                 return;
             }
             self.spilled = (self.head.len() + self.tail.len()) as u64;
@@ -327,8 +334,8 @@ impl StreamCollector {
         let room = self.spill_cap.saturating_sub(self.spilled) as usize;
         let chunk = &newest[..room.min(newest.len())];
         if !chunk.is_empty() {
-            if f.write_all(chunk).is_err() {
-                self.spill_failed = true;
+            if let Err(e) = f.write_all(chunk) {
+                self.spill_error = Some(format!("writing {} failed: {e}", self.spill_display));
             }
             self.spilled += chunk.len() as u64;
         }
@@ -349,8 +356,9 @@ impl StreamCollector {
             String::from_utf8_lossy(&tail)
         );
         let shown = (self.head.len() + tail.len()) as u64;
-        let file = (!self.spill_failed && self.spill.is_some()).then_some(self.spill_display);
-        let file_complete = self.spilled == self.total;
+        let file_error = self.spill_error;
+        let file = (file_error.is_none() && self.spill.is_some()).then_some(self.spill_display);
+        let file_complete = file.is_some() && self.spilled == self.total;
         (
             text,
             Some(Truncation {
@@ -359,15 +367,46 @@ impl StreamCollector {
                 file,
                 uri: None,
                 file_complete,
+                file_error,
             }),
         )
     }
 }
 
-/// Path helper: `dir/.ironcell/run-N-stream.txt`, and its display form relative to the session.
-pub fn spill_location(scratch: &Path, run: u64, stream: &str) -> (PathBuf, String) {
-    let rel = format!(".ironcell/run-{run}-{stream}.txt");
-    (scratch.join(&rel), rel)
+/// Where a stream's spill file goes: `<session dir>/.ironcell/<file_name>`.
+///
+/// The session directory is the worker's: the file is created fd-relative, without following a
+/// symlink and only if nothing exists at that path ([`crate::host_fs::create_new_file`]), so a
+/// symlink or file the code planted there makes the spill fail (the output is still shown, with
+/// a note) and never makes the host write elsewhere.
+#[derive(Debug, Clone)]
+pub struct SpillTarget {
+    session_dir: PathBuf,
+    file_name: String,
+}
+
+/// The directory of spill files inside a session directory.
+pub const SPILL_DIR: &str = ".ironcell";
+
+impl SpillTarget {
+    fn create(&self) -> std::io::Result<File> {
+        use std::os::fd::AsFd;
+        let dir = crate::host_fs::open_session_dir(&self.session_dir)?;
+        crate::host_fs::create_new_file(dir.as_fd(), SPILL_DIR, &self.file_name)
+    }
+}
+
+/// `dir/.ironcell/run-N-stream.txt`, and its display form relative to the session.
+pub fn spill_location(scratch: &Path, run: u64, stream: &str) -> (SpillTarget, String) {
+    let file_name = format!("run-{run}-{stream}.txt");
+    let rel = format!("{SPILL_DIR}/{file_name}");
+    (
+        SpillTarget {
+            session_dir: scratch.to_path_buf(),
+            file_name,
+        },
+        rel,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -519,6 +558,7 @@ mod tests {
     #[test]
     fn large_output_keeps_head_and_tail_and_spills_every_byte() {
         let dir = std::env::temp_dir().join(format!("ironcell-spill-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let mut c = collector(&dir, 64, 1 << 20);
         let mut expected = Vec::new();
         for i in 0..500 {
@@ -540,6 +580,7 @@ mod tests {
     #[test]
     fn one_huge_write_spills_only_up_to_the_cap() {
         let dir = std::env::temp_dir().join(format!("ironcell-cap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let mut c = collector(&dir, 64, 1000);
         c.push(&[b'x'; 10]);
         c.push(&vec![b'y'; 5000]);
@@ -551,5 +592,34 @@ mod tests {
         assert_eq!(saved.len(), 1000);
         assert_eq!(&saved[..10], b"xxxxxxxxxx");
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_symlink_planted_at_the_spill_path_is_not_followed_and_the_output_still_shows() {
+        let dir = std::env::temp_dir().join(format!("ironcell-plant-{}", std::process::id()));
+        let victim = std::env::temp_dir().join(format!("ironcell-victim-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join(SPILL_DIR)).unwrap();
+        std::fs::write(&victim, "host file").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(".ironcell/run-1-stdout.txt")).unwrap();
+        let mut c = collector(&dir, 64, 1 << 20);
+        for i in 0..100 {
+            c.push(format!("line {i}\n").as_bytes());
+        }
+        let (text, cut) = c.finish();
+        let cut = cut.unwrap();
+        assert!(
+            text.starts_with("line 0\n") && text.ends_with("line 99\n"),
+            "{text}"
+        );
+        assert!(cut.file.is_none() && !cut.file_complete);
+        let why = cut.file_error.clone().unwrap();
+        assert!(
+            why.contains(".ironcell/run-1-stdout.txt could not be created"),
+            "{why}"
+        );
+        assert!(truncation_line("stdout", &cut).contains("was not saved"));
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "host file");
+        let _ = std::fs::remove_dir_all(dir);
+        let _ = std::fs::remove_file(victim);
     }
 }

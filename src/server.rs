@@ -494,7 +494,7 @@ impl ServerHandler for IroncellServer {
             .with_description("How to use run_python and the in-sandbox mcp API")
             .with_mime_type("text/markdown");
         let mut all = vec![info, manual];
-        for (session, rel, size) in self.sessions.session_files(500) {
+        for (session, rel, size) in self.sessions.session_files(500).await {
             let uri = crate::files::session_uri(&session, &rel);
             let mut r = Resource::new(uri, format!("{session}/{rel}"))
                 .with_mime_type(crate::files::mime_for(&rel));
@@ -513,6 +513,7 @@ impl ServerHandler for IroncellServer {
             let bytes = self
                 .sessions
                 .read_session_file(session, rel)
+                .await
                 .map_err(|e| McpError::resource_not_found(e, None))?;
             let mime = crate::files::mime_for(rel);
             let text_like = crate::files::is_text_mime(mime) || mime == "application/octet-stream";

@@ -21,10 +21,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
 use crate::frame::{self, CellStatus, FromWorker, PyErrorInfo, ToWorker, Violation, WorkerFrame};
+use crate::host_fs::{self, Usage};
 use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
 use crate::proxy::{CallSummary, Proxy};
 use crate::sandbox::Sandbox;
 use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
+use std::os::fd::AsFd;
 
 mod live;
 use live::{LiveWorker, Liveness, Outgoing, SendError};
@@ -33,6 +35,9 @@ use live::{LiveWorker, Liveness, Outgoing, SendError};
 const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often a running cell's scratch dir is measured against the quota.
 const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
+/// How often idle sessions with a live worker are measured against the scratch quota (a thread
+/// the code left running keeps writing after its run returned).
+const IDLE_QUOTA_CHECK_EVERY: Duration = Duration::from_secs(2);
 
 /// Why a call was refused before any code ran. Shown to the model as an `isError` result.
 #[derive(Debug, thiserror::Error)]
@@ -148,7 +153,7 @@ impl SessionManager {
         let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
         crate::config::report_not_applicable_variables(&settings);
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
-        Ok(Arc::new(SessionManager {
+        let manager = Arc::new(SessionManager {
             settings,
             sandbox,
             proxy,
@@ -160,7 +165,9 @@ impl SessionManager {
             recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
-        }))
+        });
+        enforce_scratch_quotas_periodically(&manager);
+        Ok(manager)
     }
 
     pub fn settings(&self) -> &Settings {
@@ -193,28 +200,44 @@ impl SessionManager {
         v.get(v.len() / 2).map(|us| *us as f64 / 1000.0)
     }
 
-    /// Files of every session: (session, relative path, size), at most `limit`.
-    pub fn session_files(&self, limit: usize) -> Vec<(String, String, u64)> {
+    /// Files of every session: (session, relative path, size), at most `limit`. The walks run
+    /// off the async runtime and stop after a bounded number of entries.
+    pub async fn session_files(&self, limit: usize) -> Vec<(String, String, u64)> {
         let sessions: Vec<(String, PathBuf)> = lock(&self.sessions)
             .values()
             .map(|s| (s.name.clone(), s.scratch.clone()))
             .collect();
-        let mut out = Vec::new();
-        for (name, dir) in sessions {
-            for (rel, size, _) in crate::files::list(&dir, limit.saturating_sub(out.len())) {
-                out.push((name.clone(), rel, size));
+        let walked = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            for (name, dir) in sessions {
+                let listing = crate::files::list(&dir, limit.saturating_sub(out.len()));
+                if let Some(why) = listing.incomplete {
+                    tracing::warn!(session = %name, "listing session files: {why}");
+                }
+                for (rel, size, _) in listing.files {
+                    out.push((name.clone(), rel, size));
+                }
             }
-        }
-        out
+            out
+        })
+        .await;
+        walked.unwrap_or_else(|e| {
+            tracing::error!(error = %e, "listing session files failed");
+            Vec::new()
+        })
     }
 
-    /// Reads a file of a session, refusing paths that leave its directory.
-    pub fn read_session_file(&self, session: &str, rel: &str) -> Result<Vec<u8>, String> {
+    /// Reads a file of a session (off the async runtime), refusing paths that leave its
+    /// directory or pass through a symlink.
+    pub async fn read_session_file(&self, session: &str, rel: &str) -> Result<Vec<u8>, String> {
         let dir = lock(&self.sessions)
             .get(session)
             .map(|s| s.scratch.clone())
             .ok_or_else(|| format!("no session {session:?}"))?;
-        crate::files::read_within(&dir, rel)
+        let rel = rel.to_string();
+        tokio::task::spawn_blocking(move || crate::files::read_within(&dir, &rel))
+            .await
+            .unwrap_or_else(|e| Err(format!("reading the file failed: {e}")))
     }
 
     pub fn session_count(&self) -> usize {
@@ -235,7 +258,7 @@ impl SessionManager {
     pub async fn shutdown(&self) {
         let _ = tokio::time::timeout(Duration::from_secs(1), self.proxy.shutdown()).await;
         lock(&self.zygote).kill();
-        let _ = std::fs::remove_dir_all(&self.root);
+        remove_scratch(self.root.clone()).await;
     }
 
     fn session(&self, name: &str) -> Arc<Session> {
@@ -303,9 +326,17 @@ impl SessionManager {
                 w.kill().await;
             }
             state.pending_notice = None;
-            let _ = std::fs::remove_dir_all(&session.scratch);
-            notices.push("session reset: fresh interpreter, empty working directory".into());
+            let removal = remove_scratch(session.scratch.clone()).await;
+            notices.push(if removal.is_complete() {
+                "session reset: fresh interpreter, empty working directory".into()
+            } else {
+                format!(
+                    "session reset: fresh interpreter, but the working directory is NOT empty: {}",
+                    removal.summary()
+                )
+            });
         }
+        self.enforce_quota_while_idle(&session, &mut state).await;
         if let Some(mut w) = state.worker.take() {
             // A dead zygote took every worker with it, even if its last reports are in flight.
             let zygote_dead = lock(&self.zygote).is_dead();
@@ -366,7 +397,7 @@ impl SessionManager {
 
         let mut record = outcome.record;
         record.session = session.name.clone();
-        link_outputs(&mut record, &session, outcome.images, started_wall);
+        link_outputs(&mut record, &session, outcome.images, started_wall).await;
         record.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
         record.session_state = if outcome.worker_lost {
             "lost"
@@ -536,7 +567,7 @@ impl SessionManager {
                 w.kill().await;
             }
             let had_files = s.scratch.exists();
-            let _ = std::fs::remove_dir_all(&s.scratch);
+            remove_scratch(s.scratch.clone()).await;
             if had_worker || had_files {
                 st.pending_notice = Some(format!(
                     "this session expired after {} s idle (IRONCELL_SESSION_TTL); variables and files were discarded",
@@ -827,22 +858,12 @@ impl SessionManager {
                     }
                 }
                 CellEvent::QuotaCheck => {
-                    let used = directory_size(&session.scratch, quota + 1);
-                    if used > quota {
+                    if let Some(over) = quota_verdict(scratch_usage(session.scratch.clone(), quota).await, quota) {
                         let Some(w) = state.worker.take() else { break };
                         w.kill().await;
-                        let _ = std::fs::remove_dir_all(&session.scratch);
-                        let why = format!(
-                            "killed: the session directory grew past its quota ({} MiB); its files were removed",
-                            quota >> 20
-                        );
-                        return CellOutcome::lost(
-                            stdout,
-                            stderr,
-                            RunStatus::ScratchQuota,
-                            why.clone(),
-                            Some(why),
-                        );
+                        let removal = remove_scratch(session.scratch.clone()).await;
+                        let why = format!("killed: {over}; {}", removal_outcome(&removal));
+                        return CellOutcome::lost(stdout, stderr, RunStatus::ScratchQuota, why.clone(), Some(why));
                     }
                 }
                 CellEvent::Cancel => {
@@ -1050,7 +1071,7 @@ fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
 
 /// Adds resource URIs for the spilled output, the run's images (inline copies kept aside for
 /// image content) and the files it created or changed.
-fn link_outputs(
+async fn link_outputs(
     record: &mut RunRecord,
     session: &Session,
     images: Vec<crate::frame::CellImage>,
@@ -1083,35 +1104,131 @@ fn link_outputs(
     }
     let shown: std::collections::HashSet<String> =
         record.images.iter().map(|i| i.path.clone()).collect();
-    record.files = crate::files::changed_since(&session.scratch, &session.name, since, 50)
+    let (dir, name) = (session.scratch.clone(), session.name.clone());
+    let (files, incomplete) =
+        tokio::task::spawn_blocking(move || crate::files::changed_since(&dir, &name, since, 50))
+            .await
+            .unwrap_or_else(|e| (Vec::new(), Some(format!("the listing failed: {e}"))));
+    if let Some(why) = incomplete {
+        record.notices.push(format!(
+            "the list of changed files may be incomplete: {why}"
+        ));
+    }
+    record.files = files
         .into_iter()
         .filter(|f| !shown.contains(&f.path))
         .collect();
 }
 
-/// Bytes used beneath `dir`, counting at most up to `stop_at` (the walk ends there).
-fn directory_size(dir: &Path, stop_at: u64) -> u64 {
-    let mut total = 0u64;
-    let mut pending = vec![dir.to_path_buf()];
-    while let Some(d) = pending.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let Ok(meta) = entry.metadata() else { continue };
-            if meta.is_dir() {
-                pending.push(entry.path());
-            } else {
-                use std::os::unix::fs::MetadataExt;
-                // Allocated blocks (sparse files count as what they use), plus an inode's worth.
-                total += meta.blocks() * 512 + 4096;
-            }
-            if total > stop_at {
-                return total;
-            }
+/// Measures a session directory against `quota`, off the async runtime (the walk stops just
+/// past the quota, so its cost is bounded by it: every entry counts at least 4 KiB).
+async fn scratch_usage(dir: PathBuf, quota: u64) -> Usage {
+    let measured = tokio::task::spawn_blocking(move || match host_fs::open_session_dir(&dir) {
+        Ok(fd) => host_fs::usage(fd.as_fd(), quota),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Usage::Measured {
+            bytes: 0,
+            entries: 0,
+        },
+        Err(e) => Usage::Unmeasurable(format!("{}: {e}", dir.display())),
+    })
+    .await;
+    measured.unwrap_or_else(|e| Usage::Unmeasurable(e.to_string()))
+}
+
+/// Why a session directory is over its quota, if it is. A directory that cannot be measured
+/// (e.g. the code made one unreadable) counts as over: an unknown size is not a small one.
+fn quota_verdict(usage: Usage, quota: u64) -> Option<String> {
+    match usage {
+        Usage::Measured { .. } => None,
+        Usage::Over { entries, .. } => Some(format!(
+            "the session directory grew past its quota ({} MiB; counted: {entries} files and directories, each at least {} KiB)",
+            quota >> 20,
+            host_fs::BYTES_PER_INODE >> 10
+        )),
+        Usage::Unmeasurable(why) => Some(format!(
+            "the session directory could not be measured against its quota ({} MiB): {why}",
+            quota >> 20
+        )),
+    }
+}
+
+/// Says what became of a session's files after a removal.
+fn removal_outcome(removal: &host_fs::Removal) -> String {
+    if removal.is_complete() {
+        "its files were removed".into()
+    } else {
+        format!("removing its files failed: {}", removal.summary())
+    }
+}
+
+/// Removes a directory tree off the async runtime, fd-relative and without following
+/// symlinks, and logs what could not be removed.
+async fn remove_scratch(dir: PathBuf) -> host_fs::Removal {
+    let shown = dir.display().to_string();
+    let removal = tokio::task::spawn_blocking(move || host_fs::remove_tree(&dir))
+        .await
+        .unwrap_or_else(|e| host_fs::Removal {
+            removed: 0,
+            failures: vec![format!("the removal failed: {e}")],
+        });
+    if !removal.is_complete() {
+        tracing::warn!(dir = %shown, "{}", removal.summary());
+    }
+    removal
+}
+
+/// Measures idle sessions with a live worker every [`IDLE_QUOTA_CHECK_EVERY`], for as long as
+/// the manager exists (runs only inside a tokio runtime).
+fn enforce_scratch_quotas_periodically(manager: &Arc<SessionManager>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(manager);
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(IDLE_QUOTA_CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(manager) = weak.upgrade() else { break };
+            manager.enforce_scratch_quotas().await;
+        }
+    });
+}
+
+impl SessionManager {
+    /// Checks every idle session with a live worker against the scratch quota (a running cell
+    /// checks its own).
+    pub async fn enforce_scratch_quotas(&self) {
+        let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
+        for s in sessions {
+            let Ok(mut state) = s.state.try_lock() else {
+                continue;
+            };
+            self.enforce_quota_while_idle(&s, &mut state).await;
         }
     }
-    total
+
+    /// Kills the worker of a session between runs if its directory is over quota, removes the
+    /// files, and leaves the reason for the session's next run.
+    async fn enforce_quota_while_idle(&self, session: &Session, state: &mut SessionState) {
+        if state.worker.is_none() {
+            return; // nothing writes to it
+        }
+        let quota = self.sandbox.scratch_quota_bytes();
+        let Some(over) = quota_verdict(scratch_usage(session.scratch.clone(), quota).await, quota)
+        else {
+            return;
+        };
+        if let Some(w) = state.worker.take() {
+            w.kill().await; // returns its session slot
+        }
+        let removal = remove_scratch(session.scratch.clone()).await;
+        tracing::warn!(session = %session.name, "worker killed between runs: {over}");
+        state.pending_notice = Some(format!(
+            "this session's worker was killed between runs: {over} (code left running after a run kept writing); variables and imports were lost, {}",
+            removal_outcome(&removal)
+        ));
+    }
 }
 
 /// Removes `sessions-<pid>` directories left by ironcell servers that died without cleaning
@@ -1131,14 +1248,30 @@ fn remove_sessions_of_dead_servers(state_dir: &Path) {
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
             tracing::info!(dir = %entry.path().display(), "removing sessions of a server that is gone");
-            let _ = std::fs::remove_dir_all(entry.path());
+            let removal = host_fs::remove_tree(&entry.path());
+            if !removal.is_complete() {
+                tracing::warn!(dir = %entry.path().display(), "{}", removal.summary());
+            }
         }
     }
 }
 
+/// Makes a directory the host created private (0700), without following a symlink.
 fn set_private(dir: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    let opened = nix::fcntl::open(
+        dir,
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_DIRECTORY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    );
+    let result = opened.and_then(|fd| {
+        nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o700))
+    });
+    if let Err(e) = result {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot make the directory private");
+    }
 }
 
 #[cfg(test)]
