@@ -202,7 +202,8 @@ class _Runtime:
 
     def discovered_servers_sync(self, detailed=False):
         if detailed:
-            return [dict(s, identifier="mcp_" + identifier(s["name"])) for s in self._servers]
+            usable = [dict(s, identifier="mcp_" + identifier(s["name"]), available=True) for s in self._servers]
+            return usable + [dict(s) for s in getattr(self, "_unavailable", [])]
         return [s["name"] for s in self._servers]
 
     async def list_tools(self, server):
@@ -349,7 +350,10 @@ mcp_servers = _Servers()
 
 def _configure(servers):
     """Called by the worker at start with [{"name", "description"}] of the configured servers."""
-    runtime._servers = list(servers)
+    # Servers configured but not startable here come with "available": False and a "reason".
+    runtime._servers = [s for s in servers if s.get("available", True)]
+    runtime._unavailable = [s for s in servers if not s.get("available", True)]
+    servers = runtime._servers
     mcp_servers.clear()
     for s in servers:
         mcp_servers[s["name"]] = ServerProxy(s["name"], s.get("description"))

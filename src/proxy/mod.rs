@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use self::config::{ConfigProblem, LoadedConfig};
+use self::config::{ConfigProblem, LoadedConfig, SkippedServer};
 use self::upstream::Upstream;
 
 /// Largest proxied result handed to a worker (a frame must stay well under the frame limit).
@@ -62,6 +62,8 @@ pub struct CallSummary {
 pub struct Proxy {
     upstreams: BTreeMap<String, Arc<Upstream>>,
     problems: Vec<ConfigProblem>,
+    /// Configured servers that cannot run here, with the reason (shown, never started).
+    skipped: Vec<SkippedServer>,
     sources: Vec<String>,
     call_timeout: Duration,
 }
@@ -79,17 +81,27 @@ impl Proxy {
         Proxy {
             upstreams,
             problems: config.problems,
+            skipped: config.skipped,
             sources: config.sources,
             call_timeout,
         }
     }
 
-    /// Names and descriptions, for workers (no commands, no env).
+    /// Names and descriptions, for workers (no commands, no env); servers that cannot run
+    /// here come last with `"available": false` and the reason.
     pub fn server_summaries(&self) -> Vec<Value> {
         self.upstreams
             .values()
             .map(|u| json!({"name": u.config.name, "description": u.config.description}))
+            .chain(self.skipped.iter().map(|s| {
+                json!({"name": s.name, "description": null, "available": false, "reason": s.reason})
+            }))
             .collect()
+    }
+
+    /// Configured servers that cannot run here, and why.
+    pub fn skipped(&self) -> &[SkippedServer] {
+        &self.skipped
     }
 
     /// For `system://info`: servers, whether running, where they came from, what was wrong.
@@ -107,6 +119,7 @@ impl Proxy {
         json!({
             "servers": servers,
             "sources": self.sources,
+            "skipped": self.skipped,
             "problems": self.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
         })
     }
