@@ -174,6 +174,14 @@ fn insert_member(text: &str, obj: &Object, key: &str, value: &Value) -> String {
 /// Returns `text` with `mcpServers.<name>` set to `entry`; every other byte unchanged. An empty
 /// `text` (a new file) becomes a small config with just this entry.
 pub fn set_server_entry(text: &str, name: &str, entry: &Value) -> Result<String, String> {
+    // Files written on Windows may start with a byte-order mark and use CRLF line ends: keep both.
+    if let Some(rest) = text.strip_prefix('\u{feff}') {
+        return set_server_entry(rest, name, entry).map(|t| format!("\u{feff}{t}"));
+    }
+    if text.contains("\r\n") && !text.replace("\r\n", "").contains('\n') {
+        let lf = set_server_entry(&text.replace("\r\n", "\n"), name, entry)?;
+        return Ok(lf.replace('\n', "\r\n"));
+    }
     if text.trim().is_empty() {
         let doc = serde_json::json!({ "mcpServers": { name: entry } });
         return Ok(render(&doc, "") + "\n");
@@ -329,6 +337,14 @@ mod tests {
         assert!(set_server_entry("[1]", "ironcell", &e).is_err());
         assert!(set_server_entry("{\"mcpServers\": 3}", "ironcell", &e).is_err());
         assert!(set_server_entry("{oops", "ironcell", &e).is_err());
+    }
+
+    #[test]
+    fn windows_files_keep_their_bom_and_crlf_line_ends() {
+        let text = format!("\u{feff}{}", EXISTING.replace('\n', "\r\n"));
+        let out = set_server_entry(&text, "ironcell", &json!({"command": "x"})).unwrap();
+        assert!(out.starts_with("\u{feff}{\r\n"));
+        assert!(!out.replace("\r\n", "").contains('\n'), "{out:?}");
     }
 
     #[test]

@@ -283,6 +283,8 @@ def test_granted_folders_are_reachable_and_their_siblings_are_not(as_user, how):
         assert got["write granted"] == "ok:5", got
         assert got["read back"] == "ok:'hello'", got
         assert (base / "writable/new.txt").read_text() == "hello"
+        info = json.loads(srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+        assert info["sandbox"]["granted"] == {"read_only": [f"{base}/readable"], "read_write": [f"{base}/writable"]}, info
         assert not (base / "readable/new.txt").exists()
     finally:
         srv.close()
