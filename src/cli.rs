@@ -65,9 +65,26 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write (or merge into) the config of your MCP client so it starts ironcell: Claude Code,
+    /// Claude Desktop on Linux, Claude Desktop on Windows through WSL2, or print the Docker
+    /// command line (macOS). Settings given here (`--allow-read DIR`, `--timeout 60s`, ...) are
+    /// passed on as flags. `--dry-run` shows the change as a diff.
+    Setup(Box<crate::setup::SetupArgs>),
+    /// The sandbox policy: `ironcell policy show` prints the effective policy (the policy file
+    /// merged over its base, plus `--allow-read`/`--allow-write` grants).
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
     /// Internal: the clean, forking interpreter process. Started by ironcell itself.
     #[command(name = crate::zygote::ZYGOTE_SUBCOMMAND, hide = true)]
     Zygote,
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyAction {
+    /// Print the effective policy as a policy file.
+    Show,
 }
 
 /// Parses the command line and runs the chosen command.
@@ -117,6 +134,10 @@ pub fn main() -> ExitCode {
                 );
                 Ok(ExitCode::SUCCESS)
             }
+            Some(Command::Setup(args)) => crate::setup::run(*args, &cli.settings),
+            Some(Command::Policy {
+                action: PolicyAction::Show,
+            }) => show_policy(&cli.settings),
             Some(Command::Zygote) => Ok(ExitCode::SUCCESS),
         }
     });
@@ -151,7 +172,10 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     use rmcp::ServiceExt;
     use tokio::signal::unix::{SignalKind, signal};
 
-    let sessions = SessionManager::start(settings, own_executable()?)?;
+    let sessions = match SessionManager::start(settings, own_executable()?) {
+        Ok(s) => s,
+        Err(e) => return answer_requests_with_startup_error(e).await,
+    };
     let expiry = tokio::spawn(expire_sessions_periodically(sessions.clone()));
     let server = IroncellServer::new(sessions.clone());
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -221,4 +245,48 @@ async fn exec(settings: Settings, code: String) -> anyhow::Result<ExitCode> {
         }
         Err(refusal) => Err(anyhow::anyhow!(refusal)),
     }
+}
+
+/// `ironcell policy show`.
+fn show_policy(settings: &Settings) -> anyhow::Result<ExitCode> {
+    let sandbox = settings.sandbox()?;
+    println!(
+        "# effective ironcell sandbox policy, from {}",
+        sandbox.policy.source
+    );
+    println!(
+        "# (--allow-read/--allow-write grants included; a file with some of these keys is merged over its base)"
+    );
+    print!("{}", sandbox.policy.to_toml());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// When `serve` cannot start (no usable state dir, a bad policy, no Python): say so on stderr
+/// and answer every request the client sends with a JSON-RPC error carrying the same message,
+/// so the client shows the reason instead of "connection closed". Ends at EOF.
+async fn answer_requests_with_startup_error(error: anyhow::Error) -> anyhow::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let message = format!("ironcell cannot start: {error:#}");
+    eprintln!("{message}");
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    let mut stdout = tokio::io::stdout();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        let (Some(id), true) = (msg.get("id"), msg.get("method").is_some()) else {
+            continue; // notifications and responses get no answer
+        };
+        let answer = serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "error": {"code": -32603, "message": message},
+        });
+        let mut out = answer.to_string();
+        out.push('\n');
+        if stdout.write_all(out.as_bytes()).await.is_err() || stdout.flush().await.is_err() {
+            break;
+        }
+    }
+    Err(error)
 }

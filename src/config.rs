@@ -159,15 +159,53 @@ pub struct Settings {
     pub private_tmp: crate::sandbox::private_tmp::PrivateTmpMode,
 
     /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
-    /// ~/.local/state/ironcell).
+    /// ~/.local/state/ironcell). If it cannot be written, a private directory under
+    /// $XDG_RUNTIME_DIR or the temp dir is used instead, with a warning.
     #[arg(long, global = true, env = "MCP_BRIDGE_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+
+    /// Let code read this folder (or file) of yours. Repeatable; the environment variable takes
+    /// a `:`-separated list. Adds to the policy's `filesystem.allow_read`.
+    #[arg(
+        long = "allow-read",
+        global = true,
+        env = "IRONCELL_ALLOW_READ",
+        value_delimiter = ':',
+        value_name = "DIR"
+    )]
+    pub allow_read: Vec<PathBuf>,
+
+    /// Let code read and write this folder of yours. Repeatable; the environment variable
+    /// takes a `:`-separated list. Adds to the policy's `filesystem.allow_write`.
+    #[arg(
+        long = "allow-write",
+        global = true,
+        env = "IRONCELL_ALLOW_WRITE",
+        value_delimiter = ':',
+        value_name = "DIR"
+    )]
+    pub allow_write: Vec<PathBuf>,
+}
+
+/// Why no state directory could be used: names every path tried and the fix.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no usable state directory: {tried}. Fix: set MCP_BRIDGE_STATE_DIR (or --state-dir) to a directory this user ({user}) can write, or make HOME writable"
+)]
+pub struct StateDirError {
+    pub tried: String,
+    pub user: String,
 }
 
 impl Settings {
     /// Loads the policy file and probes the kernel: the sandbox this server will apply.
     pub fn sandbox(&self) -> Result<crate::sandbox::Sandbox, crate::sandbox::policy::PolicyError> {
-        let policy = crate::sandbox::policy::Policy::load(&self.policy)?;
+        let mut policy = crate::sandbox::policy::Policy::load(&self.policy)?;
+        policy.add_grants(
+            &self.allow_read,
+            &self.allow_write,
+            &[self.resolved_state_dir(), fallback_state_dir()],
+        )?;
         let mut sandbox = crate::sandbox::Sandbox::new(
             policy,
             self.sandbox,
@@ -247,6 +285,88 @@ pub fn report_not_applicable_variables(s: &Settings) {
     for (name, value, why) in not_applicable_variables(s) {
         tracing::warn!("{name}={value:?} is ignored: {why}");
     }
+}
+
+/// The private directory used when the configured state dir cannot be written:
+/// `$XDG_RUNTIME_DIR/ironcell`, else `<temp dir>/ironcell-<uid>`.
+pub fn fallback_state_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("ironcell");
+    }
+    std::env::temp_dir().join(format!("ironcell-{}", nix::unistd::getuid()))
+}
+
+impl Settings {
+    /// The state directory, created and checked: the configured one if this user can write
+    /// it; otherwise a private (mode 700, owned by this user, not a symlink) directory under
+    /// `$XDG_RUNTIME_DIR` or the temp dir, with a warning that names the path and the fix.
+    pub fn prepare_state_dir(&self) -> Result<PathBuf, StateDirError> {
+        let wanted = self.resolved_state_dir();
+        let mut tried = Vec::new();
+        match usable_dir(&wanted, false) {
+            Ok(()) => return Ok(wanted),
+            Err(e) => tried.push(format!("{} ({e})", wanted.display())),
+        }
+        let fallback = fallback_state_dir();
+        let mut candidate = Some(fallback.clone());
+        while let Some(dir) = candidate.take() {
+            match usable_dir(&dir, true) {
+                Ok(()) => {
+                    tracing::warn!(
+                        "state dir {}: {}; using the private directory {} instead (session files are lost at reboot). Fix: set MCP_BRIDGE_STATE_DIR to a directory this user can write",
+                        wanted.display(),
+                        tried.first().map(String::as_str).unwrap_or("unusable"),
+                        dir.display()
+                    );
+                    return Ok(dir);
+                }
+                Err(e) => tried.push(format!("{} ({e})", dir.display())),
+            }
+            // Someone else may hold the fixed name (a shared /tmp): then a fresh unique one.
+            if dir == fallback
+                && let Some(parent) = fallback.parent()
+            {
+                let template = parent.join(format!("ironcell-{}-XXXXXX", nix::unistd::getuid()));
+                candidate = nix::unistd::mkdtemp(&template).ok();
+            }
+        }
+        Err(StateDirError {
+            tried: tried.join("; "),
+            user: format!("uid {}", nix::unistd::getuid()),
+        })
+    }
+}
+
+/// Creates `dir` if needed and checks that this user can create entries in it. A `private`
+/// directory (a fallback in a shared place) must also be a real directory, owned by this user,
+/// with no access for others; a fresh one is made with mode 700.
+fn usable_dir(dir: &std::path::Path, private: bool) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    if private {
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| e.to_string())?;
+        if !meta.is_dir() {
+            return Err("exists and is not a directory (or is a symlink)".into());
+        }
+        if meta.uid() != nix::unistd::getuid().as_raw() {
+            return Err(format!("is owned by uid {}, not by this user", meta.uid()));
+        }
+        if meta.mode() & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| format!("cannot make it private: {e}"))?;
+        }
+    } else {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    }
+    // Writable for real (root ignores mode bits; a read-only mount does not).
+    let probe = dir.join(format!(".ironcell-probe-{}", std::process::id()));
+    std::fs::create_dir(&probe).map_err(|e| format!("cannot create entries: {e}"))?;
+    let _ = std::fs::remove_dir(&probe);
+    Ok(())
 }
 
 /// Parses `30`, `30s`, `1.5s`, `500ms`, `2m`, `1h` (a bare number means seconds).

@@ -103,6 +103,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     for p in sandbox.policy.existing_read_only() {
         println!("  read-only   {}", p.display());
     }
+    let fs = &sandbox.policy.filesystem;
+    for p in &fs.allow_read {
+        println!("  read-only   {} (granted)", p.display());
+    }
+    for p in fs.read_write.iter().chain(&fs.allow_write) {
+        println!("  read-write  {} (granted)", p.display());
+    }
+
+    for s in sessions.proxy().skipped() {
+        println!(
+            "\nmcp server    {:?} from {} NOT used: {}",
+            s.name, s.source, s.reason
+        );
+    }
 
     if let Some(r) = &refusal {
         println!("\nverdict       run_python would REFUSE: {r}");

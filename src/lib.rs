@@ -16,6 +16,7 @@
 //! - [`zygote`]: the clean, exec'd, single-threaded forker, and the host's handle on it.
 //! - [`worker`]: the child side: setup order, output capture, the frame loop.
 //! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, and the lockdown order.
+//! - [`setup`]: `ironcell setup`, which writes or merges MCP client configs, and WSL2 detection.
 //! - [`doctor`]: `ironcell doctor`, which shows each sandbox layer on this host.
 //! - [`frame`]: the framing and messages on a session socket.
 //! - [`host_fs`]: fd-relative, symlink-refusing file operations in session directories.
@@ -45,6 +46,7 @@ pub mod pybridge;
 pub mod sandbox;
 pub mod server;
 pub mod session;
+pub mod setup;
 pub mod system_info;
 pub mod worker;
 pub mod zygote;

@@ -130,7 +130,7 @@ impl SessionManager {
     /// Starts the zygote (it warms up in the background) and prepares this server's directory
     /// of session scratch dirs.
     pub fn start(settings: Settings, exe: PathBuf) -> anyhow::Result<Arc<SessionManager>> {
-        let state_dir = settings.resolved_state_dir();
+        let state_dir = settings.prepare_state_dir()?;
         remove_sessions_of_dead_servers(&state_dir);
         let root = state_dir.join(format!("sessions-{}", std::process::id()));
         std::fs::create_dir_all(&root)

@@ -85,6 +85,10 @@ pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
             "threads": sb.thread_cap_layer(),
         },
         "protections": sb.protections(),
+        "granted": {
+            "read_only": sb.policy.filesystem.allow_read,
+            "read_write": sb.policy.filesystem.read_write.iter().chain(&sb.policy.filesystem.allow_write).collect::<Vec<_>>(),
+        },
         "network": "none",
     })
 }

@@ -346,7 +346,7 @@ class _Runtime:
                 d = {"name": s["name"], "description": s.get("description"),
                      "identifier": "mcp_" + identifier(s["name"]), "available": not s.get("error")}
                 if s.get("error"):
-                    d["error"] = s["error"]
+                    d["error"] = d["reason"] = s["error"]
                 out.append(d)
             return _AwaitableTuple(out)
         return _AwaitableTuple(s["name"] for s in servers if not s.get("error"))

@@ -54,11 +54,22 @@ impl std::fmt::Display for ConfigProblem {
     }
 }
 
+/// A well-formed entry that cannot be started from here, and why (e.g. a Windows-side server
+/// under WSL2 without interop).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SkippedServer {
+    pub name: String,
+    pub source: String,
+    pub reason: String,
+}
+
 /// Everything loaded: the servers by name, and what was wrong.
 #[derive(Debug, Default, Clone)]
 pub struct LoadedConfig {
     pub servers: BTreeMap<String, ServerConfig>,
     pub problems: Vec<ConfigProblem>,
+    /// Entries that are well-formed but cannot run here.
+    pub skipped: Vec<SkippedServer>,
     /// Sources that were read, in precedence order.
     pub sources: Vec<String>,
 }
@@ -121,7 +132,166 @@ pub fn load(env: &dyn Env, cwd: &Path, own_exe: Option<&Path>) -> LoadedConfig {
             skip_self,
         );
     }
+    load_windows_claude_desktop(&mut loaded, env, own_exe);
     loaded
+}
+
+/// Under WSL2: the servers of the Windows-side Claude Desktop config, made startable from
+/// Linux where they can be (`wsl.exe … --exec cmd` entries run directly; Windows programs
+/// through interop, bare names via `cmd.exe /c`, their `env` named in `WSLENV` so it crosses
+/// to Windows); the others are listed in `skipped` with the reason.
+fn load_windows_claude_desktop(loaded: &mut LoadedConfig, env: &dyn Env, own_exe: Option<&Path>) {
+    let root = env
+        .var("IRONCELL_PROBE_ROOT")
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| "/".into());
+    let Some(wsl) = crate::setup::wsl::detect(Path::new(&root), env.var("WSL_DISTRO_NAME")) else {
+        return;
+    };
+    let path = match env
+        .var("IRONCELL_WINDOWS_CLAUDE_CONFIG")
+        .filter(|p| !p.is_empty())
+    {
+        Some(p) => PathBuf::from(p),
+        None => match wsl.claude_desktop_config(None) {
+            Ok(p) if p.is_file() => p,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::info!("Windows-side Claude Desktop config not read: {e}");
+                return;
+            }
+        },
+    };
+    let source = format!("{} (Windows side)", path.display());
+    let before: Vec<String> = loaded.servers.keys().cloned().collect();
+    read_source(
+        loaded,
+        env,
+        &source,
+        std::fs::read_to_string(&path),
+        Some(own_exe),
+    );
+    let added: Vec<String> = loaded
+        .servers
+        .keys()
+        .filter(|k| !before.contains(k))
+        .cloned()
+        .collect();
+    for name in added {
+        let Some(server) = loaded.servers.remove(&name) else {
+            continue;
+        };
+        match runnable_from_wsl(server, &wsl) {
+            Ok(s) => {
+                loaded.servers.insert(name, s);
+            }
+            Err(reason) => loaded.skipped.push(SkippedServer {
+                name,
+                source: source.clone(),
+                reason,
+            }),
+        }
+    }
+}
+
+/// A Windows-side entry as a command Linux can start, or why it cannot be.
+fn runnable_from_wsl(
+    mut s: ServerConfig,
+    wsl: &crate::setup::wsl::Wsl,
+) -> Result<ServerConfig, String> {
+    let base = s
+        .command
+        .rsplit(['/', '\\'])
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    if base == "wsl.exe" || base == "wsl" {
+        let mut distro = None;
+        let mut rest: Option<Vec<String>> = None;
+        let mut it = s.args.iter();
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "-d" | "--distribution" => distro = it.next().cloned(),
+                "-u" | "--user" | "--cd" => {
+                    it.next();
+                }
+                "-e" | "--exec" | "--" => {
+                    rest = Some(it.by_ref().cloned().collect());
+                }
+                _ => {
+                    rest = Some(
+                        std::iter::once(a.clone())
+                            .chain(it.by_ref().cloned())
+                            .collect(),
+                    );
+                }
+            }
+        }
+        if let (Some(want), Some(here)) = (&distro, &wsl.distro)
+            && !want.eq_ignore_ascii_case(here)
+        {
+            return Err(format!(
+                "starts in the WSL distro {want:?}, but ironcell runs in {here:?}"
+            ));
+        }
+        let mut rest = rest.unwrap_or_default();
+        if rest.is_empty() {
+            return Err("starts a WSL shell, not a server command".into());
+        }
+        s.command = rest.remove(0);
+        s.args = rest;
+        return Ok(s);
+    }
+    if s.command.starts_with('/') {
+        return Ok(s); // already a Linux path
+    }
+    if !wsl.interop {
+        return Err(format!(
+            "{:?} is a Windows program, and WSL interop is off here, so it cannot be started from WSL (turn on [interop] in /etc/wsl.conf, or run the server inside WSL)",
+            s.command
+        ));
+    }
+    if let Some(linux) = wsl.linux_path_of(&s.command) {
+        if !linux.is_file() {
+            return Err(format!(
+                "{:?} does not exist (looked for {})",
+                s.command,
+                linux.display()
+            ));
+        }
+        s.command = linux.display().to_string();
+    } else {
+        let cmd = wsl.c_drive.join("Windows/System32/cmd.exe");
+        if !cmd.is_file() {
+            return Err(format!(
+                "{:?} needs Windows' cmd.exe to start, and {} is missing",
+                s.command,
+                cmd.display()
+            ));
+        }
+        let mut args = vec!["/c".to_string(), s.command.clone()];
+        args.append(&mut s.args);
+        s.args = args;
+        s.command = cmd.display().to_string();
+    }
+    if let Some(cwd) = &s.cwd
+        && let Some(linux) = wsl.linux_path_of(&cwd.display().to_string())
+    {
+        s.cwd = Some(linux);
+    }
+    // Variables reach a Windows program only when WSLENV names them.
+    let names: Vec<String> = s.env.keys().filter(|k| *k != "WSLENV").cloned().collect();
+    if !names.is_empty() {
+        let mut list = s.env.get("WSLENV").cloned().unwrap_or_default();
+        for n in names {
+            if !list.is_empty() {
+                list.push(':');
+            }
+            list.push_str(&n);
+        }
+        s.env.insert("WSLENV".into(), list);
+    }
+    Ok(s)
 }
 
 fn read_source(

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use self::config::{ConfigProblem, LoadedConfig};
+use self::config::{ConfigProblem, LoadedConfig, SkippedServer};
 use self::rules::{ApprovalMode, Hints, Verdict};
 use self::upstream::Upstream;
 
@@ -83,6 +83,8 @@ pub struct Proxy {
     /// Servers whose last start (or tool listing) failed: name → why. Cleared on success.
     failures: std::sync::Mutex<BTreeMap<String, String>>,
     problems: Vec<ConfigProblem>,
+    /// Configured servers that cannot run here, with the reason (shown, never started).
+    skipped: Vec<SkippedServer>,
     sources: Vec<String>,
     call_timeout: Duration,
     approval: ApprovalMode,
@@ -120,6 +122,7 @@ impl Proxy {
             broken,
             failures: std::sync::Mutex::new(BTreeMap::new()),
             problems: config.problems,
+            skipped: config.skipped,
             sources: config.sources,
             call_timeout,
             approval,
@@ -141,7 +144,7 @@ impl Proxy {
     }
 
     /// Names and descriptions, for workers (no commands, no env), with `error` for each server
-    /// that is configured but unusable: a broken entry, or a failed start.
+    /// that is configured but unusable: a broken entry, a failed start, or one that cannot run here (`skipped`).
     pub fn server_summaries(&self) -> Vec<Value> {
         let failures = crate::lock(&self.failures).clone();
         let mut out: Vec<Value> = self
@@ -158,7 +161,15 @@ impl Proxy {
         for (name, why) in &self.broken {
             out.push(json!({"name": name, "description": null, "error": why}));
         }
+        for s in &self.skipped {
+            out.push(json!({"name": s.name, "description": null, "error": s.reason}));
+        }
         out
+    }
+
+    /// Configured servers that cannot run here, and why.
+    pub fn skipped(&self) -> &[SkippedServer] {
+        &self.skipped
     }
 
     /// Servers that cannot be used right now, and why (for discovery and search answers).
@@ -168,6 +179,11 @@ impl Proxy {
             .iter()
             .chain(&self.broken)
             .map(|(name, why)| json!({"server": name, "error": why}))
+            .chain(
+                self.skipped
+                    .iter()
+                    .map(|s| json!({"server": s.name, "error": s.reason})),
+            )
             .collect()
     }
 
@@ -204,6 +220,7 @@ impl Proxy {
             "servers": servers,
             "approval": self.approval,
             "sources": self.sources,
+            "skipped": self.skipped,
             "problems": self.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
         })
     }

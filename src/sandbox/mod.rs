@@ -191,10 +191,12 @@ impl Sandbox {
                 read_only.extend(python_paths.iter().filter(|p| p.exists()).cloned());
             }
             read_only.extend(self.policy.existing_read_only());
+            read_only.extend(self.policy.filesystem.allow_read.iter().cloned());
             read_only.sort();
             read_only.dedup();
             let mut read_write = vec![scratch.to_path_buf()];
             read_write.extend(self.policy.filesystem.read_write.iter().cloned());
+            read_write.extend(self.policy.filesystem.allow_write.iter().cloned());
             FilesystemGrants {
                 abi: self.landlock_abi,
                 read_only,
