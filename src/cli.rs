@@ -172,6 +172,10 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     use rmcp::ServiceExt;
     use tokio::signal::unix::{SignalKind, signal};
 
+    // One line carries one request: room for the largest `code` after JSON escaping.
+    let max_line = usize::try_from(settings.max_code_bytes.saturating_mul(8))
+        .unwrap_or(usize::MAX)
+        .max(crate::stdio::DEFAULT_MAX_LINE_BYTES);
     let sessions = match SessionManager::start(settings, own_executable()?) {
         Ok(s) => s,
         Err(e) => return answer_requests_with_startup_error(e).await,
@@ -181,10 +185,9 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let outcome = async {
-        let running = server
-            .serve((tokio::io::stdin(), tokio::io::stdout()))
-            .await
-            .context("MCP handshake")?;
+        let transport =
+            crate::stdio::StdioTransport::new(tokio::io::stdin(), tokio::io::stdout(), max_line);
+        let running = server.serve(transport).await.context("MCP handshake")?;
         tokio::select! {
             quit = running.waiting() => { tracing::info!(?quit, "client disconnected"); }
             _ = sigterm.recv() => tracing::info!("SIGTERM: shutting down"),

@@ -21,7 +21,7 @@ use crate::output::RunRecord;
 use crate::session::{Progress, RunRequest, SessionManager};
 
 /// How long a finished job's result is kept when nobody reads it.
-const FINISHED_JOB_TTL: Duration = Duration::from_secs(3600);
+pub const FINISHED_JOB_TTL: Duration = Duration::from_secs(3600);
 
 pub type Outcome = Arc<Result<RunRecord, String>>;
 
@@ -29,6 +29,8 @@ pub struct Job {
     pub id: String,
     pub session: String,
     pub started: Instant,
+    /// Wall-clock start, for the task view (`createdAt`).
+    pub created_at: chrono::DateTime<chrono::Utc>,
     pub cancel: CancellationToken,
     pub progress: watch::Receiver<Progress>,
     /// Set once a call has answered "still running" for it: from then on it runs in the
@@ -42,6 +44,11 @@ impl Job {
     /// The result, if the run has ended.
     pub fn outcome(&self) -> Option<Outcome> {
         self.outcome.borrow().clone()
+    }
+
+    /// How long after its start the run ended, if it has.
+    pub fn finished_after(&self) -> Option<Duration> {
+        lock(&self.finished_at).map(|t| t.duration_since(self.started))
     }
 
     /// Waits up to `limit` for the run to end.
@@ -84,6 +91,7 @@ impl Jobs {
             id: id.clone(),
             session: req.session.clone(),
             started: Instant::now(),
+            created_at: chrono::Utc::now(),
             cancel: cancel.clone(),
             progress: progress_rx,
             detached: std::sync::atomic::AtomicBool::new(false),

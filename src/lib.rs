@@ -12,6 +12,7 @@
 //! - [`config`]: settings, their flags and environment variables, duration and size parsing.
 //! - [`server`]: the rmcp `ServerHandler`: the `run_python` tool and the `system://info` resource.
 //! - [`session`]: the session table, timeouts, cancellation, caps, and the per-cell run loop.
+//! - [`stdio`]: the stdio transport: bounded lines, an answer for every malformed one.
 //! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
 //! - [`zygote`]: the clean, exec'd, single-threaded forker, and the host's handle on it.
 //! - [`worker`]: the child side: setup order, output capture, the frame loop.
@@ -47,6 +48,7 @@ pub mod sandbox;
 pub mod server;
 pub mod session;
 pub mod setup;
+pub mod stdio;
 pub mod system_info;
 pub mod worker;
 pub mod zygote;

@@ -4,15 +4,17 @@
 //! every turn (budget: about 300 tokens at bytes/4). Errors in the user's code, and bad
 //! arguments, are `isError: true` results the model can read and act on, never JSON-RPC errors.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, DiscoverRequestMethod,
-    DiscoverResult, Implementation, JsonObject, ListResourcesResult, ListToolsResult,
-    PaginatedRequestParams, ProgressNotificationParam, ReadResourceRequestParams,
-    ReadResourceResponse, ReadResourceResult, Resource, ResourceContents, ServerCapabilities,
-    ServerConfig, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
+    CreateTaskResult, DetailedTask, GetTaskParams, GetTaskResult, Implementation, JsonObject,
+    ListResourcesResult, ListToolsResult, PaginatedRequestParams, ProgressNotificationParam,
+    ProtocolVersion, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, Resource,
+    ResourceContents, ServerCapabilities, ServerConfig, Task, TaskPayload, Tool, ToolAnnotations,
+    UpdateTaskParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
@@ -38,7 +40,8 @@ pub struct IroncellServer {
 impl IroncellServer {
     pub fn new(sessions: Arc<SessionManager>) -> Self {
         let default_timeout = sessions.settings().default_timeout.as_secs_f64();
-        let tools = Arc::new(vec![run_python_tool(default_timeout), job_tool()]);
+        let proxies = !sessions.proxy().server_summaries().is_empty();
+        let tools = Arc::new(vec![run_python_tool(default_timeout, proxies), job_tool()]);
         let audit = crate::audit::AuditLog::new(
             &sessions.settings().resolved_state_dir(),
             sessions.settings().audit_max_bytes,
@@ -51,13 +54,14 @@ impl IroncellServer {
     }
 
     /// Waits for `job` up to `limit`, sending progress notifications if the client asked for
-    /// them; returns the tool result (the run's, or "still running").
+    /// them; returns the run's tool result, or `None` if it is still running (it then goes on
+    /// in the background).
     async fn await_job(
         &self,
         job: &Arc<Job>,
         limit: Duration,
         context: &RequestContext<RoleServer>,
-    ) -> CallToolResult {
+    ) -> Option<CallToolResult> {
         let forward = context.meta.get_progress_token().map(|token| {
             let mut rx = job.progress.clone();
             let peer = context.peer.clone();
@@ -91,39 +95,59 @@ impl IroncellServer {
         match outcome {
             Some(outcome) => {
                 self.jobs.remove(&job.id);
-                match &*outcome {
-                    Ok(record) => run_result(record, self.sessions.settings().output_mode),
-                    Err(refusal) => error_result(refusal.clone()),
-                }
+                Some(self.outcome_result(&outcome))
             }
             None => {
                 job.detached
                     .store(true, std::sync::atomic::Ordering::SeqCst);
-                running_result(job)
+                None
             }
         }
     }
 
+    fn outcome_result(&self, outcome: &crate::jobs::Outcome) -> CallToolResult {
+        match &**outcome {
+            Ok(record) => run_result(record, self.sessions.settings().output_mode),
+            Err(refusal) => error_result(refusal.clone()),
+        }
+    }
+
+    /// Runs code; a run that outlives the wait budget becomes a task (for a client that
+    /// declared the tasks extension) or a background job (for the others).
     async fn call_run_python(
         &self,
         args: Option<&JsonObject>,
         context: &RequestContext<RoleServer>,
-    ) -> CallToolResult {
+    ) -> CallToolResponse {
         let run = match parse_run_arguments(args) {
             Ok(r) => r,
-            Err(message) => return error_result(message),
+            Err(message) => return error_result(message).into(),
         };
         if let Some(id) = self.jobs.running_in(&run.session) {
+            let how = if offers_tasks(context) {
+                format!("poll it with tasks/get (taskId {id:?}), cancel it with tasks/cancel")
+            } else {
+                format!(
+                    "wait for it with {JOB_TOOL_NAME}(job={id:?}), cancel it with action=\"cancel\""
+                )
+            };
             return error_result(format!(
-                "session {:?} is busy with background job {id}; wait for it with {JOB_TOOL_NAME}(job={id:?}), cancel it with action=\"cancel\", or use another session",
+                "session {:?} is busy with background job {id}; {how}, or use another session",
                 run.session
-            ));
+            ))
+            .into();
         }
         let budget = self.sessions.settings().wait_budget;
         // Approval questions for proxied calls go to the client that asked for this run.
         self.sessions.proxy().attach_client(context.peer.clone());
         let job = self.jobs.start(self.sessions.clone(), run);
-        self.await_job(&job, budget, context).await
+        match self.await_job(&job, budget, context).await {
+            Some(result) => result.into(),
+            None if offers_tasks(context) => {
+                CallToolResponse::Task(CreateTaskResult::new(task_of(&job)))
+            }
+            None => running_result(&job).into(),
+        }
     }
 
     async fn call_job_tool(
@@ -156,7 +180,7 @@ impl IroncellServer {
             },
             Some(_) => return error_result("`wait_s` must be a number of seconds"),
         };
-        match args.get("action").and_then(Value::as_str).unwrap_or("wait") {
+        let waited = match args.get("action").and_then(Value::as_str).unwrap_or("wait") {
             "wait" => self.await_job(&job, wait, context).await,
             "poll" => self.await_job(&job, Duration::ZERO, context).await,
             "cancel" => {
@@ -164,15 +188,84 @@ impl IroncellServer {
                 let grace = self.sessions.settings().interrupt_grace + Duration::from_secs(5);
                 self.await_job(&job, grace, context).await
             }
-            other => error_result(format!(
-                "unknown action {other:?}; use \"wait\", \"poll\" or \"cancel\""
-            )),
-        }
+            other => {
+                return error_result(format!(
+                    "unknown action {other:?}; use \"wait\", \"poll\" or \"cancel\""
+                ));
+            }
+        };
+        waited.unwrap_or_else(|| running_result(&job))
     }
 
     pub fn sessions(&self) -> &Arc<SessionManager> {
         &self.sessions
     }
+
+    fn task_job(&self, task_id: &str) -> Result<Arc<Job>, McpError> {
+        self.jobs.get(task_id).ok_or_else(|| {
+            McpError::invalid_params(
+                format!(
+                    "no task {task_id:?} (finished tasks are kept for an hour); known: {}",
+                    self.jobs.ids().join(", ")
+                ),
+                None,
+            )
+        })
+    }
+}
+
+/// The protocol versions ironcell serves, oldest first.
+pub const SUPPORTED_VERSIONS: &[ProtocolVersion] = &[
+    ProtocolVersion::V_2024_11_05,
+    ProtocolVersion::V_2025_03_26,
+    ProtocolVersion::V_2025_06_18,
+    ProtocolVersion::V_2025_11_25,
+    ProtocolVersion::V_2026_07_28,
+];
+
+/// Whether a still-running call may be answered with a task: the request is in the 2026-07-28
+/// era and declared the `io.modelcontextprotocol/tasks` extension.
+fn offers_tasks(context: &RequestContext<RoleServer>) -> bool {
+    let modern = context
+        .protocol_version()
+        .is_some_and(|v| !v.has_initialize());
+    modern
+        && context
+            .client_capabilities()
+            .is_some_and(|c| c.supports_tasks())
+}
+
+/// The task view of a job.
+fn task_of(job: &Job) -> Task {
+    use crate::jobs::FINISHED_JOB_TTL;
+    let created = job.created_at;
+    let updated = job.finished_after().map_or_else(chrono::Utc::now, |d| {
+        created + chrono::Duration::from_std(d).unwrap_or_default()
+    });
+    let stamp =
+        |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let p = job.progress.borrow().clone();
+    let ran_for = job
+        .finished_after()
+        .unwrap_or_else(|| job.started.elapsed());
+    let mut message = format!(
+        "run_python in session {:?}, {:.0} s",
+        job.session,
+        ran_for.as_secs_f64()
+    );
+    if job.outcome().is_none() && !p.recent_output.is_empty() {
+        message.push_str("; newest output:\n");
+        message.push_str(&p.recent_output);
+    }
+    Task::new(
+        job.id.clone(),
+        rmcp::model::TaskStatus::Working,
+        stamp(created),
+        stamp(updated),
+    )
+    .with_status_message(message)
+    .with_ttl_ms(u64::try_from(FINISHED_JOB_TTL.as_millis()).unwrap_or(u64::MAX))
+    .with_poll_interval_ms(1000)
 }
 
 fn job_tool() -> Tool {
@@ -189,11 +282,35 @@ fn job_tool() -> Tool {
         Value::Object(m) => m,
         _ => JsonObject::new(),
     };
+    // Only its open-world default would be untrue: it never reaches outside ironcell.
     Tool::new(
         JOB_TOOL_NAME,
-        "Result of a run_python call that went on as a background job: wait (default), poll or cancel.",
+        "Get a backgrounded run_python result: wait (default), poll or cancel.",
         Arc::new(schema),
     )
+    .with_title("Python job")
+    .with_annotations(ToolAnnotations::new().open_world(false))
+}
+
+/// The published shape of `run_python`'s `structuredContent`: a finished run's record, or a
+/// still-running job. Only the fields every result has are pinned; the record carries more
+/// (duration, session state, truncation, images, files, upstream calls), and extra fields are
+/// allowed so it can grow without breaking clients. Kept small: it is in every `tools/list`.
+fn output_schema() -> JsonObject {
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "status": {"type": "string"},
+            "stdout": {"type": "string"},
+            "result": {"type": ["string", "null"]},
+            "error": {"type": ["object", "null"]}
+        },
+        "required": ["status"]
+    });
+    match schema {
+        Value::Object(m) => m,
+        _ => JsonObject::new(),
+    }
 }
 
 /// The tool result of a finished run.
@@ -239,7 +356,11 @@ fn running_result(job: &Job) -> CallToolResult {
     result
 }
 
-fn run_python_tool(default_timeout_s: f64) -> Tool {
+/// `run_python`. Annotations are honest: it writes files and state (not read-only), may
+/// overwrite or delete session files (destructive), a repeated call runs again (not
+/// idempotent), and it reaches outside only through proxied servers (open-world only when
+/// some are configured).
+fn run_python_tool(default_timeout_s: f64, proxies: bool) -> Tool {
     let description = "Run Python 3 in a persistent sandboxed session (no network): variables \
 and files persist, the last expression's value is returned, top-level await works. Call the \
 user's other MCP servers from the code: await runtime.search_tool_docs('query'), await \
@@ -247,7 +368,7 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
     let schema = json!({
         "type": "object",
         "properties": {
-            "code": {"type": "string", "description": "Python source to run"},
+            "code": {"type": "string"},
             "session": {"type": "string", "description": "Session name (default \"default\")"},
             "timeout_s": {"type": "number", "description": format!("Wall-clock limit in seconds (default {default_timeout_s:.0})")},
             "reset": {"type": "boolean", "description": "Start the session over first"},
@@ -259,7 +380,15 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
         Value::Object(m) => m,
         _ => JsonObject::new(),
     };
+    let annotations = ToolAnnotations::new()
+        .read_only(false)
+        .destructive(true)
+        .idempotent(false)
+        .open_world(proxies);
     Tool::new(TOOL_NAME, description, Arc::new(schema))
+        .with_title("Run Python")
+        .with_annotations(annotations)
+        .with_raw_output_schema(Arc::new(output_schema()))
 }
 
 /// Turns `run_python` arguments into a request, or says exactly what is wrong with them.
@@ -432,6 +561,7 @@ impl ServerHandler for IroncellServer {
             ServerCapabilities::builder()
                 .enable_tools()
                 .enable_resources()
+                .enable_tasks()
                 .build(),
         )
         .with_server_info(Implementation::new("ironcell", env!("CARGO_PKG_VERSION")))
@@ -441,14 +571,63 @@ impl ServerHandler for IroncellServer {
         )
     }
 
-    /// SDK 2.x clients probe with `server/discover` first and fall back to `initialize` on an
-    /// error; answering at once (rather than not at all) saves them a 10 s stall. Sessions are
-    /// stateful, so ironcell asks for the `initialize` lifecycle: "method not found".
-    async fn discover(
+    /// Both eras: 2026-07-28 (`server/discover`, per-request `_meta`, no handshake) and the
+    /// `initialize` ones up to 2025-11-25. `server/discover` (rmcp's default answer) lists
+    /// these; a request naming another version gets `-32022` with this list.
+    fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
+        Cow::Borrowed(SUPPORTED_VERSIONS)
+    }
+
+    /// `tasks/get`: a run that outlived the wait budget, by its job id.
+    async fn get_task(
         &self,
+        request: GetTaskParams,
         _context: RequestContext<RoleServer>,
-    ) -> Result<DiscoverResult, McpError> {
-        Err(McpError::method_not_found::<DiscoverRequestMethod>())
+    ) -> Result<GetTaskResult, McpError> {
+        let job = self.task_job(&request.task_id)?;
+        let task = task_of(&job);
+        let payload = match job.outcome() {
+            None => TaskPayload::Working,
+            Some(_) if job.cancel.is_cancelled() => TaskPayload::Cancelled,
+            Some(outcome) => {
+                let result = serde_json::to_value(self.outcome_result(&outcome))
+                    .map_err(|e| McpError::internal_error(e.to_string(), None))?;
+                match result {
+                    Value::Object(result) => TaskPayload::Completed { result },
+                    _ => return Err(McpError::internal_error("result is not an object", None)),
+                }
+            }
+        };
+        Ok(GetTaskResult::new(DetailedTask::new(task, payload)))
+    }
+
+    /// `tasks/cancel`: interrupt the run (SIGINT, then SIGKILL after the grace period).
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let job = self.task_job(&request.task_id)?;
+        if job.outcome().is_none() {
+            job.cancel.cancel();
+        }
+        Ok(())
+    }
+
+    /// `tasks/update`: ironcell's tasks never ask for input, so there is nothing to answer.
+    async fn update_task(
+        &self,
+        request: UpdateTaskParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let _ = self.task_job(&request.task_id)?;
+        Err(McpError::invalid_params(
+            format!(
+                "task {:?} has no outstanding input requests; ironcell's tasks never ask for input",
+                request.task_id
+            ),
+            None,
+        ))
     }
 
     async fn list_tools(
@@ -466,8 +645,9 @@ impl ServerHandler for IroncellServer {
     ) -> Result<CallToolResponse, McpError> {
         let result = match request.name.as_ref() {
             TOOL_NAME => {
-                self.call_run_python(request.arguments.as_ref(), &context)
-                    .await
+                return Ok(self
+                    .call_run_python(request.arguments.as_ref(), &context)
+                    .await);
             }
             JOB_TOOL_NAME => {
                 self.call_job_tool(request.arguments.as_ref(), &context)
@@ -606,10 +786,12 @@ mod tests {
 
     #[test]
     fn the_tool_list_fits_the_token_budget() {
-        let tools = ListToolsResult::with_all_items(vec![run_python_tool(30.0), job_tool()]);
+        let tools = ListToolsResult::with_all_items(vec![run_python_tool(30.0, true), job_tool()]);
         let bytes = serde_json::to_string(&tools).unwrap().len();
+        // About 300 tokens for the tools themselves, plus what the protocol asks each to carry:
+        // a title, honest annotations, and run_python's output schema.
         assert!(
-            bytes / 4 <= 300,
+            bytes / 4 <= 375,
             "tools/list is {bytes} bytes (~{} tokens)",
             bytes / 4
         );

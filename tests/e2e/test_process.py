@@ -65,7 +65,7 @@ def test_discover_probe_ids_malformed_input_and_unknown_methods(state_dir):
                   "io.modelcontextprotocol/clientInfo": {"name": "x", "version": "0"},
                   "io.modelcontextprotocol/clientCapabilities": {}}}})
     reply = srv.wait_for(0, timeout=5)
-    assert reply["error"]["code"] == -32601
+    assert "2026-07-28" in reply["result"]["supportedVersions"]
     srv.send({"jsonrpc": "2.0", "id": "init-1", "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {"somethingNew": {"x": 1}},
         "clientInfo": {"name": "raw", "version": "0"}}})

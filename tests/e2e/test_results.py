@@ -143,4 +143,6 @@ def test_two_tools_fit_the_token_budget(state_dir):
     srv.close()
     assert [t["name"] for t in result["tools"]] == ["run_python", "run_python_job"]
     size = len(json.dumps(result, separators=(",", ":")))
-    assert size / 4 <= 300, size
+    # ~300 tokens for the tools, plus each one's title and annotations and run_python's
+    # outputSchema (MCP asks for them; see server.rs's budget test).
+    assert size / 4 <= 375, size
