@@ -858,12 +858,20 @@ impl SessionManager {
                     }
                 }
                 CellEvent::QuotaCheck => {
-                    if let Some(over) = quota_verdict(scratch_usage(session.scratch.clone(), quota).await, quota) {
+                    if let Some(over) =
+                        quota_verdict(scratch_usage(session.scratch.clone(), quota).await, quota)
+                    {
                         let Some(w) = state.worker.take() else { break };
                         w.kill().await;
                         let removal = remove_scratch(session.scratch.clone()).await;
                         let why = format!("killed: {over}; {}", removal_outcome(&removal));
-                        return CellOutcome::lost(stdout, stderr, RunStatus::ScratchQuota, why.clone(), Some(why));
+                        return CellOutcome::lost(
+                            stdout,
+                            stderr,
+                            RunStatus::ScratchQuota,
+                            why.clone(),
+                            Some(why),
+                        );
                     }
                 }
                 CellEvent::Cancel => {

@@ -104,6 +104,9 @@ def census_box(request):
 def test_normal_workloads_run_under_the_filter(census_box, name):
     rec = census_box.run(WORKLOADS[name], session=f"census-{name}", timeout_s=120)
     assert rec["status"] == "ok", (rec.get("error") or {}).get("traceback") or rec
+    if rec["result"] == "'not installed'":
+        pytest.skip("numpy/pandas are not installed for the embedded Python "
+                    "(apt install python3-numpy python3-pandas python3-matplotlib)")
     assert rec["result"] not in (None, "False")
 
 

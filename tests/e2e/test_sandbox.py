@@ -431,12 +431,13 @@ def test_37_the_hosts_token_is_not_in_the_workers_memory(box_with_secret):
         "environ = ctypes.c_char_p.in_dll(libc, 'environ')\n"
         f"needle = {TOKEN[:12]!r}.encode() + {TOKEN[12:]!r}.encode()\n"
         "heap_hits = sum(1 for o in gc.get_objects() if isinstance(o, str) and needle.decode() in o and o is not needle)\n"
-        "(needle in stack, len(stack))"
+        "(needle in stack, len(stack), heap_hits)"
     )
     rec = box_with_secret.run(code)
     assert rec["status"] == "ok", rec
-    found, scanned = eval(rec["result"])
+    found, scanned, heap_hits = eval(rec["result"])
     assert scanned > 10000 and not found
+    assert heap_hits == 0, "the host's token is in a Python object of the worker"
 
 
 def test_38_sessions_cannot_see_each_others_globals(box):
