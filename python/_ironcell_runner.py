@@ -60,6 +60,7 @@ def prepare_worker(env, servers_json="[]", options_json="{}"):
     if tmp.get("mechanism") != "namespace":
         _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
     _watch_figure_saves()
+    _copy_data_without_modes()
     _images_written_since(None)  # files already here are never this run's images
     # Fresh streams over the worker's captured fd 1 and 2 (pipes now; the zygote's streams were
     # made for whatever its fds were). Line-buffered so output streams while a cell runs.
@@ -67,6 +68,32 @@ def prepare_worker(env, servers_json="[]", options_json="{}"):
         stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
         setattr(sys, name, stream)
         setattr(sys, "__%s__" % name, stream)
+
+
+def _copy_data_without_modes():
+    """The sandbox refuses every chmod/chown/utime (docs/SECURITY.md #46), so `shutil.copy`,
+    `copy2` and `copytree` would fail after copying the data. Skip only their mode and time
+    step when the kernel refuses it (EPERM); everything else still raises."""
+    import errno
+    import functools
+    import shutil
+
+    for name in ("copymode", "copystat"):
+        original = getattr(shutil, name)
+        if getattr(original, "_ironcell_lenient", False):
+            continue
+
+        @functools.wraps(original)
+        def lenient(*args, _original=original, **kwargs):
+            try:
+                return _original(*args, **kwargs)
+            except PermissionError as e:
+                if e.errno != errno.EPERM:
+                    raise
+                return None
+
+        lenient._ironcell_lenient = True
+        setattr(shutil, name, lenient)
 
 
 def _globals():

@@ -89,11 +89,13 @@ async def run(client, code: str, **args: Any) -> Run:
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"]
 
 
-def shared_tmp_dir() -> Path:
-    """A fresh directory that an unprivileged user can use (pytest's tmp_path is root-only)."""
+def shared_tmp_dir(base: str = "/tmp") -> Path:
+    """A fresh directory that an unprivileged user can use (pytest's tmp_path is root-only).
+    `base="/var/tmp"` for host files an attack aims at: a session without a private mount
+    namespace refuses `/tmp` paths in Python before the kernel sees them."""
     import tempfile
 
-    d = Path(tempfile.mkdtemp(prefix="ironcell-test-", dir="/tmp"))
+    d = Path(tempfile.mkdtemp(prefix="ironcell-test-", dir=base))
     d.chmod(0o777)
     return d
 

@@ -111,19 +111,20 @@ def test_normal_workloads_run_under_the_filter(census_box, name):
 
 
 def test_what_the_metadata_refusal_changes_for_normal_code(census_box):
-    """chmod/chown/utime are refused (SECURITY.md #46): the copy helpers that set modes fail
-    loudly after copying the data, and say why; the ones that copy data only keep working."""
+    """chmod/chown/utime are refused (SECURITY.md #46): the copy helpers still copy the data
+    and skip only the refused mode step; a direct chmod still fails loudly."""
     code = """
 import shutil, os
 open('src.txt', 'w').write('data')
+os.makedirs('tree/sub', exist_ok=True); open('tree/sub/f', 'w').write('deep')
+shutil.copy('src.txt', 'dst.txt'); shutil.copy2('src.txt', 'dst2.txt'); shutil.copytree('tree', 'tree2')
 try:
-    shutil.copy('src.txt', 'dst.txt')
-    outcome = 'copied'
+    os.chmod('dst.txt', 0o600)
+    direct = 'changed'
 except PermissionError as e:
-    outcome = f'PermissionError:{e.errno}'
-shutil.copyfile('src.txt', 'dst2.txt')
-(outcome, open('dst2.txt').read())
+    direct = f'PermissionError:{e.errno}'
+(open('dst.txt').read(), open('dst2.txt').read(), open('tree2/sub/f').read(), direct)
 """
     rec = census_box.run(code, session="census-metadata")
     assert rec["status"] == "ok", rec
-    assert rec["result"] == "('PermissionError:1', 'data')"
+    assert rec["result"] == "('data', 'data', 'deep', 'PermissionError:1')"
