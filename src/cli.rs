@@ -124,10 +124,12 @@ pub fn main() -> ExitCode {
                 since,
                 json,
             }) => {
-                let log = crate::audit::AuditLog::new(
-                    &cli.settings.resolved_state_dir(),
-                    cli.settings.audit_max_bytes,
-                );
+                // The same directory `serve` writes to, fallback included.
+                let dir = cli
+                    .settings
+                    .prepare_state_dir()
+                    .unwrap_or_else(|_| cli.settings.resolved_state_dir());
+                let log = crate::audit::AuditLog::new(&dir, cli.settings.audit_max_bytes);
                 print!(
                     "{}",
                     crate::audit::render(&log, session.as_deref(), since, json)

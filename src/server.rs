@@ -42,10 +42,8 @@ impl IroncellServer {
         let default_timeout = sessions.settings().default_timeout.as_secs_f64();
         let proxies = !sessions.proxy().server_summaries().is_empty();
         let tools = Arc::new(vec![run_python_tool(default_timeout, proxies), job_tool()]);
-        let audit = crate::audit::AuditLog::new(
-            &sessions.settings().resolved_state_dir(),
-            sessions.settings().audit_max_bytes,
-        );
+        let audit =
+            crate::audit::AuditLog::new(sessions.state_dir(), sessions.settings().audit_max_bytes);
         IroncellServer {
             sessions,
             jobs: Arc::new(Jobs::with_audit(Arc::new(audit))),

@@ -178,6 +178,11 @@ impl SessionManager {
         &self.sandbox
     }
 
+    /// The state directory in use (the configured one, or the private fallback).
+    pub fn state_dir(&self) -> &Path {
+        self.root.parent().unwrap_or(&self.root)
+    }
+
     pub fn proxy(&self) -> &Arc<Proxy> {
         &self.proxy
     }
@@ -935,26 +940,21 @@ async fn end_for_violation(
     outcome
 }
 
-/// Whether `rel` (already checked by its text) is a regular file beneath `root`, reached without
-/// following any symlink, so a result never links what the worker planted outside.
+/// Whether `rel` names a regular file beneath the session directory `root`, reached without
+/// following any symlink (an image path the worker named is linked only then).
 fn is_regular_file_beneath(root: &Path, rel: &str) -> bool {
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, open, openat2};
-    let Ok(dir) = open(
-        root,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+    use nix::fcntl::OFlag;
+    let Ok(dir) = host_fs::open_session_dir(root) else {
+        return false;
+    };
+    host_fs::open_beneath(
+        dir.as_fd(),
+        Path::new(rel),
+        OFlag::O_PATH | OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
-    ) else {
-        return false;
-    };
-    let how = OpenHow::new()
-        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
-    let Ok(file) = openat2(&dir, rel, how) else {
-        return false;
-    };
-    nix::sys::stat::fstat(&file)
-        .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG)
-        .unwrap_or(false)
+    )
+    .and_then(|f| nix::sys::stat::fstat(&f).map_err(std::io::Error::from))
+    .is_ok_and(|st| host_fs::is_regular(&st))
 }
 
 fn crash_reason(exit: Option<ExitInfo>) -> &'static str {
