@@ -10,14 +10,16 @@
 # container needs no extra privileges: ironcell sandboxes each worker itself. `--init` gives it
 # a real PID 1 (signals, zombies). Settings: flags after `serve`, or `-e NAME=value` before the
 # image (Claude's "env" only reaches the docker CLI). A folder of yours: `-v /Users/you/p:/data/p:ro`
-# plus `--allow-read /data/p` (or `--allow-write` without `:ro`).
+# plus `--allow-read /data/p` (or `--allow-write` without `:ro`). The code runs in the image's
+# python3 (Debian 12's 3.11 with numpy, pandas, matplotlib); to use another, derive an image that
+# installs it and set IRONCELL_PYTHON (an interpreter, a venv or a conda env prefix).
 
+# The build needs no Python: the extension uses the stable ABI and links no libpython.
 FROM rust:1-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends python3.11-dev \
-    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs clippy.toml ./
 COPY .cargo .cargo
+COPY crates crates
 COPY src src
 COPY python python
 COPY sandbox-policy sandbox-policy
@@ -25,7 +27,7 @@ RUN cargo build --release --locked && strip target/release/ironcell
 
 FROM debian:bookworm-slim AS slim
 RUN apt-get update && apt-get install -y --no-install-recommends \
-        libpython3.11 python3.11 python3-numpy python3-pandas python3-matplotlib tzdata \
+        python3 python3-numpy python3-pandas python3-matplotlib tzdata \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 1000 ironcell
 COPY --from=build /src/target/release/ironcell /usr/local/bin/ironcell

@@ -76,9 +76,6 @@ enum Command {
         #[command(subcommand)]
         action: PolicyAction,
     },
-    /// Internal: the clean, forking interpreter process. Started by ironcell itself.
-    #[command(name = crate::zygote::ZYGOTE_SUBCOMMAND, hide = true)]
-    Zygote,
 }
 
 #[derive(Debug, Subcommand)]
@@ -90,16 +87,6 @@ enum PolicyAction {
 /// Parses the command line and runs the chosen command.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::Zygote) = cli.command {
-        init_logging(&cli.log_level);
-        return match crate::zygote::run_zygote_process(&cli.settings.preload) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("ironcell zygote: {e:#}");
-                ExitCode::from(70)
-            }
-        };
-    }
     init_logging(&cli.log_level);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -140,7 +127,6 @@ pub fn main() -> ExitCode {
             Some(Command::Policy {
                 action: PolicyAction::Show,
             }) => show_policy(&cli.settings),
-            Some(Command::Zygote) => Ok(ExitCode::SUCCESS),
         }
     });
     // Don't wait for the blocking stdin reader thread: exit now that the work is done.
@@ -154,10 +140,22 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// The log filter in force, which the zygote (a separate process with a cleared environment)
+/// is given too.
+static LOG_FILTER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+pub(crate) fn log_filter() -> String {
+    LOG_FILTER
+        .get()
+        .cloned()
+        .unwrap_or_else(|| "ironcell=info".into())
+}
+
 fn init_logging(level: &str) {
     let filter = std::env::var("RUST_LOG")
         .ok()
         .unwrap_or_else(|| format!("ironcell={level},rmcp=warn"));
+    let _ = LOG_FILTER.set(filter.clone());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)

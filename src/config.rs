@@ -107,6 +107,12 @@ pub struct Settings {
     #[arg(long, global = true, env = "IRONCELL_IMAGE_BUDGET", default_value = "256k", value_parser = parse_size)]
     pub image_budget: u64,
 
+    /// The Python that runs the code: an interpreter, a venv directory or an environment prefix
+    /// (e.g. `~/miniconda3/envs/data`). Default: `VIRTUAL_ENV`, then `CONDA_PREFIX`, then
+    /// `python3` on PATH, then the system's.
+    #[arg(long, global = true, env = "IRONCELL_PYTHON", value_name = "PATH")]
+    pub python: Option<PathBuf>,
+
     /// Extra modules the zygote imports once so every session starts with them loaded, e.g.
     /// `numpy,pandas,matplotlib.pyplot` (comma-separated; missing ones are skipped). Faster
     /// first use, at the cost of a larger zygote and slightly slower forks.

@@ -85,19 +85,39 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     let refusal = sandbox.preflight().err();
 
     let sessions = SessionManager::start(settings, std::env::current_exe()?)?;
+    match sessions.interpreter() {
+        Ok(i) => println!(
+            "\npython        {} (chosen by {}: {})",
+            i.executable.display(),
+            i.source,
+            i.given.display()
+        ),
+        Err(_) => println!("\npython        none chosen"),
+    }
     match sessions.python_info().await {
         Ok(info) => {
             println!(
-                "\npython        {} (prefix {}), warm in {:.0} ms",
-                info.python_version, info.prefix, info.warm_ms
+                "  version     {}, warm in {:.0} ms\n  prefix      {}{}\n  executable  {}",
+                info.python_version,
+                info.warm_ms,
+                info.prefix,
+                if info.base_prefix != info.prefix {
+                    format!(" (a venv of {})", info.base_prefix)
+                } else {
+                    String::new()
+                },
+                info.executable
             );
+            for p in &info.site_packages {
+                println!("  site-pkgs   {}", p.display());
+            }
             for p in &info.python_paths {
                 println!("  read-only   {}", p.display());
             }
         }
         Err(e) => {
             ok = false;
-            println!("\npython        NOT usable: {e:#}");
+            println!("  NOT usable: {e:#}");
         }
     }
     for p in sandbox.policy.existing_read_only() {

@@ -1,29 +1,38 @@
 //! ironcell: an MCP server that runs Python in persistent, kernel-sandboxed sessions.
 //!
-//! The host speaks MCP on stdio and never runs untrusted code. It exec's its own binary once as
-//! a *zygote* with a clean environment; the zygote initializes CPython (embedded with pyo3),
-//! warms it up, and forks one *worker* per session. Workers talk to the host over their own
-//! socketpair with length-prefixed frames; their fd 1 and 2 are captured, so nothing they write
-//! can reach the MCP stream.
+//! Three processes, three places in the repository:
 //!
-//! # Layout
+//! - the **host** (this crate): speaks MCP on stdio, owns sessions, output, files, jobs and the
+//!   proxy to the user's other MCP servers. It never forks a worker and never runs Python; it
+//!   links no libpython, so it always starts and can say what is wrong with an interpreter.
+//! - the **zygote** and the **workers** (crates/ironcell-python): the user's own interpreter,
+//!   exec'd with `-I` and a clean environment, loads ironcell's extension module (embedded in
+//!   this binary) and forks one worker per session; a worker locks itself down and runs cells.
+//! - what they share (crates/ironcell-core): the contracts between the processes
+//!   ([`ironcell_core::control`], [`frame`]) and the [`sandbox`] a worker applies to itself.
 //!
-//! - [`cli`]: the command line (`serve`, `exec`, `demo`, `doctor`) and what each command does.
+//! Dependencies run one way: host → core, python → core; core depends on neither.
+//!
+//! # Layout of the host
+//!
+//! - [`cli`]: the command line (`serve`, `exec`, `demo`, `doctor`, `setup`, `policy`, `audit`).
 //! - [`config`]: settings, their flags and environment variables, duration and size parsing.
-//! - [`server`]: the rmcp `ServerHandler`: the `run_python` tool and the `system://info` resource.
-//! - [`session`]: the session table, timeouts, cancellation, caps, and the per-cell run loop.
+//! - [`python`]: which interpreter runs the code, and the errors that name the fix.
+//! - [`zygote`]: starting the zygote (the interpreter plus the embedded extension) and the
+//!   host's handle on it: spawn requests, exits, readiness.
+//! - [`server`]: the rmcp `ServerHandler`: the tools and the `system://info` resource.
 //! - [`stdio`]: the stdio transport: bounded lines, an answer for every malformed one.
+//! - [`session`]: the session table, timeouts, cancellation, caps, and the per-cell run loop.
 //! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
-//! - [`zygote`]: the clean, exec'd, single-threaded forker, and the host's handle on it.
-//! - [`worker`]: the child side: setup order, output capture, the frame loop.
-//! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, and the lockdown order.
-//! - [`setup`]: `ironcell setup`, which writes or merges MCP client configs, and WSL2 detection.
-//! - [`doctor`]: `ironcell doctor`, which shows each sandbox layer on this host.
-//! - [`frame`]: the framing and messages on a session socket.
-//! - [`host_fs`]: fd-relative, symlink-refusing file operations in session directories.
+//! - [`jobs`]: background runs (`run_python_job`, the tasks extension).
+//! - [`files`], [`host_fs`]: session files, read and written fd-relative, refusing symlinks.
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
+//! - [`proxy`]: the user's other MCP servers: config, upstream clients, rules, search.
+//! - [`audit`]: the audit log of runs and proxied calls.
+//! - [`setup`]: `ironcell setup`, which writes or merges MCP client configs, and WSL2 detection.
+//! - [`doctor`]: `ironcell doctor`, which shows the interpreter and each sandbox layer.
 //! - [`system_info`]: what `system://info` reports.
-//! - `python/_ironcell_runner.py`: the notebook-style cell runner, embedded in the binary.
+//! - `python/`: the boot script, the cell runner and the in-sandbox `mcp` module, embedded.
 
 /// Locks a mutex, carrying on with the data if another thread panicked while holding it: the
 /// tables guarded this way (sessions, jobs, pending spawns) stay consistent between statements.
@@ -37,18 +46,16 @@ pub mod config;
 pub mod demo;
 pub mod doctor;
 pub mod files;
-pub mod frame;
+pub use ironcell_core::{frame, sandbox};
 pub mod host_fs;
 pub mod jobs;
 pub mod memory;
 pub mod output;
 pub mod proxy;
-pub mod pybridge;
-pub mod sandbox;
+pub mod python;
 pub mod server;
 pub mod session;
 pub mod setup;
 pub mod stdio;
 pub mod system_info;
-pub mod worker;
 pub mod zygote;

@@ -105,8 +105,9 @@ pub struct SessionManager {
     proxy: Arc<Proxy>,
     /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
     memory: Arc<crate::memory::MemoryStore>,
-    exe: PathBuf,
-    zygote: Mutex<Arc<Zygote>>,
+    /// The interpreter chosen at start (or why none could be): every zygote runs it.
+    python: Result<crate::python::Interpreter, crate::python::PythonError>,
+    zygote: Mutex<Option<Arc<Zygote>>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     /// One permit per possible live worker (IRONCELL_MAX_SESSIONS); each live worker holds one.
     session_slots: Arc<Semaphore>,
@@ -149,7 +150,26 @@ impl SessionManager {
             settings.call_timeout,
             settings.approval,
         ));
-        let zygote = Zygote::start(&exe, &settings.preload)?;
+        let python =
+            crate::python::choose(&crate::python::ProcessLookup(settings.python.as_deref()));
+        let zygote = match &python {
+            Ok(interpreter) => {
+                tracing::info!(
+                    python = %interpreter.executable.display(),
+                    chosen_by = %interpreter.source,
+                    "starting the zygote"
+                );
+                Some(Arc::new(Zygote::start(
+                    interpreter,
+                    &settings.preload,
+                    &crate::cli::log_filter(),
+                )?))
+            }
+            Err(e) => {
+                tracing::error!("{e}");
+                None
+            }
+        };
         let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
         crate::config::report_not_applicable_variables(&settings);
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
@@ -158,8 +178,9 @@ impl SessionManager {
             sandbox,
             proxy,
             memory,
-            exe,
-            zygote: Mutex::new(Arc::new(zygote)),
+
+            python,
+            zygote: Mutex::new(zygote),
             sessions: Mutex::new(HashMap::new()),
             session_slots,
             recent_lockdown_us: Mutex::new(Vec::new()),
@@ -249,20 +270,38 @@ impl SessionManager {
         lock(&self.sessions).len()
     }
 
+    /// The interpreter in use, or why there is none.
+    pub fn interpreter(&self) -> Result<&crate::python::Interpreter, &crate::python::PythonError> {
+        self.python.as_ref()
+    }
+
     fn current_zygote(&self) -> anyhow::Result<Arc<Zygote>> {
+        let python = self.python.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
         let mut z = lock(&self.zygote);
-        if z.is_dead() {
-            tracing::warn!("the zygote is gone; starting a new one");
-            *z = Arc::new(Zygote::start(&self.exe, &self.settings.preload)?);
+        match z.as_ref() {
+            Some(live) if !live.is_dead() => Ok(live.clone()),
+            _ => {
+                if z.is_some() {
+                    tracing::warn!("the zygote is gone; starting a new one");
+                }
+                let fresh = Arc::new(Zygote::start(
+                    python,
+                    &self.settings.preload,
+                    &crate::cli::log_filter(),
+                )?);
+                *z = Some(fresh.clone());
+                Ok(fresh)
+            }
         }
-        Ok(z.clone())
     }
 
     /// Stops the proxied servers, kills the zygote (and so every worker) and removes all
     /// scratch directories.
     pub async fn shutdown(&self) {
         let _ = tokio::time::timeout(Duration::from_secs(1), self.proxy.shutdown()).await;
-        lock(&self.zygote).kill();
+        if let Some(z) = lock(&self.zygote).as_ref() {
+            z.kill();
+        }
         remove_scratch(self.root.clone()).await;
     }
 
@@ -344,7 +383,7 @@ impl SessionManager {
         self.enforce_quota_while_idle(&session, &mut state).await;
         if let Some(mut w) = state.worker.take() {
             // A dead zygote took every worker with it, even if its last reports are in flight.
-            let zygote_dead = lock(&self.zygote).is_dead();
+            let zygote_dead = lock(&self.zygote).as_ref().is_none_or(|z| z.is_dead());
             match w.liveness() {
                 Liveness::Alive if !zygote_dead => state.worker = Some(w),
                 Liveness::Exited(status) => {

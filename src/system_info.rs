@@ -25,12 +25,28 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         }
         Err(e) => (format!("unknown: {e}"), 0, 0, 0),
     };
-    let python = match sessions.python_info().await {
-        Ok(info) => {
-            json!({"version": info.python_version, "prefix": info.prefix, "warm_start_ms": info.warm_ms})
+    let chosen = match sessions.interpreter() {
+        Ok(i) => {
+            json!({"interpreter": i.executable, "given": i.given, "chosen_by": i.source.to_string(), "kind": i.kind})
         }
+        Err(e) => json!({"error": e.to_string()}),
+    };
+    let mut python = match sessions.python_info().await {
+        Ok(info) => json!({
+            "version": info.python_version,
+            "executable": info.executable,
+            "prefix": info.prefix,
+            "base_prefix": info.base_prefix,
+            "site_packages": info.site_packages,
+            "warm_start_ms": info.warm_ms,
+        }),
         Err(e) => json!({"error": format!("{e:#}")}),
     };
+    if let (Some(p), Some(c)) = (python.as_object_mut(), chosen.as_object()) {
+        for (k, v) in c {
+            p.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
     let s = sessions.settings();
     let mut sandbox = sandbox_summary(sessions.sandbox());
     let tmp = crate::sandbox::private_tmp::host_status(s.private_tmp, &s.resolved_state_dir());

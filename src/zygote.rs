@@ -1,153 +1,45 @@
-//! The zygote: a clean, exec'd, single-threaded process that holds a warm CPython and forks one
-//! worker per session.
+//! The host's handle on the zygote: the user's own interpreter, exec'd with `-I` and a clean
+//! environment, holding a warm CPython and forking one worker per session.
 //!
 //! Why a separate exec'd process rather than forking the host: a fork copies the parent's whole
 //! memory, including its initial stack with the environment block, and a worker can read its own
 //! memory with ctypes. The host holds the user's environment and the tokens of proxied servers,
-//! so workers must descend from a process that never had them. The host starts the zygote by
-//! exec'ing its own binary with `env_clear()` and a short allow-list ([`zygote_environment`]).
+//! so workers must descend from a process that never had them. The host exec's the chosen
+//! interpreter ([`crate::python`]) with `env_clear()` and a short allow-list
+//! ([`zygote_environment`]), the control socket on fd 3 and ironcell's Python extension —
+//! embedded in this binary, handed over as a sealed memfd — on fd 4. The boot script
+//! (python/_ironcell_boot.py) loads it; the zygote's own code is in crates/ironcell-python.
 //!
-//! Protocol on the control socket (`SOCK_SEQPACKET`, one JSON message per packet, fd 3 in the
-//! zygote): the host sends [`ZygoteRequest::Spawn`] with the worker's end of a fresh session
-//! socketpair attached by `SCM_RIGHTS`; the zygote forks, the child becomes the worker
-//! ([`crate::worker`]), and the zygote answers [`ZygoteEvent::Spawned`] with the pid. The zygote
-//! reaps its children and reports each exit ([`ZygoteEvent::Exited`]), because the host is not
-//! their parent and cannot `waitpid` them. Both ends use `PR_SET_PDEATHSIG`: when the host dies
-//! the zygote dies, and when the zygote dies every worker dies.
+//! The control messages are in [`ironcell_core::control`]. The host never runs Python and
+//! links no libpython: it always starts, and can say what is wrong with an interpreter.
 
 use std::collections::HashMap;
-use std::ffi::CString;
-use std::fmt;
-use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::lock;
-
 use anyhow::{Context, anyhow, bail};
-use nix::sys::socket::{
-    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
-    sendmsg, socketpair,
-};
-use serde::{Deserialize, Serialize};
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+use serde::Serialize;
 use tokio::sync::oneshot;
 
-use crate::pybridge::_ironcell_bridge;
+pub use ironcell_core::control::{
+    CONTROL_FD, EXTENSION_FD, ExitInfo, WorkerSpec, ZygoteEvent, ZygoteRequest,
+};
+use ironcell_core::control::{recv_message, send_message};
 
-/// The fd number the zygote finds its control socket on.
-pub const CONTROL_FD: RawFd = 3;
+use crate::lock;
+use crate::python::Interpreter;
 
-/// The hidden subcommand that turns the binary into a zygote.
-pub const ZYGOTE_SUBCOMMAND: &str = "__zygote";
+/// ironcell's Python extension (crates/ironcell-python), built and copied here by build.rs.
+static EXTENSION: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libironcell_python.so"));
 
-/// Largest control message. Specs and events are small JSON objects.
-const MAX_CONTROL_MESSAGE: usize = 64 * 1024;
-
-/// Modules every worker finds already imported (a fork shares them, so they cost nothing per
-/// session). Missing ones are skipped.
-const WARM_IMPORTS: &[&str] = &[
-    "asyncio",
-    "base64",
-    "collections",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "fractions",
-    "functools",
-    "hashlib",
-    "inspect",
-    "io",
-    "itertools",
-    "json",
-    "math",
-    "pathlib",
-    "pprint",
-    "random",
-    "re",
-    "statistics",
-    "string",
-    "struct",
-    "textwrap",
-    "time",
-    "typing",
-    "urllib.parse",
-    "uuid",
-];
-
-const RUNNER_SOURCE: &str = include_str!("../python/_ironcell_runner.py");
-const MCP_MODULE_SOURCE: &str = include_str!("../python/mcp/__init__.py");
-
-/// What a worker needs to know about its session. Sent by the host, applied by the worker.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct WorkerSpec {
-    pub session: String,
-    /// The session's scratch directory: cwd, HOME and TMPDIR of the worker.
-    pub scratch: PathBuf,
-    /// The worker's whole environment. Nothing else from any process reaches it.
-    pub env: Vec<(String, String)>,
-    /// The lockdown the worker applies to itself before it runs anything.
-    pub sandbox: crate::sandbox::SandboxPlan,
-    /// The proxied MCP servers the session can call (names and descriptions only; no secrets).
-    pub mcp_servers: Vec<serde_json::Value>,
-    /// Inline images are downscaled to fit this many bytes.
-    pub image_budget_bytes: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum ZygoteRequest {
-    Spawn { id: u64, spec: WorkerSpec },
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum ZygoteEvent {
-    /// CPython is initialized and warm; the zygote accepts spawn requests.
-    Ready {
-        python_paths: Vec<PathBuf>,
-        python_version: String,
-        prefix: String,
-        warm_ms: f64,
-    },
-    Spawned {
-        id: u64,
-        pid: i32,
-    },
-    SpawnFailed {
-        id: u64,
-        message: String,
-    },
-    Exited {
-        pid: i32,
-        status: ExitInfo,
-    },
-}
-
-/// How a worker process ended, as reported by the zygote's `waitpid`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ExitInfo {
-    Code(i32),
-    Signal(i32),
-}
-
-impl fmt::Display for ExitInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            ExitInfo::Code(c) => write!(f, "exited with status {c}"),
-            ExitInfo::Signal(s) => {
-                let name = nix::sys::signal::Signal::try_from(s)
-                    .map(|s| s.as_str().to_string())
-                    .unwrap_or_else(|_| format!("signal {s}"));
-                write!(f, "was killed by {name}")
-            }
-        }
-    }
-}
+/// The script the zygote interpreter runs: load the extension from fd 4, call `zygote_main`.
+const BOOT_SOURCE: &str = include_str!("../python/_ironcell_boot.py");
 
 /// The environment the zygote is exec'd with: nothing from the host but these fixed values.
 pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
@@ -166,297 +58,24 @@ pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
     ]
 }
 
-// ---------------------------------------------------------------------------------------------
-// The zygote process
-// ---------------------------------------------------------------------------------------------
-
-/// Entry point of the `__zygote` subcommand. Never returns while the host lives.
-pub fn run_zygote_process(preload: &[String]) -> anyhow::Result<()> {
-    // SAFETY: the host placed the control socket at fd 3 before exec; nothing else owns it.
-    let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
-    set_parent_death_signal()?;
-    let started = std::time::Instant::now();
-    pyo3::append_to_inittab!(_ironcell_bridge);
-    pyo3::Python::initialize();
-    pyo3::Python::attach(|py| -> anyhow::Result<()> {
-        let (version, prefix, python_paths) = warm_up_interpreter(py, preload)?;
-        let ready = ZygoteEvent::Ready {
-            python_version: version,
-            prefix,
-            python_paths,
-            warm_ms: started.elapsed().as_secs_f64() * 1000.0,
-        };
-        send_event(ctl.as_raw_fd(), &ready)?;
-        serve_spawn_requests(py, &ctl)
-    })
-}
-
-fn set_parent_death_signal() -> anyhow::Result<()> {
-    // SAFETY: prctl with integer arguments only.
-    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
+/// The extension as a sealed, read-only memfd: what the boot script loads from
+/// `/proc/self/fd/4`. Nothing is written to disk, and nobody can change it after the seal.
+fn extension_memfd() -> anyhow::Result<OwnedFd> {
+    use nix::sys::memfd::{MFdFlags, memfd_create};
+    let fd = memfd_create(
+        c"ironcell-python",
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )
+    .context("memfd_create for the Python extension")?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(EXTENSION)
+        .context("writing the Python extension to its memfd")?;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on an fd we own, integer arguments only.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("sealing the Python extension memfd");
     }
-    Ok(())
-}
-
-/// Directories of the Python installation a worker must read: stdlib, lib-dynload and
-/// site-packages (from sysconfig and sys.path), not the whole prefix (which is /usr on Debian).
-const PYTHON_PATHS_SOURCE: &str = r#"
-import os, sys, sysconfig
-paths = set()
-for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-    p = sysconfig.get_paths().get(key)
-    if p:
-        paths.add(p)
-for p in sys.path:
-    if p and os.path.isabs(p):
-        paths.add(p)
-result = sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
-"#;
-
-type InterpreterFacts = (String, String, Vec<PathBuf>);
-
-fn warm_up_interpreter(
-    py: pyo3::Python<'_>,
-    preload: &[String],
-) -> anyhow::Result<InterpreterFacts> {
-    use pyo3::prelude::*;
-    use pyo3::types::PyModule;
-    let source = CString::new(RUNNER_SOURCE)?;
-    let runner = PyModule::from_code(py, &source, c"_ironcell_runner.py", c"_ironcell_runner")
-        .map_err(|e| anyhow!("loading the cell runner: {e}"))?;
-    let sys = py.import("sys").map_err(|e| anyhow!("{e}"))?;
-    sys.getattr("modules")
-        .and_then(|m| m.set_item("_ironcell_runner", &runner))
-        .map_err(|e| anyhow!("{e}"))?;
-    let source = CString::new(MCP_MODULE_SOURCE)?;
-    let mcp = PyModule::from_code(py, &source, c"<ironcell>/mcp/__init__.py", c"mcp")
-        .map_err(|e| anyhow!("loading the mcp module: {e}"))?;
-    sys.getattr("modules")
-        .and_then(|m| m.set_item("mcp", &mcp))
-        .map_err(|e| anyhow!("{e}"))?;
-    for name in preload
-        .iter()
-        .map(String::as_str)
-        .filter(|n| !n.trim().is_empty())
-    {
-        match py.import(name.trim()) {
-            Ok(_) => tracing::info!(module = name, "preloaded"),
-            Err(e) => tracing::warn!(module = name, error = %e, "preload skipped"),
-        }
-    }
-    for name in WARM_IMPORTS {
-        if let Err(e) = py.import(*name) {
-            tracing::debug!(module = name, error = %e, "warm import skipped");
-        }
-    }
-    // Move everything imported so far into the permanent generation: a forked worker's garbage
-    // collections then never touch (and so never copy) the zygote's pages.
-    let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
-    gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
-    gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
-    let version: String = sys
-        .getattr("version")
-        .and_then(|v| v.extract())
-        .map_err(|e| anyhow!("{e}"))?;
-    let prefix: String = sys
-        .getattr("prefix")
-        .and_then(|v| v.extract())
-        .map_err(|e| anyhow!("{e}"))?;
-    let version = version
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    let globals = pyo3::types::PyDict::new(py);
-    let source = CString::new(PYTHON_PATHS_SOURCE)?;
-    py.run(&source, Some(&globals), None)
-        .map_err(|e| anyhow!("{e}"))?;
-    let paths: Vec<String> = globals
-        .get_item("result")
-        .map_err(|e| anyhow!("{e}"))?
-        .map(|v| v.extract())
-        .transpose()
-        .map_err(|e| anyhow!("{e}"))?
-        .unwrap_or_default();
-    Ok((
-        version,
-        prefix,
-        paths.into_iter().map(PathBuf::from).collect(),
-    ))
-}
-
-fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
-    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    use nix::sys::signal::{SigSet, Signal};
-    use nix::sys::signalfd::{SfdFlags, SignalFd};
-
-    // SIGCHLD arrives through a signalfd so the loop stays single-threaded and synchronous.
-    let mut mask = SigSet::empty();
-    mask.add(Signal::SIGCHLD);
-    mask.thread_block()?;
-    let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)?;
-    loop {
-        let mut fds = [
-            PollFd::new(ctl_borrow(ctl), PollFlags::POLLIN),
-            PollFd::new(sfd_borrow(&sfd), PollFlags::POLLIN),
-        ];
-        match poll(&mut fds, PollTimeout::NONE) {
-            Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-        let ctl_ready = fds[0].any().unwrap_or(false);
-        let sig_ready = fds[1].any().unwrap_or(false);
-        if sig_ready {
-            while let Ok(Some(_)) = sfd.read_signal() {}
-            report_exited_children(ctl.as_raw_fd())?;
-        }
-        if ctl_ready {
-            let Some((msg, fds)) = recv_message(ctl.as_raw_fd())? else {
-                // The host closed the control socket: it is gone or shutting down.
-                return Ok(());
-            };
-            let request: ZygoteRequest = serde_json::from_slice(&msg)?;
-            match request {
-                ZygoteRequest::Spawn { id, spec } => {
-                    let mut fds = fds.into_iter();
-                    let Some(session_fd) = fds.next() else {
-                        let message = "spawn request carried no session socket".to_string();
-                        send_event(ctl.as_raw_fd(), &ZygoteEvent::SpawnFailed { id, message })?;
-                        continue;
-                    };
-                    drop(fds);
-                    let event = fork_worker(py, id, spec, session_fd, &mask);
-                    send_event(ctl.as_raw_fd(), &event)?;
-                }
-            }
-        }
-    }
-}
-
-fn ctl_borrow(fd: &OwnedFd) -> std::os::fd::BorrowedFd<'_> {
-    use std::os::fd::AsFd;
-    fd.as_fd()
-}
-
-fn sfd_borrow(fd: &nix::sys::signalfd::SignalFd) -> std::os::fd::BorrowedFd<'_> {
-    use std::os::fd::AsFd;
-    fd.as_fd()
-}
-
-fn fork_worker(
-    py: pyo3::Python<'_>,
-    id: u64,
-    spec: WorkerSpec,
-    session_fd: OwnedFd,
-    blocked: &nix::sys::signal::SigSet,
-) -> ZygoteEvent {
-    // SAFETY: the zygote is single-threaded and holds the GIL, so fork copies a consistent
-    // interpreter; PyOS_BeforeFork/AfterFork_* take and reset CPython's internal locks and run
-    // the `os.register_at_fork` hooks (e.g. `random` reseeds in the child).
-    unsafe { pyo3::ffi::PyOS_BeforeFork() };
-    // SAFETY: plain fork(2); the child only runs code that is safe after fork of a
-    // single-threaded process.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
-        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
-        let _ = blocked.thread_unblock();
-        crate::worker::run_worker_process(py, spec, session_fd);
-    }
-    // SAFETY: in the parent, after fork, with the GIL held.
-    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
-    drop(session_fd);
-    if pid < 0 {
-        let message = format!("fork failed: {}", std::io::Error::last_os_error());
-        return ZygoteEvent::SpawnFailed { id, message };
-    }
-    ZygoteEvent::Spawned { id, pid }
-}
-
-fn report_exited_children(ctl: RawFd) -> anyhow::Result<()> {
-    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-    loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) => {
-                let event = ZygoteEvent::Exited {
-                    pid: pid.as_raw(),
-                    status: ExitInfo::Code(code),
-                };
-                send_event(ctl, &event)?;
-            }
-            Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                let status = ExitInfo::Signal(sig as i32);
-                send_event(
-                    ctl,
-                    &ZygoteEvent::Exited {
-                        pid: pid.as_raw(),
-                        status,
-                    },
-                )?;
-            }
-            Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => return Ok(()),
-            Ok(_) => continue,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Control-socket messages (both sides)
-// ---------------------------------------------------------------------------------------------
-
-fn send_event(ctl: RawFd, event: &ZygoteEvent) -> anyhow::Result<()> {
-    send_message(ctl, &serde_json::to_vec(event)?, None)
-}
-
-fn send_message(fd: RawFd, body: &[u8], pass_fd: Option<RawFd>) -> anyhow::Result<()> {
-    let iov = [IoSlice::new(body)];
-    let fds;
-    let cmsgs: Vec<ControlMessage<'_>> = match pass_fd {
-        Some(f) => {
-            fds = [f];
-            vec![ControlMessage::ScmRights(&fds)]
-        }
-        None => Vec::new(),
-    };
-    loop {
-        match sendmsg::<()>(fd, &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
-            Ok(_) => return Ok(()),
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e).context("sending on the zygote control socket"),
-        }
-    }
-}
-
-/// Receives one packet and any fds passed with it. `Ok(None)` when the peer has closed.
-fn recv_message(fd: RawFd) -> anyhow::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
-    let mut buf = vec![0u8; MAX_CONTROL_MESSAGE];
-    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
-    loop {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = match recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
-            Ok(m) => m,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e).context("receiving on the zygote control socket"),
-        };
-        let mut fds = Vec::new();
-        for c in msg.cmsgs()? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                // SAFETY: the kernel just installed these fds in this process for us.
-                fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
-            }
-        }
-        let n = msg.bytes;
-        if n == 0 && fds.is_empty() {
-            return Ok(None);
-        }
-        buf.truncate(n);
-        return Ok(Some((buf, fds)));
-    }
+    Ok(OwnedFd::from(file))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -468,6 +87,9 @@ fn recv_message(fd: RawFd) -> anyhow::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
 pub struct ZygoteInfo {
     pub python_version: String,
     pub prefix: String,
+    pub base_prefix: String,
+    pub executable: String,
+    pub site_packages: Vec<PathBuf>,
     pub python_paths: Vec<PathBuf>,
     pub warm_ms: f64,
 }
@@ -488,6 +110,39 @@ struct Shared {
     info: Mutex<Option<Result<ZygoteInfo, String>>>,
     ready: tokio::sync::Notify,
     dead: AtomicBool,
+    /// The interpreter this zygote runs, for error messages.
+    python: Interpreter,
+    /// The last lines the zygote wrote to stderr (passed on to ours as they come): what an
+    /// interpreter that dies before it is ready has to say.
+    stderr_tail: Mutex<String>,
+}
+
+/// How much of the zygote's stderr is kept for error messages.
+const STDERR_TAIL_BYTES: usize = 2048;
+
+/// Copies the zygote's stderr to ours, line by line, keeping the tail.
+fn forward_stderr(from: std::process::ChildStderr, shared: Arc<Shared>) {
+    use std::io::BufRead;
+    let mut reader = std::io::BufReader::new(from);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                let _ = std::io::stderr().write_all(&line);
+                let mut tail = lock(&shared.stderr_tail);
+                tail.push_str(&String::from_utf8_lossy(&line));
+                if tail.len() > STDERR_TAIL_BYTES {
+                    let mut cut = tail.len() - STDERR_TAIL_BYTES;
+                    while !tail.is_char_boundary(cut) {
+                        cut += 1;
+                    }
+                    tail.drain(..cut);
+                }
+            }
+        }
+    }
 }
 
 /// The host's handle on one running zygote process. Dropping it kills the zygote, and with it
@@ -500,9 +155,13 @@ pub struct Zygote {
 }
 
 impl Zygote {
-    /// Exec's `exe` as a zygote with a cleared environment. Returns at once; the interpreter
+    /// Exec's the chosen interpreter as a zygote with a cleared environment. Returns at once; the interpreter
     /// warms up in the background and spawn requests queue until it is ready.
-    pub fn start(exe: &Path, preload: &[String]) -> anyhow::Result<Zygote> {
+    pub fn start(
+        python: &Interpreter,
+        preload: &[String],
+        log_filter: &str,
+    ) -> anyhow::Result<Zygote> {
         let (host_end, zygote_end) = socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
@@ -510,7 +169,9 @@ impl Zygote {
             SockFlag::SOCK_CLOEXEC,
         )
         .context("socketpair for the zygote")?;
+        let extension = extension_memfd()?;
         let zygote_raw = zygote_end.as_raw_fd();
+        let extension_raw = extension.as_raw_fd();
         // The zygote's stdout must never be ours: ours is the MCP stream.
         let stderr_dup = std::io::stderr().as_raw_fd();
         // SAFETY: dup of our own stderr fd; the result is owned by the OwnedFd below.
@@ -520,28 +181,30 @@ impl Zygote {
         }
         // SAFETY: `out` is a fresh fd we own.
         let out = unsafe { OwnedFd::from_raw_fd(out) };
-        let mut cmd = Command::new(exe);
-        cmd.arg(ZYGOTE_SUBCOMMAND);
-        if !preload.is_empty() {
-            cmd.arg("--preload").arg(preload.join(","));
-        }
-        cmd.env_clear()
+        let mut cmd = Command::new(&python.executable);
+        cmd.arg("-I")
+            .arg("-c")
+            .arg(BOOT_SOURCE)
+            .arg(preload.join(","))
+            .arg(log_filter)
+            .env_clear()
             .envs(zygote_environment())
             .stdin(Stdio::null())
             .stdout(Stdio::from(out))
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .current_dir("/");
-        // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl, prctl).
+        // SAFETY: between fork and exec only async-signal-safe calls (fcntl, dup2, prctl).
         unsafe {
             cmd.pre_exec(move || {
-                if zygote_raw == CONTROL_FD {
-                    let flags = libc::fcntl(CONTROL_FD, libc::F_GETFD);
-                    if flags < 0
-                        || libc::fcntl(CONTROL_FD, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                } else if libc::dup2(zygote_raw, CONTROL_FD) < 0 {
+                // Move both fds out of the way first (either may already sit on 3 or 4), then
+                // onto 3 and 4; dup2 leaves the copies without FD_CLOEXEC, so they survive exec.
+                let ctl = libc::fcntl(zygote_raw, libc::F_DUPFD_CLOEXEC, 10);
+                let ext = libc::fcntl(extension_raw, libc::F_DUPFD_CLOEXEC, 10);
+                if ctl < 0
+                    || ext < 0
+                    || libc::dup2(ctl, CONTROL_FD) < 0
+                    || libc::dup2(ext, EXTENSION_FD) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
@@ -550,9 +213,10 @@ impl Zygote {
                 Ok(())
             });
         }
-        let child = cmd
+        let mut child = cmd
             .spawn()
-            .with_context(|| format!("starting the zygote ({})", exe.display()))?;
+            .with_context(|| format!("starting the zygote ({})", python.executable.display()))?;
+        drop(extension);
         drop(zygote_end);
         let shared = Arc::new(Shared {
             pending: Mutex::new(HashMap::new()),
@@ -560,7 +224,16 @@ impl Zygote {
             info: Mutex::new(None),
             ready: tokio::sync::Notify::new(),
             dead: AtomicBool::new(false),
+            python: python.clone(),
+            stderr_tail: Mutex::new(String::new()),
         });
+        if let Some(stderr) = child.stderr.take() {
+            let stderr_shared = shared.clone();
+            std::thread::Builder::new()
+                .name("zygote-stderr".into())
+                .spawn(move || forward_stderr(stderr, stderr_shared))
+                .context("starting the zygote stderr thread")?;
+        }
         let reader_fd = nix::unistd::dup(&host_end).context("dup control socket")?;
         let reader_shared = shared.clone();
         std::thread::Builder::new()
@@ -657,6 +330,9 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
             ZygoteEvent::Ready {
                 python_version,
                 prefix,
+                base_prefix,
+                executable,
+                site_packages,
                 python_paths,
                 warm_ms,
             } => {
@@ -664,9 +340,19 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 *lock(&shared.info) = Some(Ok(ZygoteInfo {
                     python_version,
                     prefix,
-                    python_paths,
+                    base_prefix,
+                    executable,
+                    site_packages,
+                    python_paths: crate::python::readable_grants(python_paths),
                     warm_ms,
                 }));
+                shared.ready.notify_waiters();
+            }
+            ZygoteEvent::Failed { message } => {
+                tracing::error!(%message, "the zygote cannot run this interpreter");
+                let tail = lock(&shared.stderr_tail).clone();
+                let text = crate::python::explain_boot_failure(&shared.python, &message, &tail);
+                *lock(&shared.info) = Some(Err(text));
                 shared.ready.notify_waiters();
             }
             ZygoteEvent::Spawned { id, pid } => {
@@ -695,9 +381,14 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     {
         let mut info = lock(&shared.info);
         if info.is_none() {
-            *info = Some(Err(
-                "the zygote exited before CPython was ready (see the log above)".into(),
-            ));
+            // Give the stderr thread a moment to catch the interpreter's last words.
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let tail = lock(&shared.stderr_tail).clone();
+            *info = Some(Err(crate::python::explain_boot_failure(
+                &shared.python,
+                "it exited before it was ready",
+                &tail,
+            )));
         }
     }
     shared.ready.notify_waiters();

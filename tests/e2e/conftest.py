@@ -16,6 +16,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = Path(os.environ.get("IRONCELL_HARNESS", Path.home() / ".cache" / "mcp-harness"))
 IRONCELL = Path(os.environ.get("IRONCELL_BIN", REPO / "target" / "release" / "ironcell"))
+# The interpreter the suite runs sessions in: the system's (readable by every user, with the
+# distro's numpy/pandas/matplotlib), unless IRONCELL_TEST_PYTHON names another. Launcher shims
+# (pyenv) on PATH are dropped, as on a fresh machine: tests that choose another Python say so.
+TEST_PYTHON = os.environ.get("IRONCELL_TEST_PYTHON", "/usr/bin/python3")
+os.environ["PATH"] = os.pathsep.join(
+    p for p in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep) if "/.pyenv/" not in p
+)
+for _var in ("VIRTUAL_ENV", "CONDA_PREFIX", "IRONCELL_PYTHON"):
+    os.environ.pop(_var, None)
 
 
 @pytest.fixture
@@ -30,14 +39,20 @@ def state_dir(tmp_path):
     return d
 
 
-def server_env(state_dir: Path, **overrides: str) -> dict[str, str]:
+def server_env(state_dir: Path, **overrides: str | None) -> dict[str, str]:
+    """The environment ironcell is started with; an override of None removes a variable."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "MCP_BRIDGE_STATE_DIR": str(state_dir),
         "MCP_BRIDGE_LOG_LEVEL": "info",
+        "IRONCELL_PYTHON": TEST_PYTHON,
     }
-    env.update(overrides)
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 

@@ -11,9 +11,9 @@
 //!    zygote, which dies with the host).
 //! 4. Enter the scratch directory and replace the environment with the session's fixed one;
 //!    mount the scratch directory over `/tmp` in a private mount namespace where the kernel
-//!    allows ([`crate::sandbox::private_tmp`]).
+//!    allows ([`ironcell_core::sandbox::private_tmp`]).
 //! 5. Lock down: capabilities, no_new_privs, non-dumpable, rlimits, Landlock, seccomp
-//!    ([`crate::sandbox::apply_lockdown_to_current_process`] explains the order).
+//!    ([`ironcell_core::sandbox::apply_lockdown_to_current_process`] explains the order).
 //! 6. Only now start the output pump thread, say `ready`, and serve `run` frames.
 
 mod output_pump;
@@ -27,8 +27,8 @@ use anyhow::{Context, anyhow};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo, ToWorker};
-use crate::zygote::WorkerSpec;
+use ironcell_core::control::WorkerSpec;
+use ironcell_core::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo, ToWorker};
 
 /// The fd the session socket lives on inside a worker.
 const SESSION_FD: RawFd = 3;
@@ -94,8 +94,8 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
     }
     // Step 4b: the session dir over /tmp in a private mount namespace (or the fallback); must
-    // precede the lockdown, which forbids mounts (crate::sandbox::private_tmp explains).
-    let private_tmp = crate::sandbox::private_tmp::mount_session_dir_over_tmp(
+    // precede the lockdown, which forbids mounts (ironcell_core::sandbox::private_tmp explains).
+    let private_tmp = ironcell_core::sandbox::private_tmp::mount_session_dir_over_tmp(
         spec.sandbox.private_tmp,
         &spec.scratch,
         &spec.sandbox,
@@ -110,8 +110,8 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
 
     // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
     let lockdown_started = std::time::Instant::now();
-    let missing_layers =
-        crate::sandbox::apply_lockdown_to_current_process(&spec.sandbox).map_err(|e| anyhow!(e))?;
+    let missing_layers = ironcell_core::sandbox::apply_lockdown_to_current_process(&spec.sandbox)
+        .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
 
     // Step 6: threads and code only from here on.
@@ -132,7 +132,7 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
     // The reader thread owns the socket's read half: `run` frames go to this thread, answers
     // to the `mcp` module's requests go straight to whoever waits for them (a blocked call, or
     // an asyncio future), so calls resolve while a cell is running.
-    crate::pybridge::connect(writer.clone());
+    crate::bridge::connect(writer.clone());
     let (run_tx, mut run_rx) = std::sync::mpsc::channel::<(u64, String)>();
     std::thread::Builder::new()
         .name("session-reader".into())
@@ -166,7 +166,7 @@ fn read_host_frames(mut reader: UnixStream, runs: std::sync::mpsc::Sender<(u64, 
                     }
                 }
                 Ok(ToWorker::Response { id, payload }) => {
-                    crate::pybridge::resolve(id, payload.to_string())
+                    crate::bridge::resolve(id, payload.to_string())
                 }
                 Err(e) => tracing::warn!(error = %e, "ignoring an undecodable frame"),
             },
@@ -174,7 +174,7 @@ fn read_host_frames(mut reader: UnixStream, runs: std::sync::mpsc::Sender<(u64, 
             Ok(None) | Err(_) => break,
         }
     }
-    crate::pybridge::fail_all("the ironcell host closed the session");
+    crate::bridge::fail_all("the ironcell host closed the session");
 }
 
 /// Helper threads leave SIGINT to the main thread, where it becomes a KeyboardInterrupt.
@@ -254,8 +254,10 @@ fn done_from_dict(id: u64, d: &Bound<'_, PyDict>) -> FromWorker {
                 .ok()?
                 .call_method1("dumps", (v,))
                 .ok()?;
-            serde_json::from_str::<Vec<crate::frame::CellImage>>(&json.extract::<String>().ok()?)
-                .ok()
+            serde_json::from_str::<Vec<ironcell_core::frame::CellImage>>(
+                &json.extract::<String>().ok()?,
+            )
+            .ok()
         })
         .unwrap_or_default();
     FromWorker::Done {
@@ -286,7 +288,9 @@ fn cut_chars(text: String, limit: usize) -> String {
 
 /// Leaves out images the host would refuse (odd names, too many), so an honest worker never
 /// breaks the protocol because of a file name.
-fn images_the_host_accepts(images: Vec<crate::frame::CellImage>) -> Vec<crate::frame::CellImage> {
+fn images_the_host_accepts(
+    images: Vec<ironcell_core::frame::CellImage>,
+) -> Vec<ironcell_core::frame::CellImage> {
     images
         .into_iter()
         .filter(|img| {

@@ -346,6 +346,7 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Option<(u8, Vec<u8>)>> {
 }
 
 /// The codec the host uses on its end of a session socket.
+#[cfg(feature = "host")]
 pub fn host_codec() -> tokio_util::codec::LengthDelimitedCodec {
     tokio_util::codec::LengthDelimitedCodec::builder()
         .length_field_length(4)
@@ -355,6 +356,7 @@ pub fn host_codec() -> tokio_util::codec::LengthDelimitedCodec {
 }
 
 /// Encodes a JSON control frame body for the host codec (kind byte + JSON).
+#[cfg(feature = "host")]
 pub fn json_body<T: Serialize>(msg: &T) -> io::Result<bytes::Bytes> {
     let mut body = vec![KIND_JSON];
     serde_json::to_writer(&mut body, msg)?;

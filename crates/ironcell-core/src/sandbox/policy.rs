@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-const DEFAULT_POLICY: &str = include_str!("../../sandbox-policy/default.toml");
-const STRICT_POLICY: &str = include_str!("../../sandbox-policy/strict.toml");
+const DEFAULT_POLICY: &str = include_str!("../../../../sandbox-policy/default.toml");
+const STRICT_POLICY: &str = include_str!("../../../../sandbox-policy/strict.toml");
 
 /// A parsed, validated policy.
 #[derive(Debug, Clone, Deserialize, Serialize)]

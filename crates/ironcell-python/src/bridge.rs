@@ -1,5 +1,5 @@
-//! The native half of the in-sandbox `mcp` module (`_ironcell_bridge`), registered with
-//! `append_to_inittab!` before the zygote's interpreter starts.
+//! The native half of the in-sandbox `mcp` module (`_ironcell_bridge`, the module this
+//! extension defines; the boot script loads it into the zygote before anything else).
 //!
 //! Python code calls `request(method, params_json)` (blocking, GIL released) or
 //! `submit(method, params_json, callback)` (the callback runs on the worker's reader thread with
@@ -18,7 +18,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyConnectionError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::frame::{self, FromWorker, KIND_JSON, MAX_INFLIGHT_REQUESTS};
+use ironcell_core::frame::{self, FromWorker, KIND_JSON, MAX_INFLIGHT_REQUESTS};
 
 enum Waiter {
     Blocking(mpsc::Sender<String>),
@@ -182,9 +182,13 @@ fn send(py: Python<'_>, method: &str, params_json: &str, waiter: Waiter) -> PyRe
     Ok(id)
 }
 
+/// The extension module: the zygote's entry point and the worker's bridge to the host.
 #[pymodule]
 pub mod _ironcell_bridge {
     use super::*;
+
+    #[pymodule_export]
+    use crate::zygote::zygote_main;
 
     /// Sends a request to the host and blocks (without the GIL) until it answers. A
     /// KeyboardInterrupt (timeout or cancel) ends the wait.

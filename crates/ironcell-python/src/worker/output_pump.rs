@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, anyhow};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
-use crate::frame::{self, KIND_STDERR, KIND_STDOUT};
+use ironcell_core::frame::{self, KIND_STDERR, KIND_STDOUT};
 
 const CHUNK: usize = 64 * 1024;
 

@@ -1,0 +1,179 @@
+//! The contract between the host and the zygote: the control socket's messages, and the
+//! [`WorkerSpec`] a worker is forked with. No logic beyond encoding, decoding and sending.
+//!
+//! The control socket is a `SOCK_SEQPACKET` pair, one JSON message per packet, fd 3 in the
+//! zygote. The host sends [`ZygoteRequest::Spawn`] with the worker's end of a fresh session
+//! socketpair attached by `SCM_RIGHTS`; the zygote forks, and answers
+//! [`ZygoteEvent::Spawned`] with the pid (or [`ZygoteEvent::SpawnFailed`]). The zygote reaps
+//! its children and reports each exit ([`ZygoteEvent::Exited`]), because the host is not their
+//! parent and cannot `waitpid` them.
+
+use std::fmt;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use serde::{Deserialize, Serialize};
+
+/// The fd number the zygote finds its control socket on.
+pub const CONTROL_FD: RawFd = 3;
+
+/// The fd number the zygote finds ironcell's Python extension on (a sealed memfd).
+pub const EXTENSION_FD: RawFd = 4;
+
+/// Largest control message. Specs and events are small JSON objects.
+pub const MAX_CONTROL_MESSAGE: usize = 64 * 1024;
+
+/// What a worker needs to know about its session. Sent by the host, applied by the worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    pub session: String,
+    /// The session's scratch directory: cwd, HOME and TMPDIR of the worker.
+    pub scratch: PathBuf,
+    /// The worker's whole environment. Nothing else from any process reaches it.
+    pub env: Vec<(String, String)>,
+    /// The lockdown the worker applies to itself before it runs anything.
+    pub sandbox: crate::sandbox::SandboxPlan,
+    /// The proxied MCP servers the session can call (names and descriptions only; no secrets).
+    pub mcp_servers: Vec<serde_json::Value>,
+    /// Inline images are downscaled to fit this many bytes.
+    pub image_budget_bytes: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ZygoteRequest {
+    Spawn { id: u64, spec: WorkerSpec },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ZygoteEvent {
+    /// CPython is initialized and warm; the zygote accepts spawn requests.
+    Ready {
+        /// Every directory a worker must read to run this interpreter and its packages: stdlib,
+        /// lib-dynload, each site-packages and `sys.path` entry, and the directories of the
+        /// shared libraries the interpreter has loaded. Granted read-only by Landlock.
+        python_paths: Vec<PathBuf>,
+        python_version: String,
+        prefix: String,
+        #[serde(default)]
+        base_prefix: String,
+        #[serde(default)]
+        executable: String,
+        #[serde(default)]
+        site_packages: Vec<PathBuf>,
+        warm_ms: f64,
+    },
+    /// The interpreter cannot host ironcell (too old, free-threaded, the extension did not load,
+    /// warm-up failed). Sent by the boot script or the zygote instead of `Ready`; it then exits.
+    Failed {
+        message: String,
+    },
+    Spawned {
+        id: u64,
+        pid: i32,
+    },
+    SpawnFailed {
+        id: u64,
+        message: String,
+    },
+    Exited {
+        pid: i32,
+        status: ExitInfo,
+    },
+}
+
+/// How a worker process ended, as reported by the zygote's `waitpid`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitInfo {
+    Code(i32),
+    Signal(i32),
+}
+
+impl fmt::Display for ExitInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            ExitInfo::Code(c) => write!(f, "exited with status {c}"),
+            ExitInfo::Signal(s) => {
+                let name = nix::sys::signal::Signal::try_from(s)
+                    .map(|s| s.as_str().to_string())
+                    .unwrap_or_else(|_| format!("signal {s}"));
+                write!(f, "was killed by {name}")
+            }
+        }
+    }
+}
+
+/// The environment the zygote is exec'd with: nothing from the host but these fixed values.
+pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        ("LANG", "C.UTF-8"),
+        ("LC_ALL", "C.UTF-8"),
+        ("PYTHONDONTWRITEBYTECODE", "1"),
+        ("PYTHONNOUSERSITE", "1"),
+        ("PYTHONIOENCODING", "utf-8"),
+        // Must be set before numpy/OpenBLAS load: the zygote forks, so it must stay 1 thread.
+        ("OPENBLAS_NUM_THREADS", "1"),
+        ("OMP_NUM_THREADS", "1"),
+        ("MKL_NUM_THREADS", "1"),
+        ("MPLBACKEND", "Agg"),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sending and receiving (both sides)
+// ---------------------------------------------------------------------------------------------
+
+pub fn send_event(ctl: RawFd, event: &ZygoteEvent) -> anyhow::Result<()> {
+    send_message(ctl, &serde_json::to_vec(event)?, None)
+}
+
+pub fn send_message(fd: RawFd, body: &[u8], pass_fd: Option<RawFd>) -> anyhow::Result<()> {
+    let iov = [IoSlice::new(body)];
+    let fds;
+    let cmsgs: Vec<ControlMessage<'_>> = match pass_fd {
+        Some(f) => {
+            fds = [f];
+            vec![ControlMessage::ScmRights(&fds)]
+        }
+        None => Vec::new(),
+    };
+    loop {
+        match sendmsg::<()>(fd, &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(_) => return Ok(()),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e).context("sending on the zygote control socket"),
+        }
+    }
+}
+
+/// Receives one packet and any fds passed with it. `Ok(None)` when the peer has closed.
+pub fn recv_message(fd: RawFd) -> anyhow::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    let mut buf = vec![0u8; MAX_CONTROL_MESSAGE];
+    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    loop {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = match recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+            Ok(m) => m,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e).context("receiving on the zygote control socket"),
+        };
+        let mut fds = Vec::new();
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                // SAFETY: the kernel just installed these fds in this process for us.
+                fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
+            }
+        }
+        let n = msg.bytes;
+        if n == 0 && fds.is_empty() {
+            return Ok(None);
+        }
+        buf.truncate(n);
+        return Ok(Some((buf, fds)));
+    }
+}

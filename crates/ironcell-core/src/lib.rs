@@ -1,0 +1,14 @@
+//! What the host and the Python side of ironcell share: the contract between the processes and
+//! the sandbox a worker applies to itself.
+//!
+//! - [`control`]: host ↔ zygote messages and the [`control::WorkerSpec`] a worker is forked with.
+//! - [`frame`]: host ↔ worker framing and messages on a session socket.
+//! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, the private `/tmp`, and the lockdown
+//!   order. The host plans; the worker applies.
+//!
+//! This crate loads no Python. The host links it, and so does `ironcell-python`, the extension
+//! module the zygote loads into the user's interpreter.
+
+pub mod control;
+pub mod frame;
+pub mod sandbox;

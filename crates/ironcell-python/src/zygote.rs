@@ -1,0 +1,343 @@
+//! The zygote: the user's own interpreter, exec'd by the host with `-I` and a clean
+//! environment, holding a warm CPython and forking one worker per session.
+//!
+//! The host starts `python -I -c <boot>` (python/_ironcell_boot.py) with the control socket on
+//! fd 3 and this extension on fd 4; the boot script loads the extension and calls
+//! [`zygote_main`], which never returns while the host lives. Why a separate exec'd process
+//! rather than a fork of the host: a fork copies the parent's whole memory, including the
+//! environment block, and a worker can read its own memory with ctypes. The host holds the
+//! user's environment and the tokens of proxied servers, so workers descend from a process that
+//! never had them.
+//!
+//! The messages on the control socket are in [`ironcell_core::control`]. Both ends use
+//! `PR_SET_PDEATHSIG`: when the host dies the zygote dies, and when the zygote dies every worker
+//! dies.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use anyhow::{Context, anyhow};
+use ironcell_core::control::{
+    CONTROL_FD, ExitInfo, WorkerSpec, ZygoteEvent, ZygoteRequest, recv_message, send_event,
+};
+use pyo3::prelude::*;
+
+/// Modules every worker finds already imported (a fork shares them, so they cost nothing per
+/// session). Missing ones are skipped.
+const WARM_IMPORTS: &[&str] = &[
+    "asyncio",
+    "base64",
+    "collections",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "fractions",
+    "functools",
+    "hashlib",
+    "inspect",
+    "io",
+    "itertools",
+    "json",
+    "math",
+    "pathlib",
+    "pprint",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "struct",
+    "textwrap",
+    "time",
+    "typing",
+    "urllib.parse",
+    "uuid",
+];
+
+const RUNNER_SOURCE: &str = include_str!("../../../python/_ironcell_runner.py");
+const MCP_MODULE_SOURCE: &str = include_str!("../../../python/mcp/__init__.py");
+
+/// Runs the zygote: warms the interpreter, reports `Ready` (or `Failed`), then forks a worker
+/// for each spawn request until the host closes the control socket. Called by the boot script
+/// with the GIL held; never returns while the host lives.
+#[pyfunction]
+#[pyo3(signature = (preload, log_filter))]
+pub fn zygote_main(py: Python<'_>, preload: Vec<String>, log_filter: String) -> PyResult<()> {
+    init_logging(&log_filter);
+    run(py, &preload).map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("{e:#}")))
+}
+
+fn run(py: Python<'_>, preload: &[String]) -> anyhow::Result<()> {
+    // SAFETY: the host placed the control socket at fd 3 before exec; nothing else owns it.
+    let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
+    set_parent_death_signal()?;
+    let started = std::time::Instant::now();
+    let ready = match warm_up_interpreter(py, preload) {
+        Ok(facts) => ZygoteEvent::Ready {
+            python_version: facts.version,
+            prefix: facts.prefix,
+            base_prefix: facts.base_prefix,
+            executable: facts.executable,
+            site_packages: facts.site_packages,
+            python_paths: facts.python_paths,
+            warm_ms: started.elapsed().as_secs_f64() * 1000.0,
+        },
+        Err(e) => {
+            let message = format!("warming up the interpreter failed: {e:#}");
+            send_event(ctl.as_raw_fd(), &ZygoteEvent::Failed { message })?;
+            return Err(e);
+        }
+    };
+    send_event(ctl.as_raw_fd(), &ready)?;
+    serve_spawn_requests(py, &ctl)
+}
+
+/// Logs go to stderr (the host's stderr; never the MCP stream), filtered as the host says.
+fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("ironcell_python=info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+}
+
+fn set_parent_death_signal() -> anyhow::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
+    }
+    Ok(())
+}
+
+/// What the worker must read of this interpreter, as JSON: stdlib, lib-dynload, every
+/// site-packages and `sys.path` directory, and the directories of the shared libraries loaded so
+/// far plus `LIBDIR` (a conda env's or pyenv build's own `lib/`, where its extension modules'
+/// libraries live) — not the whole prefix (which is /usr on Debian). Directories near the root
+/// (`/`, `/lib`, `/usr`) are never taken from the loaded-library list: the policy names the
+/// system library directories itself.
+const PYTHON_FACTS_SOURCE: &str = r#"
+import json, os, site, sys, sysconfig
+paths = set()
+for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+    p = sysconfig.get_paths().get(key)
+    if p:
+        paths.add(p)
+for p in sys.path:
+    if p and os.path.isabs(p):
+        paths.add(p)
+libs = set()
+libdir = sysconfig.get_config_var("LIBDIR")
+if libdir:
+    libs.add(libdir)
+try:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6:
+                name = fields[5].strip()
+                if name.startswith("/") and ".so" in name and os.path.isfile(name):
+                    libs.add(os.path.dirname(name))
+except OSError:
+    pass
+for d in libs:
+    real = os.path.realpath(d)
+    if real.count("/") >= 2 and os.path.isdir(real):
+        paths.add(real)
+try:
+    site_packages = list(site.getsitepackages())
+except AttributeError:
+    site_packages = []
+result = json.dumps({
+    "version": sys.version.split()[0],
+    "prefix": sys.prefix,
+    "base_prefix": getattr(sys, "base_prefix", sys.prefix),
+    "executable": sys.executable,
+    "site_packages": [p for p in site_packages if os.path.isdir(p)],
+    "python_paths": sorted(set(os.path.realpath(p) for p in paths if os.path.isdir(p))),
+})
+"#;
+
+#[derive(serde::Deserialize)]
+struct InterpreterFacts {
+    version: String,
+    prefix: String,
+    base_prefix: String,
+    executable: String,
+    site_packages: Vec<PathBuf>,
+    python_paths: Vec<PathBuf>,
+}
+
+fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<InterpreterFacts> {
+    use pyo3::types::PyModule;
+    let sys = py.import("sys").map_err(|e| anyhow!("{e}"))?;
+    // `-I` ignores PYTHONDONTWRITEBYTECODE: say it here, so no worker writes `__pycache__`.
+    sys.setattr("dont_write_bytecode", true)
+        .map_err(|e| anyhow!("{e}"))?;
+    let source = CString::new(RUNNER_SOURCE)?;
+    let runner = PyModule::from_code(py, &source, c"_ironcell_runner.py", c"_ironcell_runner")
+        .map_err(|e| anyhow!("loading the cell runner: {e}"))?;
+    sys.getattr("modules")
+        .and_then(|m| m.set_item("_ironcell_runner", &runner))
+        .map_err(|e| anyhow!("{e}"))?;
+    let source = CString::new(MCP_MODULE_SOURCE)?;
+    let mcp = PyModule::from_code(py, &source, c"<ironcell>/mcp/__init__.py", c"mcp")
+        .map_err(|e| anyhow!("loading the mcp module: {e}"))?;
+    sys.getattr("modules")
+        .and_then(|m| m.set_item("mcp", &mcp))
+        .map_err(|e| anyhow!("{e}"))?;
+    for name in preload.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
+        match py.import(name) {
+            Ok(_) => tracing::info!(module = name, "preloaded"),
+            Err(e) => tracing::warn!(module = name, error = %e, "preload skipped"),
+        }
+    }
+    for name in WARM_IMPORTS {
+        if let Err(e) = py.import(*name) {
+            tracing::debug!(module = name, error = %e, "warm import skipped");
+        }
+    }
+    // Caches the runner knows how to build once for every session (e.g. matplotlib's fonts).
+    if runner.hasattr("zygote_warm_up").unwrap_or(false) {
+        if let Err(e) = runner.call_method0("zygote_warm_up") {
+            tracing::warn!(error = %e, "zygote warm-up step failed");
+        }
+    }
+    // Move everything imported so far into the permanent generation: a forked worker's garbage
+    // collections then never touch (and so never copy) the zygote's pages.
+    let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
+    gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
+    gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
+    let globals = pyo3::types::PyDict::new(py);
+    let source = CString::new(PYTHON_FACTS_SOURCE)?;
+    py.run(&source, Some(&globals), None)
+        .map_err(|e| anyhow!("{e}"))?;
+    let facts: String = globals
+        .get_item("result")
+        .map_err(|e| anyhow!("{e}"))?
+        .ok_or_else(|| anyhow!("the interpreter facts script set no result"))?
+        .extract()
+        .map_err(|e| anyhow!("{e}"))?;
+    serde_json::from_str(&facts).context("decoding the interpreter facts")
+}
+
+fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::sys::signal::{SigSet, Signal};
+    use nix::sys::signalfd::{SfdFlags, SignalFd};
+
+    // SIGCHLD arrives through a signalfd so the loop stays single-threaded and synchronous.
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGCHLD);
+    mask.thread_block()?;
+    let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)?;
+    loop {
+        let mut fds = [
+            PollFd::new(ctl_borrow(ctl), PollFlags::POLLIN),
+            PollFd::new(sfd_borrow(&sfd), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+        let ctl_ready = fds[0].any().unwrap_or(false);
+        let sig_ready = fds[1].any().unwrap_or(false);
+        if sig_ready {
+            while let Ok(Some(_)) = sfd.read_signal() {}
+            report_exited_children(ctl.as_raw_fd())?;
+        }
+        if ctl_ready {
+            let Some((msg, fds)) = recv_message(ctl.as_raw_fd())? else {
+                // The host closed the control socket: it is gone or shutting down.
+                return Ok(());
+            };
+            let request: ZygoteRequest = serde_json::from_slice(&msg)?;
+            match request {
+                ZygoteRequest::Spawn { id, spec } => {
+                    let mut fds = fds.into_iter();
+                    let Some(session_fd) = fds.next() else {
+                        let message = "spawn request carried no session socket".to_string();
+                        send_event(ctl.as_raw_fd(), &ZygoteEvent::SpawnFailed { id, message })?;
+                        continue;
+                    };
+                    drop(fds);
+                    let event = fork_worker(py, id, spec, session_fd, &mask);
+                    send_event(ctl.as_raw_fd(), &event)?;
+                }
+            }
+        }
+    }
+}
+
+fn ctl_borrow(fd: &OwnedFd) -> std::os::fd::BorrowedFd<'_> {
+    use std::os::fd::AsFd;
+    fd.as_fd()
+}
+
+fn sfd_borrow(fd: &nix::sys::signalfd::SignalFd) -> std::os::fd::BorrowedFd<'_> {
+    use std::os::fd::AsFd;
+    fd.as_fd()
+}
+
+fn fork_worker(
+    py: pyo3::Python<'_>,
+    id: u64,
+    spec: WorkerSpec,
+    session_fd: OwnedFd,
+    blocked: &nix::sys::signal::SigSet,
+) -> ZygoteEvent {
+    // SAFETY: the zygote is single-threaded and holds the GIL, so fork copies a consistent
+    // interpreter; PyOS_BeforeFork/AfterFork_* take and reset CPython's internal locks and run
+    // the `os.register_at_fork` hooks (e.g. `random` reseeds in the child).
+    unsafe { pyo3::ffi::PyOS_BeforeFork() };
+    // SAFETY: plain fork(2); the child only runs code that is safe after fork of a
+    // single-threaded process.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
+        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
+        let _ = blocked.thread_unblock();
+        crate::worker::run_worker_process(py, spec, session_fd);
+    }
+    // SAFETY: in the parent, after fork, with the GIL held.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
+    drop(session_fd);
+    if pid < 0 {
+        let message = format!("fork failed: {}", std::io::Error::last_os_error());
+        return ZygoteEvent::SpawnFailed { id, message };
+    }
+    ZygoteEvent::Spawned { id, pid }
+}
+
+fn report_exited_children(ctl: RawFd) -> anyhow::Result<()> {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => {
+                let event = ZygoteEvent::Exited {
+                    pid: pid.as_raw(),
+                    status: ExitInfo::Code(code),
+                };
+                send_event(ctl, &event)?;
+            }
+            Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                let status = ExitInfo::Signal(sig as i32);
+                send_event(
+                    ctl,
+                    &ZygoteEvent::Exited {
+                        pid: pid.as_raw(),
+                        status,
+                    },
+                )?;
+            }
+            Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => return Ok(()),
+            Ok(_) => continue,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}

@@ -1,0 +1,54 @@
+# ironcell's zygote boot script, run by the host as `python -I -c <this> PRELOAD LOG_FILTER`
+# with the control socket on fd 3 and ironcell's extension module (a sealed memfd) on fd 4.
+# It loads the extension and hands over to it; any failure is reported on the control socket
+# so the host can name the problem instead of seeing a silent exit.
+import json
+import socket
+import sys
+
+
+def _fail(message):
+    try:
+        ctl = socket.socket(fileno=3)
+        ctl.send(json.dumps({"op": "failed", "message": message}).encode())
+        ctl.detach()
+    finally:
+        sys.exit(3)
+
+
+_impl = getattr(getattr(sys, "implementation", None), "name", "cpython")
+_version = sys.version.split()[0]
+_fix = (
+    "Choose another with --python PATH or IRONCELL_PYTHON (an interpreter, a venv or a conda env "
+    "prefix), e.g. a conda env with `conda create -n NAME python=3.12`"
+)
+if _impl != "cpython":
+    _fail("%s is %s %s; ironcell needs CPython 3.9 or newer. %s" % (sys.executable, _impl, _version, _fix))
+if sys.version_info < (3, 9):
+    _fail("%s is Python %s; ironcell needs CPython 3.9 or newer. %s" % (sys.executable, _version, _fix))
+import sysconfig  # noqa: E402
+
+if sysconfig.get_config_var("Py_GIL_DISABLED"):
+    _fail(
+        "%s is a free-threaded build of Python %s, which cannot load stable-ABI extensions such as "
+        "ironcell's; use the regular build of the same version (e.g. python3.13 rather than "
+        "python3.13t). %s" % (sys.executable, _version, _fix)
+    )
+
+try:
+    from importlib.machinery import ExtensionFileLoader
+    from importlib.util import module_from_spec, spec_from_loader
+
+    _loader = ExtensionFileLoader("_ironcell_bridge", "/proc/self/fd/4")
+    _bridge = module_from_spec(spec_from_loader("_ironcell_bridge", _loader))
+    _loader.exec_module(_bridge)
+    sys.modules["_ironcell_bridge"] = _bridge
+    del _loader
+except BaseException as e:  # noqa: BLE001 - every failure must reach the host
+    _fail(
+        "ironcell's extension module did not load into %s (Python %s): %s: %s"
+        % (sys.executable, sys.version.split()[0], type(e).__name__, e)
+    )
+
+_preload = [m for m in sys.argv[1].split(",") if m.strip()]
+_bridge.zygote_main(_preload, sys.argv[2])
