@@ -207,12 +207,17 @@ impl Proxy {
     pub async fn describe(&self) -> Value {
         let mut servers = Vec::new();
         for u in self.upstreams.values() {
+            let version = u.protocol_version();
             servers.push(json!({
                 "name": u.config.name,
                 "description": u.config.description,
                 "command": u.config.command,
                 "source": u.config.source,
                 "running": u.is_running().await,
+                // The era it speaks (known once it has started): "2026-07-28" for
+                // server/discover, a handshake version for initialize.
+                "protocol_version": version.as_ref().map(ToString::to_string),
+                "era": version.map(|v| if v.has_initialize() { "initialize" } else { "discover" }),
                 "rules": u.config.rules,
             }));
         }

@@ -1,5 +1,11 @@
 //! One proxied MCP server: an rmcp client over a child process, started on first use, restarted
 //! after a crash, with its tool list cached until the server says it changed.
+//!
+//! Each server is spoken to in its own era: ironcell probes with `server/discover` first and, if
+//! the server answers, uses 2026-07-28 (no handshake, the version and ironcell's identity in every
+//! request's `_meta`); a server that answers the probe with an error (an older server's "method
+//! not found") gets the `initialize` handshake on the same connection. The era each server
+//! speaks is recorded and shown in `system://info`.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -7,10 +13,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rmcp::model::{CallToolRequestParams, Tool};
-use rmcp::service::{NotificationContext, Peer, RunningService};
+use rmcp::model::{
+    CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation, ProtocolVersion, Tool,
+};
+use rmcp::service::{
+    ClientLifecycleMode, ClientServiceExt, NotificationContext, Peer, RunningService,
+};
 use rmcp::transport::TokioChildProcess;
-use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use rmcp::{ClientHandler, RoleClient};
 use tokio::io::AsyncBufReadExt;
 
 use super::ProxyError;
@@ -28,6 +38,16 @@ struct Handler {
 }
 
 impl ClientHandler for Handler {
+    /// Who ironcell is to the servers it proxies. The version here is the one a legacy
+    /// `initialize` asks for; the modern era is negotiated by `server/discover`.
+    fn get_info(&self) -> ClientConfig {
+        let mut info = ClientConfig::default();
+        info.protocol_version = ProtocolVersion::LATEST_WITH_INITIALIZE;
+        info.capabilities = ClientCapabilities::default();
+        info.client_info = Implementation::new("ironcell", env!("CARGO_PKG_VERSION"));
+        info
+    }
+
     async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
         self.stale.store(true, Ordering::SeqCst);
     }
@@ -52,10 +72,22 @@ impl Connection {
     }
 }
 
+/// How ironcell starts a conversation with a proxied server: probe with `server/discover`
+/// for the 2026-07-28 era, fall back to the `initialize` handshake when the server answers the
+/// probe with an error.
+fn lifecycle() -> ClientLifecycleMode {
+    ClientLifecycleMode::Auto {
+        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+        legacy_version: Some(ProtocolVersion::LATEST_WITH_INITIALIZE),
+    }
+}
+
 pub struct Upstream {
     pub config: ServerConfig,
     startup_timeout: Duration,
     conn: tokio::sync::Mutex<Option<Connection>>,
+    /// The protocol version the server spoke at its last start (kept after it stops).
+    protocol_version: std::sync::Mutex<Option<ProtocolVersion>>,
 }
 
 impl Upstream {
@@ -64,6 +96,7 @@ impl Upstream {
             config,
             startup_timeout,
             conn: tokio::sync::Mutex::new(None),
+            protocol_version: std::sync::Mutex::new(None),
         }
     }
 
@@ -130,9 +163,8 @@ impl Upstream {
         let handler = Handler {
             stale: stale.clone(),
         };
-        let service = match tokio::time::timeout(self.startup_timeout, handler.serve(transport))
-            .await
-        {
+        let start = handler.serve_with_lifecycle(transport, lifecycle());
+        let service = match tokio::time::timeout(self.startup_timeout, start).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 return Err(ProxyError::unavailable(format!(
@@ -148,7 +180,16 @@ impl Upstream {
                 )));
             }
         };
-        tracing::info!(server = %c.name, "proxied server started");
+        let version = service
+            .peer()
+            .peer_info()
+            .map(|i| i.protocol_version.clone());
+        tracing::info!(
+            server = %c.name,
+            protocol_version = %version.as_ref().map(ToString::to_string).unwrap_or_default(),
+            "proxied server started"
+        );
+        *crate::lock(&self.protocol_version) = version;
         Ok(Connection {
             service,
             tools: None,
@@ -255,6 +296,11 @@ impl Upstream {
                 )))
             }
         }
+    }
+
+    /// The protocol version the server spoke at its last start, if it has started.
+    pub fn protocol_version(&self) -> Option<ProtocolVersion> {
+        crate::lock(&self.protocol_version).clone()
     }
 
     pub async fn is_running(&self) -> bool {
