@@ -810,7 +810,7 @@ impl ServerHandler for IroncellServer {
                 .sessions
                 .read_session_file(session, rel)
                 .await
-                .map_err(|e| McpError::resource_not_found(e, None))?;
+                .map_err(|e| McpError::resource_not_found(e, Some(json!({"uri": request.uri}))))?;
             let mime = crate::files::mime_for(rel);
             let text_like = crate::files::is_text_mime(mime) || mime == "application/octet-stream";
             let contents = match (text_like, String::from_utf8(bytes)) {
@@ -844,7 +844,7 @@ impl ServerHandler for IroncellServer {
                     "no resource {:?}; available: {SYSTEM_INFO_URI}, {MANUAL_URI}",
                     request.uri
                 ),
-                None,
+                Some(json!({"uri": request.uri})),
             ));
         }
         let info = crate::system_info::collect(&self.sessions).await;
