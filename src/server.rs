@@ -695,7 +695,8 @@ impl ServerHandler for IroncellServer {
         Cow::Borrowed(SUPPORTED_VERSIONS)
     }
 
-    /// `tasks/get`: a run that outlived the wait budget, by its job id.
+    /// `tasks/get`: a run that outlived the wait budget, by its job id. While one of its proxied
+    /// calls waits for approval, the task is `input_required` with the question.
     async fn get_task(
         &self,
         request: GetTaskParams,
@@ -703,8 +704,12 @@ impl ServerHandler for IroncellServer {
     ) -> Result<GetTaskResult, McpError> {
         let job = self.task_job(&request.task_id)?;
         let task = task_of(&job);
+        let relay = self.sessions.proxy().relay();
         let payload = match job.outcome() {
-            None => TaskPayload::Working,
+            None => match relay.task_questions(&job.session, &job.id) {
+                Some(input_requests) => TaskPayload::InputRequired { input_requests },
+                None => TaskPayload::Working,
+            },
             Some(_) if job.cancel.is_cancelled() => TaskPayload::Cancelled,
             Some(outcome) => {
                 let result = serde_json::to_value(self.outcome_result(&outcome))
@@ -731,20 +736,18 @@ impl ServerHandler for IroncellServer {
         Ok(())
     }
 
-    /// `tasks/update`: ironcell's tasks never ask for input, so there is nothing to answer.
+    /// `tasks/update`: the user's answers to the approval questions `tasks/get` showed.
     async fn update_task(
         &self,
         request: UpdateTaskParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<(), McpError> {
-        let _ = self.task_job(&request.task_id)?;
-        Err(McpError::invalid_params(
-            format!(
-                "task {:?} has no outstanding input requests; ironcell's tasks never ask for input",
-                request.task_id
-            ),
-            None,
-        ))
+        let job = self.task_job(&request.task_id)?;
+        self.sessions
+            .proxy()
+            .relay()
+            .answer_task(&job.id, &request.input_responses)
+            .map_err(|message| McpError::invalid_params(message, None))
     }
 
     async fn list_tools(

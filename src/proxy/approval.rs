@@ -136,6 +136,8 @@ struct RelayState {
     waiting: Vec<Waiting>,
     /// By `requestState`.
     shown: HashMap<String, Shown>,
+    /// Shown in `tasks/get` answers, by task (job) id, until `tasks/update` answers them.
+    tasks: HashMap<String, Shown>,
 }
 
 /// Approval questions of 2026-07-28 runs, between the proxied call that waits for the answer
@@ -175,12 +177,15 @@ impl Relay {
         self.arrived.send_modify(|n| *n += 1);
         let answer = tokio::time::timeout(APPROVAL_TIMEOUT, rx).await;
         // Whatever happened, the question is no longer open.
-        let mut st = lock(&self.state);
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
         st.waiting.retain(|w| w.key != key);
-        st.shown.retain(|_, s| {
-            s.questions.retain(|(k, _, _)| *k != key);
-            !s.questions.is_empty()
-        });
+        for shown in [&mut st.shown, &mut st.tasks] {
+            shown.retain(|_, s| {
+                s.questions.retain(|(k, _, _)| *k != key);
+                !s.questions.is_empty()
+            });
+        }
         answer.ok().and_then(Result::ok)
     }
 
@@ -274,12 +279,7 @@ impl Relay {
         for (key, question, answer) in shown.questions {
             match responses.get(&key) {
                 Some(value) => {
-                    let result = serde_json::from_value::<ElicitResult>(value.clone())
-                        .unwrap_or_else(|e| {
-                            tracing::warn!(key, error = %e, "unreadable answer to an approval question; taken as cancel");
-                            ElicitResult::new(ElicitationAction::Cancel)
-                        });
-                    let _ = answer.send(result);
+                    let _ = answer.send(read_answer(&key, value));
                 }
                 None => st.waiting.push(Waiting {
                     session: shown.session.clone(),
@@ -293,6 +293,83 @@ impl Relay {
         self.arrived.send_modify(|n| *n += 1);
         Ok(shown.job)
     }
+}
+
+impl Relay {
+    /// For `tasks/get` of the task that runs `job` in `session`: its open questions, the same
+    /// keys on every poll until `tasks/update` answers them (`None`: nothing to ask).
+    pub fn task_questions(&self, session: &str, job: &str) -> Option<InputRequests> {
+        let mut st = lock(&self.state);
+        let (mine, rest): (Vec<Waiting>, Vec<Waiting>) = std::mem::take(&mut st.waiting)
+            .into_iter()
+            .partition(|w| w.session == session);
+        st.waiting = rest;
+        let entry = st.tasks.entry(job.to_string()).or_insert_with(|| Shown {
+            job: job.to_string(),
+            call: String::new(),
+            session: session.to_string(),
+            at: Instant::now(),
+            questions: Vec::new(),
+        });
+        entry
+            .questions
+            .extend(mine.into_iter().map(|w| (w.key, w.question, w.answer)));
+        entry.questions.retain(|(_, _, answer)| !answer.is_closed());
+        let requests: InputRequests = entry
+            .questions
+            .iter()
+            .map(|(key, q, _)| {
+                (
+                    key.clone(),
+                    InputRequest::Elicitation(ElicitRequest::new(q.params())),
+                )
+            })
+            .collect();
+        if requests.is_empty() {
+            st.tasks.remove(job);
+            return None;
+        }
+        Some(requests)
+    }
+
+    /// `tasks/update`: delivers answers to questions a `tasks/get` showed for task `job`.
+    /// Every key must be one of them.
+    pub fn answer_task(&self, job: &str, responses: &InputResponses) -> Result<(), String> {
+        let mut st = lock(&self.state);
+        let Some(entry) = st.tasks.get_mut(job) else {
+            return Err(format!(
+                "task {job:?} has no outstanding input requests (tasks/get lists them)"
+            ));
+        };
+        if let Some(unknown) = responses
+            .keys()
+            .find(|k| !entry.questions.iter().any(|(key, _, _)| key == *k))
+        {
+            return Err(format!(
+                "{unknown:?} is not an outstanding input request of task {job:?}"
+            ));
+        }
+        let (answered, open): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.questions)
+            .into_iter()
+            .partition(|(key, _, _)| responses.contains_key(key));
+        entry.questions = open;
+        if entry.questions.is_empty() {
+            st.tasks.remove(job);
+        }
+        drop(st);
+        for (key, _, answer) in answered {
+            let _ = answer.send(read_answer(&key, &responses[&key]));
+        }
+        Ok(())
+    }
+}
+
+/// One client answer to an approval question; an unreadable one counts as "cancel".
+fn read_answer(key: &str, value: &Value) -> ElicitResult {
+    serde_json::from_value::<ElicitResult>(value.clone()).unwrap_or_else(|e| {
+        tracing::warn!(key, error = %e, "unreadable answer to an approval question; taken as cancel");
+        ElicitResult::new(ElicitationAction::Cancel)
+    })
 }
 
 /// Identifies one `tools/call` (tool and arguments), so a retry can be matched to it.

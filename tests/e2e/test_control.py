@@ -363,3 +363,43 @@ def test_modern_era_input_required_on_the_wire_and_retries_that_do_not_fit(state
     again = modern_request(srv, "tools/call", {"name": "run_python", "arguments": args, "requestState": state}, caps)
     assert again["error"]["code"] == -32602
     srv.close()
+
+
+def test_modern_era_a_task_asks_through_tasks_get_and_is_answered_with_tasks_update(state_dir, tmp_path):
+    """A run that became a task (tasks extension) and then needs approval: `tasks/get` shows the
+    question (status input_required), `tasks/update` answers it, and the run goes on."""
+    import time
+
+    from conftest import RawServer
+    from test_protocol import TASKS_EXT, modern_request, wait_task
+
+    config = memory_servers(tmp_path, memory={})
+    caps = {"elicitation": {"form": {}}, "extensions": {TASKS_EXT: {}}}
+    srv = RawServer(state_dir, MCP_BRIDGE_CONFIG=config, IRONCELL_WAIT_BUDGET="1s")
+    code = "import time\ntime.sleep(2)\n" + DELETE_KEEP
+    task = modern_request(srv, "tools/call", {"name": "run_python", "arguments": {"code": code, "timeout_s": 120}}, caps)["result"]
+    assert task["resultType"] == "task", task
+    deadline = time.monotonic() + 60
+    while True:
+        t = modern_request(srv, "tasks/get", {"taskId": task["taskId"]}, caps)["result"]
+        if t["status"] != "working" or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert t["status"] == "input_required", t
+    (key, req), = t["inputRequests"].items()
+    assert req["method"] == "elicitation/create" and "delete_entities" in req["params"]["message"]
+    # Asked again, the same question under the same key, until it is answered.
+    again = modern_request(srv, "tasks/get", {"taskId": task["taskId"]}, caps)["result"]
+    assert list(again["inputRequests"]) == [key]
+    bad = modern_request(srv, "tasks/update", {"taskId": task["taskId"], "inputResponses": {"nope": {}}}, caps)
+    assert bad["error"]["code"] == -32602 and "not an outstanding input request" in bad["error"]["message"]
+    ok = modern_request(srv, "tasks/update", {"taskId": task["taskId"],
+                                              "inputResponses": {key: {"action": "accept", "content": {"approve": True}}}}, caps)
+    assert "error" not in ok, ok
+    done = wait_task(srv, task["taskId"], caps)
+    assert done["status"] == "completed", done
+    assert eval(done["result"]["structuredContent"]["result"]) == ("deleted", [])
+    srv.close()
+    outcomes = [c["outcome"] for line in audit_lines(state_dir) for c in line.get("upstream_calls", [])
+                if c["tool"] == "delete_entities"]
+    assert outcomes == ["ok"]
