@@ -905,10 +905,24 @@ mod tests {
 
     #[test]
     fn the_tool_list_fits_the_token_budget() {
-        let tools = ListToolsResult::with_all_items(vec![run_python_tool(30.0, true), job_tool()]);
-        let bytes = serde_json::to_string(&tools).unwrap().len();
-        // About 300 tokens for the tools themselves, plus what the protocol asks each to carry:
-        // a title, honest annotations, and run_python's output schema.
+        let tools = vec![run_python_tool(30.0, true), job_tool()];
+        // What a model is given of each tool (Claude's tool definitions, for one, carry only
+        // these): DESIGN's budget of about 300 tokens at bytes/4.
+        let seen_by_model: Vec<Value> = tools
+            .iter()
+            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))
+            .collect();
+        let model_bytes = serde_json::to_string(&seen_by_model).unwrap().len();
+        assert!(
+            model_bytes / 4 <= 300,
+            "the model-facing part of tools/list is {model_bytes} bytes (~{} tokens)",
+            model_bytes / 4
+        );
+        // The whole answer adds what the protocol asks each tool to carry for clients: a title,
+        // honest annotations, and run_python's output schema.
+        let bytes = serde_json::to_string(&ListToolsResult::with_all_items(tools))
+            .unwrap()
+            .len();
         assert!(
             bytes / 4 <= 375,
             "tools/list is {bytes} bytes (~{} tokens)",

@@ -6,6 +6,11 @@
 //! request's `_meta`); a server that answers the probe with an error (an older server's "method
 //! not found") gets the `initialize` handshake on the same connection. The era each server
 //! speaks is recorded and shown in `system://info`.
+//!
+//! Tool-list changes: an old-era server notifies on its own; a 2026-07-28 server only on a
+//! `subscriptions/listen` stream, which ironcell opens when the server says its tool list can
+//! change (if that stream cannot be had, the list is fetched anew for every use). A 2026-07-28
+//! list also says how long it may be cached (`ttlMs`); ironcell keeps it no longer.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -57,12 +62,72 @@ impl ClientHandler for Handler {
 pub struct ToolCatalog {
     pub tools: Vec<Tool>,
     pub index: Vec<super::search::Indexed>,
+    /// When the server's `ttlMs` runs out (2026-07-28 servers; none for older ones).
+    expires: Option<std::time::Instant>,
 }
 
 struct Connection {
     service: RunningService<RoleClient, Handler>,
     tools: Option<Arc<ToolCatalog>>,
     stale: Arc<AtomicBool>,
+    /// Set when no notice of tool-list changes can arrive (a 2026-07-28 server whose
+    /// `subscriptions/listen` stream failed or ended): the list is never cached.
+    blind: Arc<AtomicBool>,
+    /// The `subscriptions/listen` stream of a 2026-07-28 server, ended with the connection.
+    _listener: Option<AbortOnDrop>,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// For a 2026-07-28 server whose tool list can change: a task that marks the cached list stale
+/// on each `notifications/tools/list_changed` of its `subscriptions/listen` stream. When the
+/// stream cannot be opened, or ends, it sets `blind` (every use lists the tools anew).
+fn listen_for_tool_changes(
+    name: &str,
+    peer: Peer<RoleClient>,
+    stale: Arc<AtomicBool>,
+    blind: Arc<AtomicBool>,
+) -> Option<AbortOnDrop> {
+    use rmcp::model::{ServerNotification, SubscriptionFilter};
+    let info = peer.peer_info()?;
+    let changes = info
+        .capabilities
+        .tools
+        .as_ref()
+        .and_then(|t| t.list_changed)
+        .unwrap_or(false);
+    if info.protocol_version.has_initialize() || !changes {
+        return None;
+    }
+    let name = name.to_string();
+    Some(AbortOnDrop(tokio::spawn(async move {
+        let filter = SubscriptionFilter::builder().tools_list_changed().build();
+        let mut sub = match peer.listen(filter).await {
+            Ok(sub) => sub,
+            Err(e) => {
+                tracing::info!(server = %name, error = %e, "no subscriptions/listen stream; its tool list is fetched for every use");
+                blind.store(true, Ordering::SeqCst);
+                return;
+            }
+        };
+        loop {
+            match sub.next().await {
+                Ok(Some(ServerNotification::ToolListChangedNotification(_))) => {
+                    stale.store(true, Ordering::SeqCst);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        // Nothing tells us about changes any more.
+        blind.store(true, Ordering::SeqCst);
+    })))
 }
 
 impl Connection {
@@ -190,10 +255,19 @@ impl Upstream {
             "proxied server started"
         );
         *crate::lock(&self.protocol_version) = version;
+        let blind = Arc::new(AtomicBool::new(false));
+        let listener = listen_for_tool_changes(
+            &c.name,
+            service.peer().clone(),
+            stale.clone(),
+            blind.clone(),
+        );
         Ok(Connection {
             service,
             tools: None,
             stale,
+            blind,
+            _listener: listener,
         })
     }
 
@@ -212,18 +286,27 @@ impl Upstream {
         let peer = self.peer().await?;
         {
             let conn = self.conn.lock().await;
+            let fresh = |c: &Connection, t: &ToolCatalog| {
+                !c.stale.load(Ordering::SeqCst)
+                    && !c.blind.load(Ordering::SeqCst)
+                    && t.expires.is_none_or(|e| std::time::Instant::now() < e)
+            };
             if let Some(c) = conn.as_ref()
-                && let (Some(t), false) = (&c.tools, c.stale.load(Ordering::SeqCst))
+                && let Some(t) = c.tools.as_ref().filter(|t| fresh(c, t))
             {
                 return Ok(t.clone());
             }
         }
-        let tools = peer.list_all_tools().await.map_err(|e| {
+        let listed = peer.list_all_tools_with_cache_hint().await.map_err(|e| {
             ProxyError::unavailable(format!(
                 "listing the tools of {:?} failed: {e}",
                 self.name()
             ))
         })?;
+        let expires = listed
+            .ttl_ms
+            .map(|ms| std::time::Instant::now() + Duration::from_millis(ms));
+        let tools = listed.items;
         let index = tools
             .iter()
             .map(|t| {
@@ -234,7 +317,11 @@ impl Upstream {
                 )
             })
             .collect();
-        let tools = Arc::new(ToolCatalog { tools, index });
+        let tools = Arc::new(ToolCatalog {
+            tools,
+            index,
+            expires,
+        });
         let mut conn = self.conn.lock().await;
         if let Some(c) = conn.as_mut() {
             c.stale.store(false, Ordering::SeqCst);
