@@ -4,6 +4,9 @@
 //! worker's `mcp` module sends `request` frames — `servers`, `tools`, `search`, `call` — and
 //! [`Proxy::handle`] answers them. Names from Python are only ever lookup keys into the
 //! configuration: they never reach a command line, and nothing from a tool argument is expanded.
+//!
+//! [`rules`] decides which tools code may see and call; [`approval`] asks the user before the
+//! calls that need it, in the client's era; [`upstream`] speaks to each server in its own era.
 
 pub mod approval;
 pub mod config;
