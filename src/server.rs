@@ -10,17 +10,18 @@ use std::time::Duration;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
-    CreateTaskResult, DetailedTask, GetTaskParams, GetTaskResult, Implementation, JsonObject,
-    ListResourcesResult, ListToolsResult, PaginatedRequestParams, ProgressNotificationParam,
-    ProtocolVersion, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, Resource,
-    ResourceContents, ServerCapabilities, ServerConfig, Task, TaskPayload, Tool, ToolAnnotations,
-    UpdateTaskParams,
+    CreateTaskResult, DetailedTask, GetTaskParams, GetTaskResult, Implementation,
+    InputRequiredResult, JsonObject, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ProgressNotificationParam, ProtocolVersion, ReadResourceRequestParams, ReadResourceResponse,
+    ReadResourceResult, Resource, ResourceContents, ServerCapabilities, ServerConfig, Task,
+    TaskPayload, Tool, ToolAnnotations, UpdateTaskParams,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{Value, json};
 
 use crate::jobs::{Job, Jobs};
+use crate::proxy::approval::{self, Asker};
 use crate::session::{RunRequest, SessionManager};
 
 pub const TOOL_NAME: &str = "run_python";
@@ -52,14 +53,17 @@ impl IroncellServer {
     }
 
     /// Waits for `job` up to `limit`, sending progress notifications if the client asked for
-    /// them; returns the run's tool result, or `None` if it is still running (it then goes on
-    /// in the background).
+    /// them. Returns the run's tool result; or, for a 2026-07-28 client that can answer (`ask`
+    /// holds the digest of the call that waits), the run's approval questions as an
+    /// `input_required` result; or `Running` if it is still going (it then goes on in the
+    /// background).
     async fn await_job(
         &self,
         job: &Arc<Job>,
         limit: Duration,
         context: &RequestContext<RoleServer>,
-    ) -> Option<CallToolResult> {
+        ask: Option<&str>,
+    ) -> Waited {
         let forward = context.meta.get_progress_token().map(|token| {
             let mut rx = job.progress.clone();
             let peer = context.peer.clone();
@@ -79,26 +83,40 @@ impl IroncellServer {
                 }
             })
         });
+        let relay = self.sessions.proxy().relay();
+        let questions = async {
+            match ask {
+                Some(call) => relay.next_questions(&job.session, &job.id, call).await,
+                None => std::future::pending().await,
+            }
+        };
         let outcome = tokio::select! {
-            o = job.wait(limit) => o,
+            o = job.wait(limit) => Ok(o),
+            q = questions => Err(q),
             _ = context.ct.cancelled() => {
                 // notifications/cancelled: interrupt (then kill after the grace period).
                 job.cancel.cancel();
-                job.wait(self.sessions.settings().interrupt_grace + Duration::from_secs(5)).await
+                Ok(job.wait(self.sessions.settings().interrupt_grace + Duration::from_secs(5)).await)
             }
         };
         if let Some(task) = forward {
             task.abort();
         }
         match outcome {
-            Some(outcome) => {
+            Ok(Some(outcome)) => {
                 self.jobs.remove(&job.id);
-                Some(self.outcome_result(&outcome))
+                Waited::Finished(self.outcome_result(&outcome))
             }
-            None => {
+            Ok(None) => {
                 job.detached
                     .store(true, std::sync::atomic::Ordering::SeqCst);
-                None
+                Waited::Running
+            }
+            Err(questions) => {
+                // Until the client retries, the run is a background job like any other.
+                job.detached
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                Waited::Ask(questions)
             }
         }
     }
@@ -114,10 +132,10 @@ impl IroncellServer {
     /// declared the tasks extension) or a background job (for the others).
     async fn call_run_python(
         &self,
-        args: Option<&JsonObject>,
+        request: &CallToolRequestParams,
         context: &RequestContext<RoleServer>,
     ) -> CallToolResponse {
-        let run = match parse_run_arguments(args) {
+        let run = match parse_run_arguments(request.arguments.as_ref()) {
             Ok(r) => r,
             Err(message) => return error_result(message).into(),
         };
@@ -135,28 +153,70 @@ impl IroncellServer {
             ))
             .into();
         }
-        let budget = self.sessions.settings().wait_budget;
-        // Approval questions for proxied calls go to the client that asked for this run.
-        self.sessions.proxy().attach_client(context.peer.clone());
+        // Approval questions for this session's proxied calls go to this client, in its era.
+        self.sessions
+            .proxy()
+            .set_asker(&run.session, asker_for(context));
         let job = self.jobs.start(self.sessions.clone(), run);
-        match self.await_job(&job, budget, context).await {
-            Some(result) => result.into(),
-            None if offers_tasks(context) => {
-                CallToolResponse::Task(CreateTaskResult::new(task_of(&job)))
+        self.answer_for_job(&job, request, context).await
+    }
+
+    /// The answer of a `tools/call` that waits for `job` (a new run, a retry that answered
+    /// approval questions, or `run_python_job`): its result, its questions, a task, or the
+    /// still-running result.
+    async fn answer_for_job(
+        &self,
+        job: &Arc<Job>,
+        request: &CallToolRequestParams,
+        context: &RequestContext<RoleServer>,
+    ) -> CallToolResponse {
+        let budget = self.sessions.settings().wait_budget;
+        let ask = can_answer_input_required(context)
+            .then(|| approval::call_digest(&request.name, request.arguments.as_ref()));
+        match self.await_job(job, budget, context, ask.as_deref()).await {
+            Waited::Finished(result) => result.into(),
+            Waited::Ask(questions) => CallToolResponse::InputRequired(questions),
+            Waited::Running if offers_tasks(context) => {
+                CallToolResponse::Task(CreateTaskResult::new(task_of(job)))
             }
-            None => running_result(&job).into(),
+            Waited::Running => running_result(job).into(),
         }
+    }
+
+    /// A retry after `input_required`: delivers the user's answers to the run's waiting calls,
+    /// then waits for the run as the first call did.
+    async fn resume_after_input(
+        &self,
+        token: &str,
+        request: &CallToolRequestParams,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let call = approval::call_digest(&request.name, request.arguments.as_ref());
+        let relay = self.sessions.proxy().relay();
+        let job_id = relay
+            .answer(token, &call, request.input_responses.as_ref())
+            .map_err(|message| McpError::invalid_params(message, None))?;
+        let Some(job) = self.jobs.get(&job_id) else {
+            return Err(McpError::invalid_params(
+                format!(
+                    "the run that asked ({job_id}) is gone; call the tool again without requestState"
+                ),
+                None,
+            ));
+        };
+        Ok(self.answer_for_job(&job, request, context).await)
     }
 
     async fn call_job_tool(
         &self,
-        args: Option<&JsonObject>,
+        request: &CallToolRequestParams,
         context: &RequestContext<RoleServer>,
-    ) -> CallToolResult {
+    ) -> CallToolResponse {
         let empty = JsonObject::new();
-        let args = args.unwrap_or(&empty);
+        let args = request.arguments.as_ref().unwrap_or(&empty);
         let Some(id) = args.get("job").and_then(Value::as_str) else {
-            return error_result("missing required argument `job` (the id a running result named)");
+            return error_result("missing required argument `job` (the id a running result named)")
+                .into();
         };
         let Some(job) = self.jobs.get(id) else {
             let known = self.jobs.ids();
@@ -167,32 +227,45 @@ impl IroncellServer {
                 } else {
                     known.join(", ")
                 }
-            ));
+            ))
+            .into();
         };
         let budget = self.sessions.settings().wait_budget;
         let wait = match args.get("wait_s") {
             None | Some(Value::Null) => budget,
             Some(Value::Number(n)) => match n.as_f64() {
                 Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t).min(budget),
-                _ => return error_result("`wait_s` must be a non-negative number of seconds"),
+                _ => {
+                    return error_result("`wait_s` must be a non-negative number of seconds")
+                        .into();
+                }
             },
-            Some(_) => return error_result("`wait_s` must be a number of seconds"),
+            Some(_) => return error_result("`wait_s` must be a number of seconds").into(),
         };
+        // A run waiting for approval shows its questions to whoever waits for it.
+        let ask = can_answer_input_required(context)
+            .then(|| approval::call_digest(&request.name, request.arguments.as_ref()));
+        let ask = ask.as_deref();
         let waited = match args.get("action").and_then(Value::as_str).unwrap_or("wait") {
-            "wait" => self.await_job(&job, wait, context).await,
-            "poll" => self.await_job(&job, Duration::ZERO, context).await,
+            "wait" => self.await_job(&job, wait, context, ask).await,
+            "poll" => self.await_job(&job, Duration::ZERO, context, ask).await,
             "cancel" => {
                 job.cancel.cancel();
                 let grace = self.sessions.settings().interrupt_grace + Duration::from_secs(5);
-                self.await_job(&job, grace, context).await
+                self.await_job(&job, grace, context, None).await
             }
             other => {
                 return error_result(format!(
                     "unknown action {other:?}; use \"wait\", \"poll\" or \"cancel\""
-                ));
+                ))
+                .into();
             }
         };
-        waited.unwrap_or_else(|| running_result(&job))
+        match waited {
+            Waited::Finished(result) => result.into(),
+            Waited::Ask(questions) => CallToolResponse::InputRequired(questions),
+            Waited::Running => running_result(&job).into(),
+        }
     }
 
     pub fn sessions(&self) -> &Arc<SessionManager> {
@@ -231,6 +304,52 @@ fn offers_tasks(context: &RequestContext<RoleServer>) -> bool {
         && context
             .client_capabilities()
             .is_some_and(|c| c.supports_tasks())
+}
+
+/// What waiting for a job came to.
+enum Waited {
+    Finished(CallToolResult),
+    /// The run needs the user's approval: the questions, for a 2026-07-28 client.
+    Ask(InputRequiredResult),
+    Running,
+}
+
+/// Whether the client can answer approval questions as `input_required` results: the request is
+/// in the 2026-07-28 era and its `_meta` declares form elicitation.
+fn can_answer_input_required(context: &RequestContext<RoleServer>) -> bool {
+    let modern = context
+        .protocol_version()
+        .is_some_and(|v| !v.has_initialize());
+    modern
+        && context
+            .client_capabilities()
+            .is_some_and(|c| elicits_forms(&c))
+}
+
+/// Whether capabilities declare form elicitation (an `elicitation` capability naming neither
+/// mode means form, as the specification says).
+fn elicits_forms(c: &rmcp::model::ClientCapabilities) -> bool {
+    c.elicitation
+        .as_ref()
+        .is_some_and(|e| e.form.is_some() || e.url.is_none())
+}
+
+/// How the user of the client behind `context` can be asked to approve a proxied call: an
+/// `elicitation/create` request in the handshake era, `input_required` results in 2026-07-28,
+/// or not at all.
+fn asker_for(context: &RequestContext<RoleServer>) -> Option<Asker> {
+    let modern = context
+        .protocol_version()
+        .is_some_and(|v| !v.has_initialize());
+    if modern {
+        can_answer_input_required(context).then_some(Asker::Relay)
+    } else {
+        context
+            .peer
+            .supported_elicitation_modes()
+            .contains(&rmcp::service::ElicitationMode::Form)
+            .then(|| Asker::Elicit(context.peer.clone()))
+    }
 }
 
 /// The task view of a job.
@@ -576,7 +695,8 @@ impl ServerHandler for IroncellServer {
         Cow::Borrowed(SUPPORTED_VERSIONS)
     }
 
-    /// `tasks/get`: a run that outlived the wait budget, by its job id.
+    /// `tasks/get`: a run that outlived the wait budget, by its job id. While one of its proxied
+    /// calls waits for approval, the task is `input_required` with the question.
     async fn get_task(
         &self,
         request: GetTaskParams,
@@ -584,8 +704,12 @@ impl ServerHandler for IroncellServer {
     ) -> Result<GetTaskResult, McpError> {
         let job = self.task_job(&request.task_id)?;
         let task = task_of(&job);
+        let relay = self.sessions.proxy().relay();
         let payload = match job.outcome() {
-            None => TaskPayload::Working,
+            None => match relay.task_questions(&job.session, &job.id) {
+                Some(input_requests) => TaskPayload::InputRequired { input_requests },
+                None => TaskPayload::Working,
+            },
             Some(_) if job.cancel.is_cancelled() => TaskPayload::Cancelled,
             Some(outcome) => {
                 let result = serde_json::to_value(self.outcome_result(&outcome))
@@ -612,20 +736,18 @@ impl ServerHandler for IroncellServer {
         Ok(())
     }
 
-    /// `tasks/update`: ironcell's tasks never ask for input, so there is nothing to answer.
+    /// `tasks/update`: the user's answers to the approval questions `tasks/get` showed.
     async fn update_task(
         &self,
         request: UpdateTaskParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<(), McpError> {
-        let _ = self.task_job(&request.task_id)?;
-        Err(McpError::invalid_params(
-            format!(
-                "task {:?} has no outstanding input requests; ironcell's tasks never ask for input",
-                request.task_id
-            ),
-            None,
-        ))
+        let job = self.task_job(&request.task_id)?;
+        self.sessions
+            .proxy()
+            .relay()
+            .answer_task(&job.id, &request.input_responses)
+            .map_err(|message| McpError::invalid_params(message, None))
     }
 
     async fn list_tools(
@@ -641,21 +763,20 @@ impl ServerHandler for IroncellServer {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
+        let ours = matches!(request.name.as_ref(), TOOL_NAME | JOB_TOOL_NAME);
+        if let (true, Some(token)) = (ours, request.request_state.as_deref()) {
+            // A retry after input_required: the same call, with the user's answers.
+            return self.resume_after_input(token, &request, &context).await;
+        }
         let result = match request.name.as_ref() {
-            TOOL_NAME => {
-                return Ok(self
-                    .call_run_python(request.arguments.as_ref(), &context)
-                    .await);
-            }
-            JOB_TOOL_NAME => {
-                self.call_job_tool(request.arguments.as_ref(), &context)
-                    .await
-            }
+            TOOL_NAME => self.call_run_python(&request, &context).await,
+            JOB_TOOL_NAME => self.call_job_tool(&request, &context).await,
             other => error_result(format!(
                 "unknown tool {other:?}; the tools are {TOOL_NAME} and {JOB_TOOL_NAME}"
-            )),
+            ))
+            .into(),
         };
-        Ok(result.into())
+        Ok(result)
     }
 
     async fn list_resources(
@@ -692,7 +813,7 @@ impl ServerHandler for IroncellServer {
                 .sessions
                 .read_session_file(session, rel)
                 .await
-                .map_err(|e| McpError::resource_not_found(e, None))?;
+                .map_err(|e| McpError::resource_not_found(e, Some(json!({"uri": request.uri}))))?;
             let mime = crate::files::mime_for(rel);
             let text_like = crate::files::is_text_mime(mime) || mime == "application/octet-stream";
             let contents = match (text_like, String::from_utf8(bytes)) {
@@ -726,7 +847,7 @@ impl ServerHandler for IroncellServer {
                     "no resource {:?}; available: {SYSTEM_INFO_URI}, {MANUAL_URI}",
                     request.uri
                 ),
-                None,
+                Some(json!({"uri": request.uri})),
             ));
         }
         let info = crate::system_info::collect(&self.sessions).await;
@@ -784,10 +905,24 @@ mod tests {
 
     #[test]
     fn the_tool_list_fits_the_token_budget() {
-        let tools = ListToolsResult::with_all_items(vec![run_python_tool(30.0, true), job_tool()]);
-        let bytes = serde_json::to_string(&tools).unwrap().len();
-        // About 300 tokens for the tools themselves, plus what the protocol asks each to carry:
-        // a title, honest annotations, and run_python's output schema.
+        let tools = vec![run_python_tool(30.0, true), job_tool()];
+        // What a model is given of each tool (Claude's tool definitions, for one, carry only
+        // these): DESIGN's budget of about 300 tokens at bytes/4.
+        let seen_by_model: Vec<Value> = tools
+            .iter()
+            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))
+            .collect();
+        let model_bytes = serde_json::to_string(&seen_by_model).unwrap().len();
+        assert!(
+            model_bytes / 4 <= 300,
+            "the model-facing part of tools/list is {model_bytes} bytes (~{} tokens)",
+            model_bytes / 4
+        );
+        // The whole answer adds what the protocol asks each tool to carry for clients: a title,
+        // honest annotations, and run_python's output schema.
+        let bytes = serde_json::to_string(&ListToolsResult::with_all_items(tools))
+            .unwrap()
+            .len();
         assert!(
             bytes / 4 <= 375,
             "tools/list is {bytes} bytes (~{} tokens)",

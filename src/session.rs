@@ -737,6 +737,7 @@ impl SessionManager {
                             };
                             // Proxied calls run concurrently; an answer may outlive this cell.
                             let proxy = self.proxy.clone();
+                            let session_name = session.name.clone();
                             let memory = self.memory.clone();
                             let summaries = summaries_tx.clone();
                             let answers = worker.answers();
@@ -754,7 +755,7 @@ impl SessionManager {
                                         });
                                         (answer, None)
                                     }
-                                    None => proxy.handle(&method, &params).await,
+                                    None => proxy.handle(&session_name, &method, &params).await,
                                 };
                                 if let Some(call) = summary {
                                     let _ = summaries.send(call);

@@ -4,7 +4,11 @@
 //! worker's `mcp` module sends `request` frames — `servers`, `tools`, `search`, `call` — and
 //! [`Proxy::handle`] answers them. Names from Python are only ever lookup keys into the
 //! configuration: they never reach a command line, and nothing from a tool argument is expanded.
+//!
+//! [`rules`] decides which tools code may see and call; [`approval`] asks the user before the
+//! calls that need it, in the client's era; [`upstream`] speaks to each server in its own era.
 
+pub mod approval;
 pub mod config;
 pub mod rules;
 pub mod search;
@@ -16,12 +20,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use self::approval::{APPROVAL_TIMEOUT, Asker, Decision, Question, Relay};
 use self::config::{ConfigProblem, LoadedConfig, SkippedServer};
 use self::rules::{ApprovalMode, Hints, Verdict};
 use self::upstream::Upstream;
-
-/// How long a call waits for the user to approve it.
-const APPROVAL_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Largest proxied result handed to a worker (a frame must stay well under the frame limit).
 pub const MAX_RESULT_BYTES: usize = 32 * 1024 * 1024;
@@ -88,8 +90,10 @@ pub struct Proxy {
     sources: Vec<String>,
     call_timeout: Duration,
     approval: ApprovalMode,
-    /// The MCP client, to ask the user for approval (elicitation).
-    client: std::sync::Mutex<Option<rmcp::Peer<rmcp::RoleServer>>>,
+    /// Per session: how to ask the user about its runs' calls (none: the client cannot ask).
+    askers: std::sync::Mutex<BTreeMap<String, Asker>>,
+    /// Approval questions on their way to a 2026-07-28 client.
+    relay: Relay,
 }
 
 impl Proxy {
@@ -126,21 +130,24 @@ impl Proxy {
             sources: config.sources,
             call_timeout,
             approval,
-            client: std::sync::Mutex::new(None),
+            askers: std::sync::Mutex::new(BTreeMap::new()),
+            relay: Relay::default(),
         }
     }
 
-    /// Remembers the client that approval questions go to (the one serving the current call).
-    pub fn attach_client(&self, peer: rmcp::Peer<rmcp::RoleServer>) {
-        *crate::lock(&self.client) = Some(peer);
+    /// Sets how the user is asked about calls made by runs of `session` (set by each call that
+    /// starts a run there; `None` when its client cannot ask).
+    pub fn set_asker(&self, session: &str, asker: Option<Asker>) {
+        let mut askers = crate::lock(&self.askers);
+        match asker {
+            Some(a) => askers.insert(session.to_string(), a),
+            None => askers.remove(session),
+        };
     }
 
-    /// Whether the attached client can ask its user (form elicitation).
-    fn approver(&self) -> Option<rmcp::Peer<rmcp::RoleServer>> {
-        crate::lock(&self.client).clone().filter(|p| {
-            p.supported_elicitation_modes()
-                .contains(&rmcp::service::ElicitationMode::Form)
-        })
+    /// The approval questions on their way to a 2026-07-28 client.
+    pub fn relay(&self) -> &Relay {
+        &self.relay
     }
 
     /// Names and descriptions, for workers (no commands, no env), with `error` for each server
@@ -207,12 +214,17 @@ impl Proxy {
     pub async fn describe(&self) -> Value {
         let mut servers = Vec::new();
         for u in self.upstreams.values() {
+            let version = u.protocol_version();
             servers.push(json!({
                 "name": u.config.name,
                 "description": u.config.description,
                 "command": u.config.command,
                 "source": u.config.source,
                 "running": u.is_running().await,
+                // The era it speaks (known once it has started): "2026-07-28" for
+                // server/discover, a handshake version for initialize.
+                "protocol_version": version.as_ref().map(ToString::to_string),
+                "era": version.map(|v| if v.has_initialize() { "initialize" } else { "discover" }),
                 "rules": u.config.rules,
             }));
         }
@@ -313,6 +325,7 @@ impl Proxy {
     /// Calls a tool if the rules allow it and, where it needs approval, the user approved.
     pub async fn call(
         &self,
+        session: &str,
         server: &str,
         tool: &str,
         arguments: Value,
@@ -334,7 +347,7 @@ impl Proxy {
                     ));
                 }
                 Verdict::NeedsApproval(why) => {
-                    self.approve(server, tool, &args, &why, &upstream.config.source)
+                    self.approve(session, server, tool, &args, &why, &upstream.config.source)
                         .await?
                 }
             }
@@ -349,9 +362,11 @@ impl Proxy {
         Ok(result)
     }
 
-    /// Asks the user whether `server.tool(args)` may run, as the approval setting says.
+    /// Asks the user whether `server.tool(args)` may run, as the approval setting says. The
+    /// question goes to the client of the run's `session`, in that client's era.
     async fn approve(
         &self,
+        session: &str,
         server: &str,
         tool: &str,
         args: &serde_json::Map<String, Value>,
@@ -373,7 +388,8 @@ impl Proxy {
             }
             ApprovalMode::Ask => {}
         }
-        let Some(peer) = self.approver() else {
+        let asker = crate::lock(&self.askers).get(session).cloned();
+        let Some(asker) = asker else {
             return Err(ProxyError::refused(
                 "refused",
                 format!(
@@ -381,54 +397,31 @@ impl Proxy {
                 ),
             ));
         };
-        let mut shown = serde_json::to_string_pretty(args).unwrap_or_default();
-        if shown.len() > 2000 {
-            let cut = (0..=2000)
-                .rev()
-                .find(|&i| shown.is_char_boundary(i))
-                .unwrap_or(0);
-            shown.truncate(cut);
-            shown.push_str("\n…");
-        }
-        let message = format!(
-            "Code running in ironcell wants to call {tool} on the MCP server {server:?} ({why}).\n\nArguments:\n{shown}\n\nAllow this call?"
-        );
-        let schema = serde_json::from_value::<rmcp::model::ElicitationSchema>(json!({
-            "type": "object",
-            "properties": {
-                "approve": {"type": "boolean", "title": "Allow this call", "default": false}
-            },
-            "required": ["approve"]
-        }))
-        .map_err(|e| ProxyError::unavailable(format!("approval form: {e}")))?;
-        let answer = peer
-            .create_elicitation_with_timeout(
-                rmcp::model::ElicitRequestParams::FormElicitationParams {
-                    meta: None,
-                    message,
-                    requested_schema: schema,
-                },
-                Some(APPROVAL_TIMEOUT),
-            )
-            .await;
+        let question =
+            Question::for_call(server, tool, args, why).map_err(ProxyError::unavailable)?;
+        let answer = match asker {
+            Asker::Elicit(peer) => peer
+                .create_elicitation_with_timeout(question.params(), Some(APPROVAL_TIMEOUT))
+                .await
+                .map_err(|e| e.to_string()),
+            Asker::Relay => self.relay.ask(session, question).await.ok_or_else(|| {
+                format!(
+                    "nobody answered within {} s (the client did not retry the call that asked)",
+                    APPROVAL_TIMEOUT.as_secs()
+                )
+            }),
+        };
         let declined = |how: &str| {
             Err(ProxyError::refused(
                 "declined",
                 format!("declined: the user {how} the call of {server}.{tool}"),
             ))
         };
-        match answer {
-            Ok(r) => match r.action {
-                rmcp::model::ElicitationAction::Accept
-                    if r.content.as_ref().and_then(|c| c.get("approve"))
-                        == Some(&Value::Bool(true)) =>
-                {
-                    Ok(())
-                }
-                rmcp::model::ElicitationAction::Accept => declined("did not approve"),
-                rmcp::model::ElicitationAction::Decline => declined("declined"),
-                _ => declined("cancelled"),
-            },
+        match answer.as_ref().map(Decision::of) {
+            Ok(Decision::Approved) => Ok(()),
+            Ok(Decision::NotApproved) => declined("did not approve"),
+            Ok(Decision::Declined) => declined("declined"),
+            Ok(Decision::Cancelled) => declined("cancelled"),
             Err(e) => Err(ProxyError::refused(
                 "refused",
                 format!(
@@ -438,9 +431,15 @@ impl Proxy {
         }
     }
 
-    /// Answers one `request` frame from a worker: the payload for the `response` frame, and a
-    /// summary when it was a tool call.
-    pub async fn handle(&self, method: &str, params: &Value) -> (Value, Option<CallSummary>) {
+    /// Answers one `request` frame from a worker of `session` (known to the host, never taken
+    /// from the frame): the payload for the `response` frame, and a summary when it was a tool
+    /// call.
+    pub async fn handle(
+        &self,
+        session: &str,
+        method: &str,
+        params: &Value,
+    ) -> (Value, Option<CallSummary>) {
         let started = std::time::Instant::now();
         let s = |k: &str| {
             params
@@ -480,7 +479,7 @@ impl Proxy {
                     .get(&server)
                     .is_some_and(|u| u.config.rules.audit_arguments);
                 let arguments = audit_values.then(|| args.clone());
-                let r = self.call(&server, &tool, args).await;
+                let r = self.call(session, &server, &tool, args).await;
                 let outcome = match &r {
                     Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => "tool_error",
                     Ok(_) => "ok",

@@ -1,5 +1,16 @@
 //! One proxied MCP server: an rmcp client over a child process, started on first use, restarted
 //! after a crash, with its tool list cached until the server says it changed.
+//!
+//! Each server is spoken to in its own era: ironcell probes with `server/discover` first and, if
+//! the server answers, uses 2026-07-28 (no handshake, the version and ironcell's identity in every
+//! request's `_meta`); a server that answers the probe with an error (an older server's "method
+//! not found") gets the `initialize` handshake on the same connection. The era each server
+//! speaks is recorded and shown in `system://info`.
+//!
+//! Tool-list changes: an old-era server notifies on its own; a 2026-07-28 server only on a
+//! `subscriptions/listen` stream, which ironcell opens when the server says its tool list can
+//! change (if that stream cannot be had, the list is fetched anew for every use). A 2026-07-28
+//! list also says how long it may be cached (`ttlMs`); ironcell keeps it no longer.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -7,10 +18,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rmcp::model::{CallToolRequestParams, Tool};
-use rmcp::service::{NotificationContext, Peer, RunningService};
+use rmcp::model::{
+    CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation, ProtocolVersion, Tool,
+};
+use rmcp::service::{
+    ClientLifecycleMode, ClientServiceExt, NotificationContext, Peer, RunningService,
+};
 use rmcp::transport::TokioChildProcess;
-use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use rmcp::{ClientHandler, RoleClient};
 use tokio::io::AsyncBufReadExt;
 
 use super::ProxyError;
@@ -28,6 +43,16 @@ struct Handler {
 }
 
 impl ClientHandler for Handler {
+    /// Who ironcell is to the servers it proxies. The version here is the one a legacy
+    /// `initialize` asks for; the modern era is negotiated by `server/discover`.
+    fn get_info(&self) -> ClientConfig {
+        let mut info = ClientConfig::default();
+        info.protocol_version = ProtocolVersion::LATEST_WITH_INITIALIZE;
+        info.capabilities = ClientCapabilities::default();
+        info.client_info = Implementation::new("ironcell", env!("CARGO_PKG_VERSION"));
+        info
+    }
+
     async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
         self.stale.store(true, Ordering::SeqCst);
     }
@@ -37,12 +62,72 @@ impl ClientHandler for Handler {
 pub struct ToolCatalog {
     pub tools: Vec<Tool>,
     pub index: Vec<super::search::Indexed>,
+    /// When the server's `ttlMs` runs out (2026-07-28 servers; none for older ones).
+    expires: Option<std::time::Instant>,
 }
 
 struct Connection {
     service: RunningService<RoleClient, Handler>,
     tools: Option<Arc<ToolCatalog>>,
     stale: Arc<AtomicBool>,
+    /// Set when no notice of tool-list changes can arrive (a 2026-07-28 server whose
+    /// `subscriptions/listen` stream failed or ended): the list is never cached.
+    blind: Arc<AtomicBool>,
+    /// The `subscriptions/listen` stream of a 2026-07-28 server, ended with the connection.
+    _listener: Option<AbortOnDrop>,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// For a 2026-07-28 server whose tool list can change: a task that marks the cached list stale
+/// on each `notifications/tools/list_changed` of its `subscriptions/listen` stream. When the
+/// stream cannot be opened, or ends, it sets `blind` (every use lists the tools anew).
+fn listen_for_tool_changes(
+    name: &str,
+    peer: Peer<RoleClient>,
+    stale: Arc<AtomicBool>,
+    blind: Arc<AtomicBool>,
+) -> Option<AbortOnDrop> {
+    use rmcp::model::{ServerNotification, SubscriptionFilter};
+    let info = peer.peer_info()?;
+    let changes = info
+        .capabilities
+        .tools
+        .as_ref()
+        .and_then(|t| t.list_changed)
+        .unwrap_or(false);
+    if info.protocol_version.has_initialize() || !changes {
+        return None;
+    }
+    let name = name.to_string();
+    Some(AbortOnDrop(tokio::spawn(async move {
+        let filter = SubscriptionFilter::builder().tools_list_changed().build();
+        let mut sub = match peer.listen(filter).await {
+            Ok(sub) => sub,
+            Err(e) => {
+                tracing::info!(server = %name, error = %e, "no subscriptions/listen stream; its tool list is fetched for every use");
+                blind.store(true, Ordering::SeqCst);
+                return;
+            }
+        };
+        loop {
+            match sub.next().await {
+                Ok(Some(ServerNotification::ToolListChangedNotification(_))) => {
+                    stale.store(true, Ordering::SeqCst);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        // Nothing tells us about changes any more.
+        blind.store(true, Ordering::SeqCst);
+    })))
 }
 
 impl Connection {
@@ -52,10 +137,22 @@ impl Connection {
     }
 }
 
+/// How ironcell starts a conversation with a proxied server: probe with `server/discover`
+/// for the 2026-07-28 era, fall back to the `initialize` handshake when the server answers the
+/// probe with an error.
+fn lifecycle() -> ClientLifecycleMode {
+    ClientLifecycleMode::Auto {
+        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+        legacy_version: Some(ProtocolVersion::LATEST_WITH_INITIALIZE),
+    }
+}
+
 pub struct Upstream {
     pub config: ServerConfig,
     startup_timeout: Duration,
     conn: tokio::sync::Mutex<Option<Connection>>,
+    /// The protocol version the server spoke at its last start (kept after it stops).
+    protocol_version: std::sync::Mutex<Option<ProtocolVersion>>,
 }
 
 impl Upstream {
@@ -64,6 +161,7 @@ impl Upstream {
             config,
             startup_timeout,
             conn: tokio::sync::Mutex::new(None),
+            protocol_version: std::sync::Mutex::new(None),
         }
     }
 
@@ -130,9 +228,8 @@ impl Upstream {
         let handler = Handler {
             stale: stale.clone(),
         };
-        let service = match tokio::time::timeout(self.startup_timeout, handler.serve(transport))
-            .await
-        {
+        let start = handler.serve_with_lifecycle(transport, lifecycle());
+        let service = match tokio::time::timeout(self.startup_timeout, start).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 return Err(ProxyError::unavailable(format!(
@@ -148,11 +245,29 @@ impl Upstream {
                 )));
             }
         };
-        tracing::info!(server = %c.name, "proxied server started");
+        let version = service
+            .peer()
+            .peer_info()
+            .map(|i| i.protocol_version.clone());
+        tracing::info!(
+            server = %c.name,
+            protocol_version = %version.as_ref().map(ToString::to_string).unwrap_or_default(),
+            "proxied server started"
+        );
+        *crate::lock(&self.protocol_version) = version;
+        let blind = Arc::new(AtomicBool::new(false));
+        let listener = listen_for_tool_changes(
+            &c.name,
+            service.peer().clone(),
+            stale.clone(),
+            blind.clone(),
+        );
         Ok(Connection {
             service,
             tools: None,
             stale,
+            blind,
+            _listener: listener,
         })
     }
 
@@ -171,18 +286,27 @@ impl Upstream {
         let peer = self.peer().await?;
         {
             let conn = self.conn.lock().await;
+            let fresh = |c: &Connection, t: &ToolCatalog| {
+                !c.stale.load(Ordering::SeqCst)
+                    && !c.blind.load(Ordering::SeqCst)
+                    && t.expires.is_none_or(|e| std::time::Instant::now() < e)
+            };
             if let Some(c) = conn.as_ref()
-                && let (Some(t), false) = (&c.tools, c.stale.load(Ordering::SeqCst))
+                && let Some(t) = c.tools.as_ref().filter(|t| fresh(c, t))
             {
                 return Ok(t.clone());
             }
         }
-        let tools = peer.list_all_tools().await.map_err(|e| {
+        let listed = peer.list_all_tools_with_cache_hint().await.map_err(|e| {
             ProxyError::unavailable(format!(
                 "listing the tools of {:?} failed: {e}",
                 self.name()
             ))
         })?;
+        let expires = listed
+            .ttl_ms
+            .map(|ms| std::time::Instant::now() + Duration::from_millis(ms));
+        let tools = listed.items;
         let index = tools
             .iter()
             .map(|t| {
@@ -193,7 +317,11 @@ impl Upstream {
                 )
             })
             .collect();
-        let tools = Arc::new(ToolCatalog { tools, index });
+        let tools = Arc::new(ToolCatalog {
+            tools,
+            index,
+            expires,
+        });
         let mut conn = self.conn.lock().await;
         if let Some(c) = conn.as_mut() {
             c.stale.store(false, Ordering::SeqCst);
@@ -255,6 +383,11 @@ impl Upstream {
                 )))
             }
         }
+    }
+
+    /// The protocol version the server spoke at its last start, if it has started.
+    pub fn protocol_version(&self) -> Option<ProtocolVersion> {
+        crate::lock(&self.protocol_version).clone()
     }
 
     pub async fn is_running(&self) -> bool {

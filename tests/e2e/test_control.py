@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HARNESS, IRONCELL, connect, run, server_env
+from conftest import HARNESS, IRONCELL, Run, connect, run, server_env
 
 pytestmark = pytest.mark.anyio
 
@@ -227,3 +227,179 @@ async def test_every_run_leaves_an_audit_line_and_audit_prints_them(state_dir, t
     async with connect(state_dir, MCP_BRIDGE_CONFIG=config) as s:
         r = await run(s, f"open({str(state_dir / 'audit.jsonl')!r}, 'a').write('forged')")
         assert r.is_error and r["error"]["type"] == "PermissionError"
+
+
+# The 2026-07-28 era: no server-to-client requests; a waiting tools/call answers
+# `resultType: "input_required"` with the question, and the client retries it with the answer.
+MODERN = "2026-07-28"
+
+DELETE_KEEP = """
+from mcp import ToolError
+await mcp_memory.create_entities(entities=[{"name": "keep", "entityType": "t", "observations": []}])
+try:
+    await mcp_memory.delete_entities(entityNames=["keep"])
+    outcome = "deleted"
+except ToolError as e:
+    outcome = "refused: " + str(e)
+names = [e["name"] for e in (await mcp_memory.read_graph())["entities"]]
+(outcome, names)
+"""
+
+
+@contextlib.asynccontextmanager
+async def modern_client(state_dir: Path, answers: list[str] | None, asked: list[str], **env: str):
+    """The official SDK 2.x client in auto mode (it lands in 2026-07-28); with an elicitation
+    callback answering from `answers` unless `answers` is None."""
+    from mcp import Client, StdioServerParameters, types
+    from mcp.client.stdio import stdio_client
+
+    async def on_elicit(context, params):
+        asked.append(params.message)
+        answer = answers.pop(0)
+        if answer == "decline":
+            return types.ElicitResult(action="decline")
+        return types.ElicitResult(action="accept", content={"approve": answer == "accept"})
+
+    params = StdioServerParameters(command=str(IRONCELL), args=["serve"], env=server_env(state_dir, **env))
+    extra = {} if answers is None else {"elicitation_callback": on_elicit}
+    with open(state_dir / "server.log", "a") as errlog:
+        async with Client(stdio_client(params, errlog=errlog), mode="auto", **extra) as c:
+            assert c.protocol_version == MODERN
+            yield c
+
+
+async def test_modern_era_destructive_calls_are_approved_or_declined_through_input_required(state_dir, tmp_path):
+    config = memory_servers(tmp_path, memory={})
+    asked: list[str] = []
+    async with modern_client(state_dir, ["decline", "no", "accept"], asked, MCP_BRIDGE_CONFIG=config) as c:
+        r = await run(c, DELETE_KEEP, session="a")
+        outcome, names = eval(r["result"])
+        assert outcome.startswith("refused: declined"), outcome
+        assert names == ["keep"]
+        r = await run(c, DELETE_KEEP, session="a")
+        outcome, names = eval(r["result"])
+        assert outcome.startswith("refused: declined"), outcome
+        assert names == ["keep"]
+        r = await run(c, DELETE_KEEP, session="a")
+        outcome, names = eval(r["result"])
+        assert outcome == "deleted" and names == [], r
+        # The session's state survived the round trips.
+        r = await run(c, "outcome", session="a")
+        assert r["result"] == "'deleted'"
+    assert len(asked) == 3
+    assert "delete_entities" in asked[0] and '"memory"' in asked[0] and "keep" in asked[0]
+    outcomes = [c["outcome"] for line in audit_lines(state_dir) for c in line.get("upstream_calls", [])
+                if c["tool"] == "delete_entities"]
+    assert outcomes == ["declined", "declined", "ok"]
+
+
+async def test_modern_era_a_background_job_asks_through_run_python_job(state_dir, tmp_path):
+    config = memory_servers(tmp_path, memory={})
+    asked: list[str] = []
+    code = "import time\ntime.sleep(3)\n" + DELETE_KEEP
+    async with modern_client(state_dir, ["accept"], asked, MCP_BRIDGE_CONFIG=config, IRONCELL_WAIT_BUDGET="1s") as c:
+        r = await run(c, code, session="bg", timeout_s=120)
+        assert r["status"] == "running" and not asked, r
+        done = Run(await c.call_tool("run_python_job", {"job": r["job"], "wait_s": 30}))
+        while done["status"] == "running":
+            done = Run(await c.call_tool("run_python_job", {"job": r["job"], "wait_s": 30}))
+        outcome, names = eval(done["result"])
+        assert outcome == "deleted" and names == [], done
+    assert len(asked) == 1 and "delete_entities" in asked[0]
+
+
+async def test_modern_era_without_elicitation_destructive_calls_are_refused_with_the_fix(state_dir, tmp_path):
+    config = memory_servers(tmp_path, memory={}, trusted={"confirm": False})
+    asked: list[str] = []
+    async with modern_client(state_dir, None, asked, MCP_BRIDGE_CONFIG=config) as c:
+        code = """
+from mcp import ToolError
+try:
+    await mcp_memory.delete_entities(entityNames=["x"])
+    msg = "called"
+except ToolError as e:
+    msg = str(e)
+msg
+"""
+        r = await run(c, code)
+        msg = eval(r["result"])
+        assert "cannot ask" in msg and '"confirm": false' in msg and "--approval allow" in msg
+        r = await run(c, "await mcp_trusted.delete_entities(entityNames=['x'])\n'called'")
+        assert r["result"] == "'called'", r
+    outcomes = [(c["server"], c["outcome"]) for line in audit_lines(state_dir)
+                for c in line.get("upstream_calls", [])]
+    assert outcomes == [("memory", "refused"), ("trusted", "ok")]
+
+
+def test_modern_era_input_required_on_the_wire_and_retries_that_do_not_fit(state_dir, tmp_path):
+    """The wire shape of an approval in 2026-07-28, and what a retry must carry."""
+    from conftest import RawServer
+    from test_protocol import modern_request
+
+    config = memory_servers(tmp_path, memory={})
+    caps = {"elicitation": {"form": {}}}
+    srv = RawServer(state_dir, MCP_BRIDGE_CONFIG=config)
+    args = {"code": "await mcp_memory.delete_entities(entityNames=['x'])\n'deleted'", "session": "w"}
+    first = modern_request(srv, "tools/call", {"name": "run_python", "arguments": args}, caps)["result"]
+    assert first["resultType"] == "input_required", first
+    (key, req), = first["inputRequests"].items()
+    assert req["method"] == "elicitation/create" and req["params"]["mode"] == "form"
+    assert "delete_entities" in req["params"]["message"] and '"x"' in req["params"]["message"]
+    assert req["params"]["requestedSchema"]["properties"]["approve"]["type"] == "boolean"
+    state = first["requestState"]
+
+    # Another call's arguments, or a forged state: refused, and the question stays open.
+    other = dict(args, code="'something else'")
+    bad = modern_request(srv, "tools/call", {"name": "run_python", "arguments": other, "requestState": state,
+                                             "inputResponses": {key: {"action": "accept", "content": {"approve": True}}}}, caps)
+    assert bad["error"]["code"] == -32602 and "same arguments" in bad["error"]["message"]
+    forged = modern_request(srv, "tools/call", {"name": "run_python", "arguments": args, "requestState": "0" * 32}, caps)
+    assert forged["error"]["code"] == -32602 and "unknown" in forged["error"]["message"]
+
+    done = modern_request(srv, "tools/call", {"name": "run_python", "arguments": args, "requestState": state,
+                                              "inputResponses": {key: {"action": "accept", "content": {"approve": True}}}}, caps)["result"]
+    assert done["resultType"] == "complete" and done["structuredContent"]["result"] == "'deleted'", done
+    # A state is good for one retry only.
+    again = modern_request(srv, "tools/call", {"name": "run_python", "arguments": args, "requestState": state}, caps)
+    assert again["error"]["code"] == -32602
+    srv.close()
+
+
+def test_modern_era_a_task_asks_through_tasks_get_and_is_answered_with_tasks_update(state_dir, tmp_path):
+    """A run that became a task (tasks extension) and then needs approval: `tasks/get` shows the
+    question (status input_required), `tasks/update` answers it, and the run goes on."""
+    import time
+
+    from conftest import RawServer
+    from test_protocol import TASKS_EXT, modern_request, wait_task
+
+    config = memory_servers(tmp_path, memory={})
+    caps = {"elicitation": {"form": {}}, "extensions": {TASKS_EXT: {}}}
+    srv = RawServer(state_dir, MCP_BRIDGE_CONFIG=config, IRONCELL_WAIT_BUDGET="1s")
+    code = "import time\ntime.sleep(2)\n" + DELETE_KEEP
+    task = modern_request(srv, "tools/call", {"name": "run_python", "arguments": {"code": code, "timeout_s": 120}}, caps)["result"]
+    assert task["resultType"] == "task", task
+    deadline = time.monotonic() + 60
+    while True:
+        t = modern_request(srv, "tasks/get", {"taskId": task["taskId"]}, caps)["result"]
+        if t["status"] != "working" or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert t["status"] == "input_required", t
+    (key, req), = t["inputRequests"].items()
+    assert req["method"] == "elicitation/create" and "delete_entities" in req["params"]["message"]
+    # Asked again, the same question under the same key, until it is answered.
+    again = modern_request(srv, "tasks/get", {"taskId": task["taskId"]}, caps)["result"]
+    assert list(again["inputRequests"]) == [key]
+    bad = modern_request(srv, "tasks/update", {"taskId": task["taskId"], "inputResponses": {"nope": {}}}, caps)
+    assert bad["error"]["code"] == -32602 and "not an outstanding input request" in bad["error"]["message"]
+    ok = modern_request(srv, "tasks/update", {"taskId": task["taskId"],
+                                              "inputResponses": {key: {"action": "accept", "content": {"approve": True}}}}, caps)
+    assert "error" not in ok, ok
+    done = wait_task(srv, task["taskId"], caps)
+    assert done["status"] == "completed", done
+    assert eval(done["result"]["structuredContent"]["result"]) == ("deleted", [])
+    srv.close()
+    outcomes = [c["outcome"] for line in audit_lines(state_dir) for c in line.get("upstream_calls", [])
+                if c["tool"] == "delete_entities"]
+    assert outcomes == ["ok"]

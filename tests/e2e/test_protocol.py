@@ -264,3 +264,59 @@ def test_an_oversized_line_is_a_parse_error_and_the_next_request_works(state_dir
     assert reply["error"]["code"] == -32700 and reply["id"] is None and "limit" in reply["error"]["message"]
     assert srv.call("1 + 2")["structuredContent"]["result"] == "3"
     srv.close()
+
+
+# Issue 13: ironcell's client side speaks to each proxied server in that server's own era.
+UPSTREAM_ERAS = {
+    "time": MODERN,  # answers server/discover
+    "git": MODERN,
+    "everything": "initialize",  # answer server/discover with "method not found"
+    "filesystem": "initialize",
+    "memory": "initialize",
+    "sequential-thinking": "initialize",
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_each_proxied_server_is_spoken_to_in_its_own_era(state_dir, tmp_path, mode):
+    from conftest import HARNESS
+
+    base = json.loads((HARNESS / "proxied_servers.json").read_text())["mcpServers"]
+    servers = {name: base[name] for name in UPSTREAM_ERAS}
+    servers["memory"] = dict(servers["memory"], env={"MEMORY_FILE_PATH": str(tmp_path / "memory.jsonl")})
+    config = tmp_path / "servers.json"
+    config.write_text(json.dumps({"mcpServers": servers}))
+    repo = base["git"]["args"][base["git"]["args"].index("--repository") + 1]
+    async with sdk2_client(state_dir, mode, MCP_BRIDGE_CONFIG=str(config), MCP_BRIDGE_STARTUP_TIMEOUT="30s") as c:
+        info = json.loads((await c.read_resource("system://info")).contents[0].text)
+        assert all(s["protocol_version"] is None for s in info["mcp"]["servers"]), "nothing started yet"
+        code = f"""
+out = {{}}
+out['time'] = (await mcp_time.get_current_time(timezone='UTC'))['timezone']
+out['git'] = 'clean' if 'Repository status' in str(await mcp_git.git_status(repo_path={repo!r})) else 'unexpected'
+out['everything'] = await mcp_everything.get_sum(a=2, b=3)
+out['filesystem'] = str(await mcp_filesystem.list_allowed_directories())
+out['memory'] = sorted(await mcp_memory.read_graph())
+out['sequential-thinking'] = [t['tool'] for t in await runtime.query_tool_docs('sequential-thinking')]
+out
+"""
+        r = await run(c, code, timeout_s=120)
+        assert not r.is_error, r.text
+        out = eval(r["result"])
+        assert out["time"] == "UTC" and out["git"] == "clean"
+        assert out["everything"] == "The sum of 2 and 3 is 5."
+        assert "fsroot" in out["filesystem"] and out["memory"] == ["entities", "relations"]
+        assert out["sequential-thinking"] == ["sequentialthinking"]
+        assert [c["outcome"] for c in r["upstream_calls"]] == ["ok"] * 5
+
+        info = json.loads((await c.read_resource("system://info")).contents[0].text)
+        seen = {s["name"]: s for s in info["mcp"]["servers"]}
+        for name, era in UPSTREAM_ERAS.items():
+            s = seen[name]
+            assert s["running"], s
+            if era == MODERN:
+                assert (s["era"], s["protocol_version"]) == ("discover", MODERN), s
+            else:
+                assert s["era"] == "initialize" and s["protocol_version"] in (
+                    "2024-11-05", "2025-03-26", "2025-06-18", LEGACY), s
