@@ -21,6 +21,8 @@
 //! - [`doctor`]: `ironcell doctor`, which shows each sandbox layer on this host.
 //! - [`frame`]: the framing and messages on a session socket.
 //! - [`host_fs`]: fd-relative, symlink-refusing file operations in session directories.
+//! - [`local_tools`]: `@tool` functions from `--tools` files and `save_tool`, as MCP tools run
+//!   in a sandboxed tools session.
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
 //! - [`system_info`]: what `system://info` reports.
 //! - `python/_ironcell_runner.py`: the notebook-style cell runner, embedded in the binary.
@@ -40,6 +42,7 @@ pub mod files;
 pub mod frame;
 pub mod host_fs;
 pub mod jobs;
+pub mod local_tools;
 pub mod memory;
 pub mod output;
 pub mod proxy;
