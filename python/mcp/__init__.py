@@ -1042,7 +1042,7 @@ def _validate(v, schema, where):
             sub = f"{where}.{k}" if where else k
             if k in props:
                 _validate(x, props[k], sub)
-            elif schema.get("additionalProperties") is False:
+            elif schema.get("additionalProperties") is False or not where:  # no stray arguments
                 allowed = ", ".join(props) or "(none)"
                 raise ValueError(f"unknown field `{sub}`; allowed: {allowed}" if where else
                                  f"unknown argument `{k}`; this tool takes: {allowed}")
@@ -1379,6 +1379,21 @@ def _function_source(func):
 MAX_SAVED_TOOL_BYTES = 64 * 1024
 
 
+def _signature_names(source):
+    """Global names the function's signature uses (annotations and defaults)."""
+    import ast
+
+    node = ast.parse(source).body[0]
+    a = node.args
+    parts = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None]
+    parts += [*a.defaults, *(d for d in a.kw_defaults if d is not None), node.returns]
+    names = set()
+    for part in parts:
+        if part is not None:
+            names.update(n.id for n in ast.walk(part) if isinstance(n, ast.Name))
+    return names
+
+
 def save_tool(func, name=None, description=None):
     """Saves `func` as a local MCP tool: it is listed by tools/list from now on (also after
     restarts; the client is told the list changed) and runs in the sandboxed tools session.
@@ -1392,24 +1407,30 @@ def save_tool(func, name=None, description=None):
     if cv.nonlocals:
         raise ToolSchemaError(f"{func.__name__} uses variables of an enclosing function "
                               f"({', '.join(cv.nonlocals)}); a saved tool must be self-contained")
+    body = _function_source(func)
+    needed = dict(cv.globals)
+    for gname in _signature_names(body):  # names in annotations and defaults
+        if gname in func.__globals__ and gname not in needed:
+            needed[gname] = func.__globals__[gname]
     imports, refused = [], []
-    stdlib = getattr(sys, "stdlib_module_names", ())
+    stdlib = set(getattr(sys, "stdlib_module_names", ())) | {"typing", "collections", "dataclasses", "enum"}
     this = sys.modules[__name__]
-    for gname, value in sorted(cv.globals.items()):
+    for gname, value in sorted(needed.items()):
         module = getattr(value, "__module__", None) or ""
+        real_name = getattr(value, "__name__", None) or getattr(value, "_name", None)
         if isinstance(value, types.ModuleType):
             imports.append(f"import {value.__name__}" if value.__name__ == gname
                            else f"import {value.__name__} as {gname}")
         elif getattr(this, gname, None) is value:
             imports.append(f"from mcp import {gname}")
-        elif module.split(".")[0] in stdlib and getattr(value, "__name__", None):
-            imports.append(f"from {module} import {value.__name__} as {gname}")
+        elif module.split(".")[0] in stdlib and isinstance(real_name, str) and real_name.isidentifier():
+            imports.append(f"from {module} import {real_name}" + ("" if real_name == gname else f" as {gname}"))
         else:
             refused.append(gname)
     if refused:
         raise ToolSchemaError(f"{func.__name__} uses session globals that would not exist in a saved tool: "
-                              f"{', '.join(refused)}; define them (or import them) inside the function")
-    body = _function_source(func)
+                              f"{', '.join(refused)}; define them (or import them) inside the function, "
+                              "or put the tool (with its types) in a tools file given with --tools")
     header = [f"# Saved with save_tool() from session {os.environ.get('IRONCELL_SESSION', '?')!r}.",
               "from mcp import tool", *sorted(set(i for i in imports if i)), "", ""]
     marker = f"@tool(name={spec['name']!r}, description={spec['description']!r})\n"
