@@ -47,6 +47,9 @@ const MAX_SAVED_TOOLS: usize = 256;
 const MAX_ANSWER_BYTES: usize = 8 << 20;
 /// Most load errors kept (one per broken file or tool).
 const MAX_LOAD_ERRORS: usize = 64;
+/// How long a failed load (e.g. a tools file that hangs at import) is kept before the next try,
+/// so one bad file does not stall every `tools/list`.
+const RETRY_FAILED_LOAD: Duration = Duration::from_secs(60);
 /// How long `tools/list` waits for the tools to load before answering without them.
 const CATALOG_WAIT: Duration = Duration::from_secs(60);
 
@@ -81,8 +84,9 @@ struct LocalTool {
 #[derive(Debug, Default)]
 struct Catalog {
     generation: u64,
-    /// The tools session could not load anything (not cached: the next list tries again).
+    /// The tools session could not load anything: tried again after [`RETRY_FAILED_LOAD`].
     load_failed: bool,
+    loaded_at: Option<std::time::Instant>,
     tools: Vec<LocalTool>,
     errors: Vec<LoadError>,
 }
@@ -208,13 +212,17 @@ impl LocalTools {
     async fn ensure_catalog(&self) -> Arc<Catalog> {
         let mut slot = self.catalog.lock().await;
         let generation = self.generation.load(Ordering::SeqCst);
-        if let Some(c) = slot.as_ref().filter(|c| c.generation == generation) {
+        let fresh = |c: &&Arc<Catalog>| {
+            c.generation == generation
+                && (!c.load_failed || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD))
+        };
+        if let Some(c) = slot.as_ref().filter(fresh) {
             return c.clone();
         }
-        let catalog = Arc::new(self.load_catalog(generation).await);
-        if !catalog.load_failed {
-            *slot = Some(catalog.clone());
-        }
+        let mut catalog = self.load_catalog(generation).await;
+        catalog.loaded_at = Some(std::time::Instant::now());
+        let catalog = Arc::new(catalog);
+        *slot = Some(catalog.clone());
         catalog
     }
 
@@ -222,6 +230,7 @@ impl LocalTools {
         let mut catalog = Catalog {
             generation,
             load_failed: false,
+            loaded_at: None,
             tools: Vec::new(),
             errors: self.path_errors.clone(),
         };

@@ -1171,42 +1171,71 @@ def _load_tools(spec):
 
     sys.dont_write_bytecode = True
     _registry.update(generation=spec.get("generation"), tools={}, errors=[])
-    for i, (path, origin) in enumerate(_tool_files(spec.get("paths") or [], spec.get("saved_dir"))):
-        folder = os.path.dirname(path)
-        if origin == "file" and folder not in sys.path:
-            sys.path.append(folder)  # sibling helper modules of a tools file are importable
-        modname = f"ironcell_tools_{i}_{identifier(os.path.splitext(os.path.basename(path))[0])}"
+    import signal
+
+    def too_slow(signum, frame):
+        raise _ImportTimeout(f"importing it took more than {IMPORT_SECONDS} s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    try:
+        for i, (path, origin) in enumerate(_tool_files(spec.get("paths") or [], spec.get("saved_dir"))):
+            _load_file(i, path, origin)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+IMPORT_SECONDS = 10
+
+
+class _ImportTimeout(Exception):
+    pass
+
+
+def _load_file(i, path, origin):
+    """Imports one tools file (at most IMPORT_SECONDS) and registers its `@tool` functions."""
+    import importlib.util
+    import signal
+
+    folder = os.path.dirname(path)
+    if origin == "file" and folder not in sys.path:
+        sys.path.append(folder)  # sibling helper modules of a tools file are importable
+    modname = f"ironcell_tools_{i}_{identifier(os.path.splitext(os.path.basename(path))[0])}"
+    try:
+        signal.setitimer(signal.ITIMER_REAL, IMPORT_SECONDS)
         try:
             mspec = importlib.util.spec_from_file_location(modname, path)
             module = importlib.util.module_from_spec(mspec)
             sys.modules[modname] = module
             mspec.loader.exec_module(module)
-        except BaseException as exc:  # noqa: BLE001 - reported, and the other files still load
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            sys.modules.pop(modname, None)
-            _registry["errors"].append({"file": path, "line": _error_line(exc, path),
-                                        "reason": f"{type(exc).__name__}: {exc}"})
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except BaseException as exc:  # noqa: BLE001 - reported, and the other files still load
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        sys.modules.pop(modname, None)
+        reason = str(exc) if isinstance(exc, _ImportTimeout) else f"{type(exc).__name__}: {exc}"
+        _registry["errors"].append({"file": path, "line": _error_line(exc, path), "reason": reason})
+        return
+    for attr, func in list(vars(module).items()):
+        if not callable(func) or getattr(func, "__module__", None) != modname:
             continue
-        for attr, func in list(vars(module).items()):
-            if not callable(func) or getattr(func, "__module__", None) != modname:
-                continue
-            if getattr(func, _TOOL_MARK, None) is None:
-                continue
-            line = getattr(getattr(func, "__code__", None), "co_firstlineno", None)
-            try:
-                spec_ = _tool_spec(func)
-            except (ToolSchemaError, ValueError, TypeError, NameError) as exc:
-                _registry["errors"].append({"file": path, "line": line,
-                                            "reason": f"tool {attr!r}: {exc}"})
-                continue
-            if spec_["name"] in _registry["tools"]:
-                other = _registry["tools"][spec_["name"]]
-                _registry["errors"].append({"file": path, "line": line,
-                                            "reason": f"tool {spec_['name']!r} is already defined in {other['file']}; this one is skipped"})
-                continue
-            spec_["file"], spec_["line"], spec_["origin"] = path, line, origin
-            _registry["tools"][spec_["name"]] = dict(spec_, func=func)
+        if getattr(func, _TOOL_MARK, None) is None:
+            continue
+        line = getattr(getattr(func, "__code__", None), "co_firstlineno", None)
+        try:
+            spec_ = _tool_spec(func)
+        except (ToolSchemaError, ValueError, TypeError, NameError) as exc:
+            _registry["errors"].append({"file": path, "line": line,
+                                        "reason": f"tool {attr!r}: {exc}"})
+            continue
+        if spec_["name"] in _registry["tools"]:
+            other = _registry["tools"][spec_["name"]]
+            _registry["errors"].append({"file": path, "line": line,
+                                        "reason": f"tool {spec_['name']!r} is already defined in {other['file']}; this one is skipped"})
+            continue
+        spec_["file"], spec_["line"], spec_["origin"] = path, line, origin
+        _registry["tools"][spec_["name"]] = dict(spec_, func=func)
 
 
 def _public(spec):

@@ -280,6 +280,11 @@ async def test_calls_return_the_functions_value(state_dir, tools_dir):
         assert v["options"] == ["Options", "careful", 1]  # a dataclass argument arrives as one
         assert v["where"] == {"x": 1, "y": 2.5}
 
+        # Arguments reach the function verbatim: nothing in them is ever Python source.
+        weird = 'x"); __import__("os")._exit(3) #\\\n\u2028\u00e9\'\'\'"""\x00'
+        r = await s.call_tool("describe", {"name": weird, "count": 0})
+        assert structured(r)["name"] == weird
+
         r = await s.call_tool("chatty", {"n": 41})
         assert not is_error(r) and text_of(r).startswith("42") and "thinking about 41" in text_of(r)
 
@@ -333,6 +338,19 @@ async def test_a_broken_tools_file_is_reported_and_the_others_still_load(state_d
         assert by_file["bad_syntax.py"]["line"] == 4 and "SyntaxError" in by_file["bad_syntax.py"]["reason"]
     log = (state_dir / "server.log").read_text()
     assert f"{tools_dir / 'broken.py'}:3: RuntimeError: this tools file is broken on purpose" in log
+
+
+async def test_a_tools_file_that_hangs_at_import_is_cut_off_and_the_others_still_load(state_dir):
+    d = make_tools_dir({"a_hangs.py": "from mcp import tool\nwhile True:\n    pass\n"})
+    shutil.copy(EXAMPLE, d / "demo.py")
+    (d / "demo.py").chmod(0o644)
+    try:
+        async with client(state_dir, IRONCELL_TOOLS=str(d)) as s:
+            assert "safe_divide_numbers" in await tool_map(s)
+            rec = await run(s, "from mcp import tools\n[(e['file'], e['line'], e['reason']) for e in tools.errors]")
+            assert eval(rec["result"]) == [(str(d / "a_hangs.py"), 2, "importing it took more than 10 s")]
+    finally:
+        shutil.rmtree(d.parent, ignore_errors=True)
 
 
 async def test_a_missing_tools_path_is_reported_with_the_fix(state_dir, tools_dir):
