@@ -147,6 +147,16 @@ def _quiet_for_reported_coroutines():
     warnings._warn_unawaited_coroutine = warn_unawaited
 
 
+def _remember_function_sources(code):
+    """Functions this cell defined keep its source, so `save_tool(func)` can find their code
+    after later cells have replaced the one in linecache."""
+    for v in list(_globals().values()):
+        c = getattr(v, "__code__", None)
+        if (isinstance(v, types.FunctionType) and c is not None and c.co_filename == CELL_FILENAME
+                and "_ironcell_cell_source" not in v.__dict__):
+            v._ironcell_cell_source = code
+
+
 def _run_awaitable(obj):
     global _loop
     if _loop is None or _loop.is_closed():
@@ -479,6 +489,7 @@ def run_cell(code, run_id=0):
         out["error"] = _error(exc)
     finally:
         _warn_unawaited_globals()
+        _remember_function_sources(code)
         _flush()
     if out["status"] != "interrupted":
         try:

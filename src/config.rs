@@ -181,6 +181,18 @@ pub struct Settings {
     )]
     pub allow_read: Vec<PathBuf>,
 
+    /// Python tools: a `.py` file or a folder of them whose `@tool` functions (from `mcp import
+    /// tool`) become MCP tools, each call run in a sandboxed worker. Repeatable; the
+    /// environment variable takes a `:`-separated list.
+    #[arg(
+        long = "tools",
+        global = true,
+        env = "IRONCELL_TOOLS",
+        value_delimiter = ':',
+        value_name = "PATH"
+    )]
+    pub tools: Vec<PathBuf>,
+
     /// Let code read and write this folder of yours. Repeatable; the environment variable
     /// takes a `:`-separated list. Adds to the policy's `filesystem.allow_write`.
     #[arg(

@@ -26,6 +26,8 @@
 //! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
 //! - [`jobs`]: background runs (`run_python_job`, the tasks extension).
 //! - [`files`], [`host_fs`]: session files, read and written fd-relative, refusing symlinks.
+//! - [`local_tools`]: `@tool` functions from `--tools` files and `save_tool`, as MCP tools run
+//!   in a sandboxed tools session.
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
 //! - [`proxy`]: the user's other MCP servers: config, upstream clients, rules, search.
 //! - [`audit`]: the audit log of runs and proxied calls.
@@ -49,6 +51,7 @@ pub mod files;
 pub use ironcell_core::{frame, sandbox};
 pub mod host_fs;
 pub mod jobs;
+pub mod local_tools;
 pub mod memory;
 pub mod output;
 pub mod proxy;

@@ -36,6 +36,8 @@ pub struct IroncellServer {
     sessions: Arc<SessionManager>,
     jobs: Arc<Jobs>,
     tools: Arc<Vec<Tool>>,
+    /// `@tool` functions from `--tools` files and `save_tool` (none unless in use).
+    local_tools: Arc<crate::local_tools::LocalTools>,
 }
 
 impl IroncellServer {
@@ -45,10 +47,12 @@ impl IroncellServer {
         let tools = Arc::new(vec![run_python_tool(default_timeout, proxies), job_tool()]);
         let audit =
             crate::audit::AuditLog::new(sessions.state_dir(), sessions.settings().audit_max_bytes);
+        let local_tools = crate::local_tools::LocalTools::start(&sessions);
         IroncellServer {
             sessions,
             jobs: Arc::new(Jobs::with_audit(Arc::new(audit))),
             tools,
+            local_tools,
         }
     }
 
@@ -139,6 +143,13 @@ impl IroncellServer {
             Ok(r) => r,
             Err(message) => return error_result(message).into(),
         };
+        if crate::local_tools::is_reserved_session(&run.session) {
+            return error_result(format!(
+                "session {:?} is reserved for the local Python tools; use another name",
+                run.session
+            ))
+            .into();
+        }
         if let Some(id) = self.jobs.running_in(&run.session) {
             let how = if offers_tasks(context) {
                 format!("poll it with tasks/get (taskId {id:?}), cancel it with tasks/cancel")
@@ -674,18 +685,19 @@ fn error_result(message: impl Into<String>) -> CallToolResult {
 
 impl ServerHandler for IroncellServer {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(
-            ServerCapabilities::builder()
-                .enable_tools()
-                .enable_resources()
-                .enable_tasks()
-                .build(),
-        )
-        .with_server_info(Implementation::new("ironcell", env!("CARGO_PKG_VERSION")))
-        .with_instructions(
-            "ironcell runs Python in kernel-sandboxed sessions via the run_python tool. \
+        let capabilities = ServerCapabilities::builder().enable_tools();
+        // Only servers whose tool list can change say so (local tools in use).
+        let capabilities = if self.local_tools.advertises_list_changed() {
+            capabilities.enable_tool_list_changed()
+        } else {
+            capabilities
+        };
+        ServerConfig::new(capabilities.enable_resources().enable_tasks().build())
+            .with_server_info(Implementation::new("ironcell", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "ironcell runs Python in kernel-sandboxed sessions via the run_python tool. \
                  Read system://info for the interpreter, limits and sandbox in force.",
-        )
+            )
     }
 
     /// Both eras: 2026-07-28 (`server/discover`, per-request `_meta`, no handshake) and the
@@ -753,9 +765,12 @@ impl ServerHandler for IroncellServer {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        Ok(ListToolsResult::with_all_items((*self.tools).clone()))
+        self.local_tools.attach_peer(context.peer.clone());
+        let mut tools = (*self.tools).clone();
+        tools.extend(self.local_tools.listed_tools().await);
+        Ok(ListToolsResult::with_all_items(tools))
     }
 
     async fn call_tool(
@@ -771,10 +786,17 @@ impl ServerHandler for IroncellServer {
         let result = match request.name.as_ref() {
             TOOL_NAME => self.call_run_python(&request, &context).await,
             JOB_TOOL_NAME => self.call_job_tool(&request, &context).await,
-            other => error_result(format!(
-                "unknown tool {other:?}; the tools are {TOOL_NAME} and {JOB_TOOL_NAME}"
-            ))
-            .into(),
+            other => {
+                self.local_tools.attach_peer(context.peer.clone());
+                let args = request.arguments.as_ref();
+                match self.local_tools.call(other, args, context.ct.clone()).await {
+                    Some(result) => result.into(),
+                    None => error_result(format!(
+                        "unknown tool {other:?}; the tools are {TOOL_NAME} and {JOB_TOOL_NAME}"
+                    ))
+                    .into(),
+                }
+            }
         };
         Ok(result)
     }

@@ -105,6 +105,9 @@ pub struct SessionManager {
     proxy: Arc<Proxy>,
     /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
     memory: Arc<crate::memory::MemoryStore>,
+    /// Local Python tools (`tools.*` requests, and the tools session's read grants); set once
+    /// by the server.
+    local_tools: std::sync::OnceLock<Arc<crate::local_tools::LocalTools>>,
     /// The interpreter chosen at start (or why none could be): every zygote runs it.
     python: Result<crate::python::Interpreter, crate::python::PythonError>,
     zygote: Mutex<Option<Arc<Zygote>>>,
@@ -178,7 +181,7 @@ impl SessionManager {
             sandbox,
             proxy,
             memory,
-
+            local_tools: std::sync::OnceLock::new(),
             python,
             zygote: Mutex::new(zygote),
             sessions: Mutex::new(HashMap::new()),
@@ -202,6 +205,15 @@ impl SessionManager {
     /// The state directory in use (the configured one, or the private fallback).
     pub fn state_dir(&self) -> &Path {
         self.root.parent().unwrap_or(&self.root)
+    }
+
+    /// Connects the local Python tools (done once, by the server).
+    pub fn set_local_tools(&self, tools: Arc<crate::local_tools::LocalTools>) {
+        let _ = self.local_tools.set(tools);
+    }
+
+    pub fn local_tools(&self) -> Option<Arc<crate::local_tools::LocalTools>> {
+        self.local_tools.get().cloned()
     }
 
     pub fn proxy(&self) -> &Arc<Proxy> {
@@ -488,13 +500,17 @@ impl SessionManager {
             .ready()
             .await
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let mut sandbox = self
+            .sandbox
+            .plan_for(&session.scratch, &python.python_paths);
+        if let (Some(tools), Some(fs)) = (self.local_tools.get(), sandbox.filesystem.as_mut()) {
+            fs.read_only.extend(tools.read_grants_for(&session.name));
+        }
         let spec = WorkerSpec {
             session: session.name.clone(),
             scratch: session.scratch.clone(),
             env: worker_environment(&session.name, &session.scratch),
-            sandbox: self
-                .sandbox
-                .plan_for(&session.scratch, &python.python_paths),
+            sandbox,
             mcp_servers: self.proxy.server_summaries(),
             image_budget_bytes: self.settings.image_budget,
         };
@@ -739,6 +755,8 @@ impl SessionManager {
                             let proxy = self.proxy.clone();
                             let session_name = session.name.clone();
                             let memory = self.memory.clone();
+                            let local_tools = self.local_tools.get().cloned();
+                            let from = session.name.clone();
                             let summaries = summaries_tx.clone();
                             let answers = worker.answers();
                             tokio::spawn(async move {
@@ -755,7 +773,18 @@ impl SessionManager {
                                         });
                                         (answer, None)
                                     }
-                                    None => proxy.handle(&session_name, &method, &params).await,
+                                    None => match method.strip_prefix("tools.") {
+                                        Some(op) => {
+                                            let answer = crate::local_tools::handle_request(
+                                                local_tools,
+                                                from,
+                                                op.to_string(),
+                                                params,
+                                            );
+                                            (answer.await, None)
+                                        }
+                                        None => proxy.handle(&session_name, &method, &params).await,
+                                    },
                                 };
                                 if let Some(call) = summary {
                                     let _ = summaries.send(call);

@@ -668,6 +668,7 @@ def _configure(servers):
 
 def _globals_for_user():
     g = {"runtime": runtime, "mcp_servers": mcp_servers, "save_memory": save_memory,
+         "save_tool": save_tool,
          "load_memory": load_memory, "delete_memory": delete_memory,
          "list_memories": list_memories, "memory_exists": memory_exists,
          "update_memory": update_memory, "get_memory_info": get_memory_info}
@@ -727,3 +728,748 @@ def _sdk_dirs():
 
 
 __path__ = _sdk_dirs()
+
+
+# ---------------------------------------------------------------------------------------------
+# Local Python tools: `@tool` functions in the files given with --tools, and `save_tool(func)`.
+#
+# The host never runs them: a dedicated tools session (a worker like any other, with a read-only
+# grant for the tools files) imports the files, turns type hints into JSON schemas and runs each
+# call. Answers travel back as `tools.*` bridge requests, never as printed text.
+# ---------------------------------------------------------------------------------------------
+
+import dataclasses as _dataclasses
+import enum as _enum
+import typing as _typing
+
+__all__ += ["tool", "tools", "save_tool", "ToolSchemaError"]
+
+_TOOL_MARK = "__ironcell_tool__"
+_WRAPPED = "x-ironcell-wrapped"
+
+
+class ToolSchemaError(TypeError):
+    """A tool's signature cannot be expressed as a JSON schema (e.g. an unsupported type hint)."""
+
+
+def tool(func=None, *, name=None, description=None):
+    """Marks a function as an MCP tool: `@tool`, or `@tool(name=..., description=...)`.
+
+    The name defaults to the function's, the description to its docstring; the input schema
+    comes from the type hints and defaults, the output schema from the return hint when it is
+    structured (a dict, TypedDict, dataclass or list). Returns the function unchanged."""
+    def mark(f):
+        if not callable(f):
+            raise TypeError("@tool marks functions")
+        setattr(f, _TOOL_MARK, {"name": name, "description": description})
+        return f
+    return mark(func) if func is not None else mark
+
+
+def _doc_parts(doc):
+    """(description, {arg: description}) from a docstring with an optional Google-style
+    `Args:` section; `Returns:`/`Raises:` sections are left out of the description."""
+    doc = inspect.cleandoc(doc or "")
+    lines = doc.splitlines()
+    desc, args, section, current = [], {}, None, None
+    for line in lines:
+        stripped = line.strip()
+        header = stripped.rstrip(":").lower()
+        if stripped.endswith(":") and header in ("args", "arguments", "parameters", "params",
+                                                 "returns", "return", "raises", "yields", "examples", "example"):
+            section = header
+            current = None
+            continue
+        if section in ("args", "arguments", "parameters", "params"):
+            if not stripped:
+                continue
+            head, sep, rest = stripped.partition(":")
+            key = head.split("(")[0].strip().lstrip("*")
+            if sep and key.isidentifier() and line[:len(line) - len(line.lstrip())] != "" and (
+                    current is None or len(line) - len(line.lstrip()) <= args[current][1]):
+                current = key
+                args[key] = [rest.strip(), len(line) - len(line.lstrip())]
+            elif current is not None:
+                args[current][0] = (args[current][0] + " " + stripped).strip()
+            continue
+        if section is None:
+            desc.append(line)
+    return "\n".join(desc).strip(), {k: v[0] for k, v in args.items() if v[0]}
+
+
+def _is_typeddict(tp):
+    return isinstance(tp, type) and issubclass(tp, dict) and hasattr(tp, "__annotations__") \
+        and hasattr(tp, "__total__")
+
+
+def _hints(obj):
+    try:
+        return _typing.get_type_hints(obj, include_extras=True)
+    except TypeError:
+        return _typing.get_type_hints(obj)
+
+
+def _type_schema(tp, where, seen=()):
+    """The JSON schema of a type hint; `where` names the field in error messages."""
+    if tp is inspect.Parameter.empty or tp is _typing.Any or tp is object:
+        return {}
+    if tp is None or tp is type(None):
+        return {"type": "null"}
+    origin = _typing.get_origin(tp)
+    args = _typing.get_args(tp)
+    if origin is _typing.Annotated:
+        schema = dict(_type_schema(args[0], where, seen))
+        for meta in args[1:]:
+            if isinstance(meta, str):
+                schema["description"] = meta
+        return schema
+    if tp is bool:
+        return {"type": "boolean"}
+    if tp is int:
+        return {"type": "integer"}
+    if tp is float:
+        return {"type": "number"}
+    if tp is str:
+        return {"type": "string"}
+    import collections.abc as cabc
+    if tp in (list, set, frozenset, cabc.Sequence, cabc.Iterable) or origin in (list, set, frozenset, cabc.Sequence, cabc.Iterable):
+        schema = {"type": "array"}
+        if args:
+            schema["items"] = _type_schema(args[0], where + "[]", seen)
+        if tp in (set, frozenset) or origin in (set, frozenset):
+            schema["uniqueItems"] = True
+        return schema
+    if tp is tuple or origin is tuple:
+        if not args:
+            return {"type": "array"}
+        if len(args) == 2 and args[1] is Ellipsis:
+            return {"type": "array", "items": _type_schema(args[0], where + "[]", seen)}
+        return {"type": "array", "prefixItems": [_type_schema(a, f"{where}[{i}]", seen) for i, a in enumerate(args)],
+                "minItems": len(args), "maxItems": len(args)}
+    if tp is dict or origin in (dict, cabc.Mapping):
+        schema = {"type": "object"}
+        if args:
+            if args[0] is not str:
+                raise ToolSchemaError(f"`{where}`: dict keys must be str to be JSON (got {args[0]!r})")
+            value = _type_schema(args[1], where + "[]", seen)
+            if value:
+                schema["additionalProperties"] = value
+        return schema
+    if origin is _typing.Union or type(tp).__name__ == "UnionType":
+        subs = [_type_schema(a, where, seen) for a in args]
+        if len(subs) == 2 and {"type": "null"} in subs:
+            other = subs[0] if subs[1] == {"type": "null"} else subs[1]
+            if isinstance(other.get("type"), str) and set(other) == {"type"}:
+                return {"type": [other["type"], "null"]}
+        return {"anyOf": subs}
+    if origin is _typing.Literal:
+        values = list(args)
+        for v in values:
+            if not isinstance(v, (str, int, float, bool, type(None))):
+                raise ToolSchemaError(f"`{where}`: Literal values must be JSON scalars (got {v!r})")
+        schema = {"enum": values}
+        kinds = {_json_type_of(v) for v in values}
+        if len(kinds) == 1:
+            schema = {"type": kinds.pop(), "enum": values}
+        return schema
+    if isinstance(tp, type) and issubclass(tp, _enum.Enum):
+        return {"enum": [m.value for m in tp]}
+    if isinstance(tp, type) and (_is_typeddict(tp) or _dataclasses.is_dataclass(tp)):
+        if tp in seen:
+            raise ToolSchemaError(f"`{where}`: {tp.__name__} refers to itself; recursive types are not supported")
+        seen = seen + (tp,)
+        hints = _hints(tp)
+        props, required = {}, []
+        if _dataclasses.is_dataclass(tp):
+            for f in _dataclasses.fields(tp):
+                props[f.name] = _type_schema(hints.get(f.name, _typing.Any), f"{where}.{f.name}", seen)
+                if f.default is not _dataclasses.MISSING:
+                    d = _jsonable_default(f.default)
+                    if d is not _NO_DEFAULT:
+                        props[f.name]["default"] = d
+                elif f.default_factory is _dataclasses.MISSING:
+                    required.append(f.name)
+        else:
+            req = getattr(tp, "__required_keys__", set(hints))
+            for k, h in hints.items():
+                if _typing.get_origin(h) in _REQUIRED_WRAPPERS:
+                    h = _typing.get_args(h)[0]
+                props[k] = _type_schema(h, f"{where}.{k}", seen)
+                if k in req:
+                    required.append(k)
+        schema = {"type": "object", "properties": props}
+        if required:
+            schema["required"] = required
+        schema["additionalProperties"] = False
+        return schema
+    raise ToolSchemaError(f"`{where}`: type {getattr(tp, '__name__', None) or tp!r} cannot be expressed as JSON; "
+                          "use str, int, float, bool, list, dict, Optional, Literal, a TypedDict or a dataclass")
+
+
+def _json_type_of(v):
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    return "null"
+
+
+_NO_DEFAULT = object()
+_REQUIRED_WRAPPERS = tuple(getattr(_typing, n) for n in ("Required", "NotRequired") if hasattr(_typing, n))
+
+
+def _jsonable_default(v):
+    try:
+        return json.loads(json.dumps(_jsonable(v)))
+    except (TypeError, ValueError):
+        return _NO_DEFAULT
+
+
+def _tool_spec(func, name=None, description=None):
+    """{"name", "description", "inputSchema", "outputSchema"?} of a function."""
+    mark = getattr(func, _TOOL_MARK, None) or {}
+    name = name or mark.get("name") or func.__name__
+    if not isinstance(name, str) or not name.isidentifier() or len(name) > 64:
+        raise ToolSchemaError(f"tool name {name!r} must be a Python identifier of at most 64 characters")
+    doc, arg_docs = _doc_parts(inspect.getdoc(func))
+    description = description or mark.get("description") or doc or f"The {name} tool."
+    sig = inspect.signature(func)
+    hints = _hints(func)
+    props, required = {}, []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ToolSchemaError(f"`{p.name}`: tools cannot take *args or **kwargs; name every argument")
+        schema = dict(_type_schema(hints.get(p.name, inspect.Parameter.empty), p.name))
+        if p.name in arg_docs and "description" not in schema:
+            schema["description"] = arg_docs[p.name]
+        if p.default is inspect.Parameter.empty:
+            required.append(p.name)
+        else:
+            d = _jsonable_default(p.default)
+            if d is not _NO_DEFAULT:
+                schema["default"] = d
+        props[p.name] = schema
+    input_schema = {"type": "object", "properties": props}
+    if required:
+        input_schema["required"] = required
+    spec = {"name": name, "description": description, "inputSchema": input_schema}
+    ret = hints.get("return", inspect.Parameter.empty)
+    if ret is not inspect.Parameter.empty and ret is not None and ret is not type(None):
+        out = _type_schema(ret, "return")
+        if out.get("type") == "object":
+            spec["outputSchema"] = out
+        elif out.get("type") == "array":
+            spec["outputSchema"] = {"type": "object", "properties": {"result": out},
+                                    "required": ["result"], _WRAPPED: True}
+    return spec
+
+
+# --- validation (against the schemas made above), naming the field ---------------------------
+
+def _describe(v):
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    shown = json.dumps(v, default=str)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"{kind} ({shown})"
+
+
+def _matches_type(v, t):
+    if t == "null":
+        return v is None
+    if t == "boolean":
+        return isinstance(v, bool)
+    if t == "integer":
+        return isinstance(v, int) and not isinstance(v, bool) or (isinstance(v, float) and v.is_integer())
+    if t == "number":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t == "string":
+        return isinstance(v, str)
+    if t == "array":
+        return isinstance(v, list)
+    if t == "object":
+        return isinstance(v, dict)
+    return True
+
+
+_TYPE_WORDS = {"null": "null", "boolean": "true or false", "integer": "an integer", "number": "a number",
+               "string": "a string", "array": "a list", "object": "an object"}
+
+
+def _validate(v, schema, where):
+    """Raises ValueError("`where`: what is wrong") if `v` does not match `schema`."""
+    if not schema:
+        return
+    if "anyOf" in schema:
+        errors = []
+        for sub in schema["anyOf"]:
+            try:
+                _validate(v, sub, where)
+                return
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if len(errors) == 1 else
+                         f"`{where}`: {_describe(v)} matches none of the allowed types ({'; '.join(errors)})")
+    t = schema.get("type")
+    if t is not None:
+        types_ = t if isinstance(t, list) else [t]
+        if not any(_matches_type(v, x) for x in types_):
+            want = " or ".join(_TYPE_WORDS.get(x, x) for x in types_)
+            raise ValueError(f"`{where}` must be {want}, got {_describe(v)}")
+    if "enum" in schema and v not in schema["enum"]:
+        raise ValueError(f"`{where}` must be one of {', '.join(json.dumps(e) for e in schema['enum'])}, got {_describe(v)}")
+    if isinstance(v, list):
+        if "prefixItems" in schema:
+            items = schema["prefixItems"]
+            if len(v) != len(items):
+                raise ValueError(f"`{where}` must have exactly {len(items)} items, got {len(v)}")
+            for i, (x, s) in enumerate(zip(v, items)):
+                _validate(x, s, f"{where}[{i}]")
+        elif "items" in schema:
+            for i, x in enumerate(v):
+                _validate(x, schema["items"], f"{where}[{i}]")
+    if isinstance(v, dict) and (schema.get("type") == "object" or "properties" in schema):
+        props = schema.get("properties") or {}
+        for k in schema.get("required") or []:
+            if k not in v:
+                raise ValueError(f"`{where}.{k}` is required but missing" if where else f"missing required argument `{k}`")
+        for k, x in v.items():
+            sub = f"{where}.{k}" if where else k
+            if k in props:
+                _validate(x, props[k], sub)
+            elif schema.get("additionalProperties") is False or not where:  # no stray arguments
+                allowed = ", ".join(props) or "(none)"
+                raise ValueError(f"unknown field `{sub}`; allowed: {allowed}" if where else
+                                 f"unknown argument `{k}`; this tool takes: {allowed}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                _validate(x, schema["additionalProperties"], sub)
+
+
+def _convert(v, tp):
+    """A validated JSON value as the Python type the function asked for."""
+    if v is None:
+        return None
+    origin = _typing.get_origin(tp)
+    args = _typing.get_args(tp)
+    if origin is _typing.Annotated:
+        return _convert(v, args[0])
+    if tp is float and isinstance(v, int):
+        return float(v)
+    if tp is int and isinstance(v, float):
+        return int(v)
+    if origin is _typing.Union or type(tp).__name__ == "UnionType":
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                _validate(_jsonable(v), _type_schema(a, "x"), "x")
+            except (ValueError, ToolSchemaError):
+                continue
+            return _convert(v, a)
+        return v
+    if isinstance(tp, type) and issubclass(tp, _enum.Enum):
+        return tp(v)
+    if isinstance(tp, type) and _dataclasses.is_dataclass(tp) and isinstance(v, dict):
+        hints = _hints(tp)
+        return tp(**{k: _convert(x, hints.get(k, _typing.Any)) for k, x in v.items()})
+    if isinstance(tp, type) and _is_typeddict(tp) and isinstance(v, dict):
+        hints = _hints(tp)
+        return {k: _convert(x, hints.get(k, _typing.Any)) for k, x in v.items()}
+    if isinstance(v, list):
+        if tp is tuple or origin is tuple:
+            if args and not (len(args) == 2 and args[1] is Ellipsis):
+                return tuple(_convert(x, a) for x, a in zip(v, args))
+            return tuple(_convert(x, args[0] if args else _typing.Any) for x in v)
+        if tp in (set, frozenset) or origin in (set, frozenset):
+            kind = origin or tp
+            return kind(_convert(x, args[0] if args else _typing.Any) for x in v)
+        if args:
+            return [_convert(x, args[0]) for x in v]
+    if isinstance(v, dict) and args and (tp is dict or origin is dict):
+        return {k: _convert(x, args[1]) for k, x in v.items()}
+    return v
+
+
+def _jsonable(v, depth=0):
+    """A function's value as JSON data (dataclasses, tuples, sets, enums, numpy scalars, ...)."""
+    if depth > 100:
+        raise ValueError("the value is nested more than 100 levels deep")
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+    if isinstance(v, _enum.Enum):
+        return _jsonable(v.value, depth + 1)
+    if _dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _jsonable(getattr(v, f.name), depth + 1) for f in _dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [_jsonable(x, depth + 1) for x in v]
+    for attr in ("model_dump", "tolist", "item"):  # pydantic models, numpy arrays and scalars
+        f = getattr(v, attr, None)
+        if callable(f):
+            try:
+                return _jsonable(f(), depth + 1)
+            except Exception:
+                pass
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    return str(v)
+
+
+# --- the tools session: loading files and running calls --------------------------------------
+
+_registry = {"generation": None, "tools": {}, "errors": []}
+
+
+def _error_line(exc, path):
+    """The line of `path` where loading it failed."""
+    if isinstance(exc, SyntaxError) and exc.filename == path:
+        return exc.lineno
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _tool_files(paths, saved_dir):
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            try:
+                names = sorted(os.listdir(p))
+            except OSError as e:
+                _registry["errors"].append({"file": p, "line": None, "reason": f"cannot list it: {e}"})
+                continue
+            files.extend((os.path.join(p, n), "file") for n in names
+                         if n.endswith(".py") and not n.startswith(("_", ".")))
+        else:
+            files.append((p, "file"))
+    if saved_dir and os.path.isdir(saved_dir):
+        try:
+            files.extend((os.path.join(saved_dir, n), "saved") for n in sorted(os.listdir(saved_dir))
+                         if n.endswith(".py") and n[:-3].isidentifier())
+        except OSError as e:
+            _registry["errors"].append({"file": saved_dir, "line": None, "reason": f"cannot list it: {e}"})
+    return files
+
+
+def _load_tools(spec):
+    """Imports every tools file once per generation; a broken one is recorded, not fatal."""
+    if _registry["generation"] == spec.get("generation"):
+        return
+    import importlib.util
+
+    sys.dont_write_bytecode = True
+    _registry.update(generation=spec.get("generation"), tools={}, errors=[])
+    import signal
+
+    def too_slow(signum, frame):
+        raise _ImportTimeout(f"importing it took more than {IMPORT_SECONDS} s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    try:
+        for i, (path, origin) in enumerate(_tool_files(spec.get("paths") or [], spec.get("saved_dir"))):
+            _load_file(i, path, origin)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+IMPORT_SECONDS = 10
+
+
+class _ImportTimeout(Exception):
+    pass
+
+
+def _load_file(i, path, origin):
+    """Imports one tools file (at most IMPORT_SECONDS) and registers its `@tool` functions."""
+    import importlib.util
+    import signal
+
+    folder = os.path.dirname(path)
+    if origin == "file" and folder not in sys.path:
+        sys.path.append(folder)  # sibling helper modules of a tools file are importable
+    modname = f"ironcell_tools_{i}_{identifier(os.path.splitext(os.path.basename(path))[0])}"
+    try:
+        signal.setitimer(signal.ITIMER_REAL, IMPORT_SECONDS)
+        try:
+            mspec = importlib.util.spec_from_file_location(modname, path)
+            module = importlib.util.module_from_spec(mspec)
+            sys.modules[modname] = module
+            mspec.loader.exec_module(module)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except BaseException as exc:  # noqa: BLE001 - reported, and the other files still load
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        sys.modules.pop(modname, None)
+        reason = str(exc) if isinstance(exc, _ImportTimeout) else f"{type(exc).__name__}: {exc}"
+        _registry["errors"].append({"file": path, "line": _error_line(exc, path), "reason": reason})
+        return
+    for attr, func in list(vars(module).items()):
+        if not callable(func) or getattr(func, "__module__", None) != modname:
+            continue
+        if getattr(func, _TOOL_MARK, None) is None:
+            continue
+        line = getattr(getattr(func, "__code__", None), "co_firstlineno", None)
+        try:
+            spec_ = _tool_spec(func)
+        except (ToolSchemaError, ValueError, TypeError, NameError) as exc:
+            _registry["errors"].append({"file": path, "line": line,
+                                        "reason": f"tool {attr!r}: {exc}"})
+            continue
+        if spec_["name"] in _registry["tools"]:
+            other = _registry["tools"][spec_["name"]]
+            _registry["errors"].append({"file": path, "line": line,
+                                        "reason": f"tool {spec_['name']!r} is already defined in {other['file']}; this one is skipped"})
+            continue
+        spec_["file"], spec_["line"], spec_["origin"] = path, line, origin
+        _registry["tools"][spec_["name"]] = dict(spec_, func=func)
+
+
+def _public(spec):
+    return {k: v for k, v in spec.items() if k != "func"}
+
+
+def _tools_catalog(spec_json):
+    """Run by the host in the tools session: loads the tools and sends their schemas."""
+    spec = json.loads(spec_json)
+    _registry["generation"] = None  # a catalog request always reloads
+    _load_tools(spec)
+    _request_sync("tools.catalog", {"token": spec["token"],
+                                    "tools": [_public(t) for t in _registry["tools"].values()],
+                                    "errors": _registry["errors"]})
+
+
+def _traceback_of(exc):
+    import traceback
+
+    te = traceback.TracebackException.from_exception(exc, limit=-20)
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
+    return "".join(te.format())
+
+
+def _call_local(name, arguments):
+    """Validates and runs one tool here; returns an envelope for the host."""
+    t = _registry["tools"].get(name)
+    if t is None:
+        return {"ok": False, "kind": "unknown_tool",
+                "message": f"no tool {name!r}; tools: {', '.join(_registry['tools']) or '(none)'}"}
+    if not isinstance(arguments, dict):
+        return {"ok": False, "kind": "validation", "message": "the arguments must be an object"}
+    try:
+        _validate(arguments, t["inputSchema"], "")
+    except ValueError as e:
+        return {"ok": False, "kind": "validation", "message": str(e)}
+    func = t["func"]
+    hints = _hints(func)
+    params = inspect.signature(func).parameters
+    args, kwargs = [], {}
+    for pname, p in params.items():
+        if pname not in arguments:
+            continue
+        value = _convert(arguments[pname], hints.get(pname, _typing.Any))
+        if p.kind == p.POSITIONAL_ONLY:
+            args.append(value)
+        else:
+            kwargs[pname] = value
+    try:
+        value = func(*args, **kwargs)
+        if inspect.isawaitable(value):
+            runner = sys.modules.get("_ironcell_runner")
+            value = runner._run_awaitable(value) if runner else asyncio.run(value)
+    except Exception as exc:  # noqa: BLE001 - the tool's own error, reported like run_python's
+        return {"ok": False, "kind": "raised", "type": type(exc).__name__,
+                "message": str(exc), "traceback": _traceback_of(exc)}
+    data = _jsonable(value)
+    out = {"ok": True, "value": data}
+    schema = t.get("outputSchema")
+    if schema is not None:
+        structured = {"result": data} if schema.get(_WRAPPED) else data
+        try:
+            _validate(structured, schema, "return")
+        except ValueError as e:
+            return {"ok": False, "kind": "raised", "type": "TypeError",
+                    "message": f"{name} returned a value that does not match its return annotation: {e}",
+                    "traceback": ""}
+        out["structured"] = structured
+    return out
+
+
+def _tools_invoke(spec_json):
+    """Run by the host in the tools session for one call: loads the tools if needed, runs the
+    call, and sends the envelope back."""
+    spec = json.loads(spec_json)
+    _load_tools(spec)
+    _request_sync("tools.result", {"token": spec["token"],
+                                   "envelope": _call_local(spec["name"], spec.get("arguments") or {})})
+
+
+# --- the `tools` object for code in run_python, and save_tool ---------------------------------
+
+class _Tools:
+    """The local Python tools, callable from code: `tools.<name>(**arguments)` returns the
+    function's value (as JSON data), run in the sandboxed tools session."""
+
+    def _in_tools_session(self):
+        return _registry["generation"] is not None
+
+    def _catalog(self):
+        if self._in_tools_session():
+            return {"tools": [_public(t) for t in _registry["tools"].values()], "errors": _registry["errors"]}
+        return _request_sync("tools.list", {})
+
+    def list(self):
+        """[{"name", "description", "inputSchema", ...}] of every tool."""
+        return self._catalog()["tools"]
+
+    @property
+    def errors(self):
+        """Tools files that could not be loaded: [{"file", "line", "reason"}]."""
+        return self._catalog()["errors"]
+
+    def call(self, name, arguments=None, **kwargs):
+        """Calls tool `name` with a dict of arguments (or keyword arguments)."""
+        arguments = dict(arguments or {}, **kwargs)
+        if self._in_tools_session():
+            answer = _call_local(name, json.loads(json.dumps(_jsonable(arguments))))
+            if answer.get("ok"):
+                return _records(answer["value"])
+            raise (_ERRORS.get("unknown_tool") if answer.get("kind") == "unknown_tool" else
+                   _BadRequest if answer.get("kind") == "validation" else ToolError)(answer.get("message"))
+        return _records(_request_sync("tools.call", {"name": name, "arguments": _jsonable(arguments)}))
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(**kwargs):
+            return self.call(name, kwargs)
+        call.__name__ = name
+        call.__qualname__ = f"tools.{name}"
+        for t in self.list():
+            if t["name"] == name:
+                call.__doc__ = _docstring("tools", t)
+                call.__signature__ = _signature(t)
+        return call
+
+    def __dir__(self):
+        try:
+            return sorted(t["name"] for t in self.list())
+        except MCPError:
+            return []
+
+    def __repr__(self):
+        try:
+            names = [t["name"] for t in self.list()]
+        except MCPError as e:
+            return f"<local tools: unavailable: {e}>"
+        return f"<local tools: {', '.join(names) or '(none)'}>"
+
+
+tools = _Tools()
+
+
+def _function_source(func):
+    """The source of `func` alone (its decorators dropped), also for a function defined in an
+    earlier cell."""
+    import ast
+    import textwrap
+
+    source = getattr(func, "_ironcell_cell_source", None)
+    code = func.__code__
+    if source is not None:
+        lines = source.splitlines(True)
+    else:
+        try:
+            lines, _ = inspect.findsource(func)
+        except (OSError, TypeError) as e:
+            raise ToolSchemaError(f"the source of {func.__name__} is not available ({e}); "
+                                  "define it in a run_python cell or a file") from None
+    tree = ast.parse("".join(lines))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name and (
+                node.lineno == code.co_firstlineno or any(d.lineno == code.co_firstlineno for d in node.decorator_list)):
+            return textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
+    raise ToolSchemaError(f"the source of {func.__name__} could not be found")
+
+
+MAX_SAVED_TOOL_BYTES = 64 * 1024
+
+
+def _signature_names(source):
+    """Global names the function's signature uses (annotations and defaults)."""
+    import ast
+
+    node = ast.parse(source).body[0]
+    a = node.args
+    parts = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None]
+    parts += [*a.defaults, *(d for d in a.kw_defaults if d is not None), node.returns]
+    names = set()
+    for part in parts:
+        if part is not None:
+            names.update(n.id for n in ast.walk(part) if isinstance(n, ast.Name))
+    return names
+
+
+def save_tool(func, name=None, description=None):
+    """Saves `func` as a local MCP tool: it is listed by tools/list from now on (also after
+    restarts; the client is told the list changed) and runs in the sandboxed tools session.
+
+    The function must be self-contained: modules it uses from the session's globals are
+    imported in the saved file, other globals are refused. Returns a confirmation."""
+    if not inspect.isfunction(func):
+        raise TypeError("save_tool takes a function defined with def")
+    spec = _tool_spec(func, name, description)  # refuses what has no schema, here and now
+    cv = inspect.getclosurevars(func)
+    if cv.nonlocals:
+        raise ToolSchemaError(f"{func.__name__} uses variables of an enclosing function "
+                              f"({', '.join(cv.nonlocals)}); a saved tool must be self-contained")
+    body = _function_source(func)
+    needed = dict(cv.globals)
+    for gname in _signature_names(body):  # names in annotations and defaults
+        if gname in func.__globals__ and gname not in needed:
+            needed[gname] = func.__globals__[gname]
+    imports, refused = [], []
+    stdlib = set(getattr(sys, "stdlib_module_names", ())) | {"typing", "collections", "dataclasses", "enum"}
+    this = sys.modules[__name__]
+    for gname, value in sorted(needed.items()):
+        module = getattr(value, "__module__", None) or ""
+        real_name = getattr(value, "__name__", None) or getattr(value, "_name", None)
+        if isinstance(value, types.ModuleType):
+            imports.append(f"import {value.__name__}" if value.__name__ == gname
+                           else f"import {value.__name__} as {gname}")
+        elif getattr(this, gname, None) is value:
+            imports.append(f"from mcp import {gname}")
+        elif module.split(".")[0] in stdlib and isinstance(real_name, str) and real_name.isidentifier():
+            imports.append(f"from {module} import {real_name}" + ("" if real_name == gname else f" as {gname}"))
+        else:
+            refused.append(gname)
+    if refused:
+        raise ToolSchemaError(f"{func.__name__} uses session globals that would not exist in a saved tool: "
+                              f"{', '.join(refused)}; define them (or import them) inside the function, "
+                              "or put the tool (with its types) in a tools file given with --tools")
+    header = [f"# Saved with save_tool() from session {os.environ.get('IRONCELL_SESSION', '?')!r}.",
+              "from mcp import tool", *sorted(set(i for i in imports if i)), "", ""]
+    marker = f"@tool(name={spec['name']!r}, description={spec['description']!r})\n"
+    source = "\n".join(header) + marker + body
+    if len(source.encode()) > MAX_SAVED_TOOL_BYTES:
+        raise ValueError(f"the tool's source is {len(source.encode())} bytes; the limit is {MAX_SAVED_TOOL_BYTES}")
+    compile(source, f"<saved tool {spec['name']}>", "exec")
+    answer = _request_sync("tools.save", {"name": spec["name"], "source": source})
+    return answer.get("message") if isinstance(answer, dict) else f"Tool {spec['name']!r} saved."
+
+
+def _delete_tool(name):
+    return _request_sync("tools.delete", {"name": name})

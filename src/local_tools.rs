@@ -1,0 +1,947 @@
+//! Local Python tools: functions marked `@tool` in the files named with `--tools` (and those
+//! saved with `save_tool(func)` from a session) become MCP tools.
+//!
+//! The host never runs Python. A dedicated tools session ([`TOOLS_SESSION`]), an ordinary worker
+//! with every sandbox layer plus a read-only grant for the tools files, imports them, turns type
+//! hints into JSON schemas (`tools.catalog`), and runs each call (`tools.result`): the host only
+//! generates a one-line cell that names what to do, and reads the answer from a bridge request
+//! of that session, never from printed text. Answers are accepted only from the tools session,
+//! only for a token the host is waiting for, and are size-capped; schemas are checked before they
+//! are listed. Saved tools are files the host writes in `<state dir>/tools/` (names validated,
+//! sizes and counts capped), readable only by the tools session.
+//!
+//! Code in `run_python` reaches the tools with `from mcp import tools; tools.<name>(...)`
+//! (`tools.call` requests), which run in the tools session too.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use rmcp::model::{CallToolResult, ContentBlock, JsonObject, Tool};
+use rmcp::{Peer, RoleServer};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::lock;
+use crate::output::{RunRecord, RunStatus};
+use crate::session::{RunRequest, SessionManager};
+
+/// The reserved session whose worker loads and runs the local tools.
+pub const TOOLS_SESSION: &str = "ironcell.tools";
+/// Names the MCP surface already uses.
+const RESERVED_NAMES: &[&str] = &["run_python", "run_python_job"];
+/// Most tools listed (from files and saved together).
+const MAX_TOOLS: usize = 256;
+/// Largest schema (input or output) of one tool, as JSON.
+const MAX_SCHEMA_BYTES: usize = 64 << 10;
+/// Longest tool description, in characters.
+const MAX_DESCRIPTION_CHARS: usize = 8 << 10;
+/// Largest saved tool source.
+pub const MAX_SAVED_TOOL_BYTES: usize = 64 << 10;
+/// Most saved tools.
+const MAX_SAVED_TOOLS: usize = 256;
+/// Largest answer (a tool's value, or the catalog) the tools session may send.
+const MAX_ANSWER_BYTES: usize = 8 << 20;
+/// Most load errors kept (one per broken file or tool).
+const MAX_LOAD_ERRORS: usize = 64;
+/// How long a failed load (e.g. a tools file that hangs at import) is kept before the next try,
+/// so one bad file does not stall every `tools/list`.
+const RETRY_FAILED_LOAD: Duration = Duration::from_secs(60);
+/// How long `tools/list` waits for the tools to load before answering without them.
+const CATALOG_WAIT: Duration = Duration::from_secs(60);
+
+/// A tools file (or tool) that could not be loaded: reported, and the others still load.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadError {
+    pub file: String,
+    pub line: Option<u64>,
+    pub reason: String,
+}
+
+impl std::fmt::Display for LoadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{line}: {}", self.file, self.reason),
+            None => write!(f, "{}: {}", self.file, self.reason),
+        }
+    }
+}
+
+/// One tool as listed.
+#[derive(Debug, Clone)]
+struct LocalTool {
+    name: String,
+    description: String,
+    input_schema: JsonObject,
+    output_schema: Option<JsonObject>,
+    /// From `--tools` (`file`) or `save_tool` (`saved`).
+    origin: String,
+}
+
+#[derive(Debug, Default)]
+struct Catalog {
+    generation: u64,
+    /// The tools session could not load anything: tried again after [`RETRY_FAILED_LOAD`].
+    load_failed: bool,
+    loaded_at: Option<std::time::Instant>,
+    tools: Vec<LocalTool>,
+    errors: Vec<LoadError>,
+}
+
+/// The local tools of this server.
+pub struct LocalTools {
+    sessions: Weak<SessionManager>,
+    /// The `--tools` files and folders, resolved to real paths.
+    paths: Vec<PathBuf>,
+    /// `--tools` entries that cannot be used, with why.
+    path_errors: Vec<LoadError>,
+    saved_dir: PathBuf,
+    /// Whether `tools/list` includes local tools (a tools path, or saved tools exist).
+    listed: AtomicBool,
+    /// Fixed at start: whether the `tools.listChanged` capability is advertised.
+    advertise_list_changed: bool,
+    /// Bumped by every save or delete; a catalog of an older generation is reloaded.
+    generation: AtomicU64,
+    /// Held while loading, so concurrent lists wait for one load.
+    catalog: tokio::sync::Mutex<Option<Arc<Catalog>>>,
+    /// Answers the host is waiting for, by token.
+    inbox: Mutex<HashMap<String, Option<Value>>>,
+    next_token: AtomicU64,
+    /// The client to tell when the list changes.
+    peer: Mutex<Option<Peer<RoleServer>>>,
+    output_mode: crate::config::OutputMode,
+}
+
+/// Whether `name` is the reserved tools session (refused for `run_python`).
+pub fn is_reserved_session(name: &str) -> bool {
+    name == TOOLS_SESSION
+}
+
+/// A tool name the host accepts: a Python identifier in ASCII, at most 64 characters, not one
+/// of ironcell's own tools.
+pub fn valid_tool_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !RESERVED_NAMES.contains(&name)
+}
+
+impl LocalTools {
+    /// Sets up the local tools of `sessions` (from its settings) and starts loading them in the
+    /// background when there are any.
+    pub fn start(sessions: &Arc<SessionManager>) -> Arc<LocalTools> {
+        let settings = sessions.settings();
+        let state_dir = sessions.state_dir().to_path_buf();
+        let saved_dir = state_dir.join("tools");
+        let (paths, path_errors) = resolve_tool_paths(&settings.tools, &state_dir);
+        for e in &path_errors {
+            tracing::error!("tools: {e}");
+        }
+        let has_saved = saved_tool_files(&saved_dir).next().is_some();
+        let in_use = !settings.tools.is_empty() || has_saved;
+        let tools = Arc::new(LocalTools {
+            sessions: Arc::downgrade(sessions),
+            paths,
+            path_errors,
+            saved_dir,
+            listed: AtomicBool::new(in_use),
+            advertise_list_changed: in_use,
+            generation: AtomicU64::new(1),
+            catalog: tokio::sync::Mutex::new(None),
+            inbox: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            peer: Mutex::new(None),
+            output_mode: settings.output_mode,
+        });
+        sessions.set_local_tools(tools.clone());
+        if in_use && let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let t = tools.clone();
+            rt.spawn(async move {
+                let catalog = t.ensure_catalog().await;
+                for e in &catalog.errors {
+                    tracing::warn!("tools: {e}");
+                }
+                tracing::info!(tools = catalog.tools.len(), "local tools loaded");
+            });
+        }
+        tools
+    }
+
+    /// Whether the `tools.listChanged` capability is advertised.
+    pub fn advertises_list_changed(&self) -> bool {
+        self.advertise_list_changed
+    }
+
+    /// Remembers the client, to tell it when the tool list changes.
+    pub fn attach_peer(&self, peer: Peer<RoleServer>) {
+        *lock(&self.peer) = Some(peer);
+    }
+
+    /// Read-only paths the worker of `session` gets beyond the policy's: the tools files and
+    /// the saved tools, for the tools session only.
+    pub fn read_grants_for(&self, session: &str) -> Vec<PathBuf> {
+        if session != TOOLS_SESSION {
+            return Vec::new();
+        }
+        let mut grants = self.paths.clone();
+        if self.saved_dir.is_dir() {
+            grants.push(self.saved_dir.clone());
+        }
+        grants
+    }
+
+    /// The local tools for `tools/list`; empty (and no work at all) when none are in use.
+    pub async fn listed_tools(&self) -> Vec<Tool> {
+        if !self.listed.load(Ordering::SeqCst) {
+            return Vec::new();
+        }
+        let Ok(catalog) = tokio::time::timeout(CATALOG_WAIT, self.ensure_catalog()).await else {
+            tracing::warn!("tools: still loading after {CATALOG_WAIT:?}; listed without them");
+            return Vec::new();
+        };
+        catalog.tools.iter().map(to_mcp_tool).collect()
+    }
+
+    /// The catalog of the current generation, loading it in the tools session if needed.
+    async fn ensure_catalog(&self) -> Arc<Catalog> {
+        let mut slot = self.catalog.lock().await;
+        let generation = self.generation.load(Ordering::SeqCst);
+        let fresh = |c: &&Arc<Catalog>| {
+            c.generation == generation
+                && (!c.load_failed || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD))
+        };
+        if let Some(c) = slot.as_ref().filter(fresh) {
+            return c.clone();
+        }
+        let mut catalog = self.load_catalog(generation).await;
+        catalog.loaded_at = Some(std::time::Instant::now());
+        let catalog = Arc::new(catalog);
+        *slot = Some(catalog.clone());
+        catalog
+    }
+
+    async fn load_catalog(&self, generation: u64) -> Catalog {
+        let mut catalog = Catalog {
+            generation,
+            load_failed: false,
+            loaded_at: None,
+            tools: Vec::new(),
+            errors: self.path_errors.clone(),
+        };
+        let token = self.new_token();
+        let spec = json!({
+            "token": token,
+            "generation": generation,
+            "paths": self.paths,
+            "saved_dir": self.saved_dir,
+        });
+        // A fresh interpreter per generation: modules re-import, and the grants are current.
+        let answer = self
+            .run_in_tools_session(
+                "_tools_catalog",
+                &spec,
+                &token,
+                true,
+                CancellationToken::new(),
+            )
+            .await;
+        let answer = match answer {
+            Ok((_, Some(answer))) => answer,
+            Ok((record, None)) => {
+                catalog
+                    .errors
+                    .push(session_failure(&record.render(self.output_mode)));
+                catalog.load_failed = true;
+                return catalog;
+            }
+            Err(why) => {
+                catalog.errors.push(session_failure(&why));
+                catalog.load_failed = true;
+                return catalog;
+            }
+        };
+        if let Some(errors) = answer.get("errors").and_then(Value::as_array) {
+            for e in errors.iter().take(MAX_LOAD_ERRORS) {
+                catalog.errors.push(LoadError {
+                    file: short(e.get("file").and_then(Value::as_str).unwrap_or("?"), 4096),
+                    line: e.get("line").and_then(Value::as_u64),
+                    reason: short(e.get("reason").and_then(Value::as_str).unwrap_or("?"), 2048),
+                });
+            }
+        }
+        let tools = answer.get("tools").and_then(Value::as_array);
+        for t in tools.into_iter().flatten() {
+            match checked_tool(t) {
+                Ok(tool) if catalog.tools.iter().any(|x| x.name == tool.name) => {
+                    catalog.errors.push(LoadError {
+                        file: String::new(),
+                        line: None,
+                        reason: format!(
+                            "tool {:?} is defined twice; the second is skipped",
+                            tool.name
+                        ),
+                    });
+                }
+                Ok(tool) if catalog.tools.len() < MAX_TOOLS => catalog.tools.push(tool),
+                Ok(tool) => catalog.errors.push(LoadError {
+                    file: String::new(),
+                    line: None,
+                    reason: format!("more than {MAX_TOOLS} tools; {:?} is skipped", tool.name),
+                }),
+                Err(why) => catalog.errors.push(LoadError {
+                    file: short(t.get("file").and_then(Value::as_str).unwrap_or("?"), 4096),
+                    line: t.get("line").and_then(Value::as_u64),
+                    reason: why,
+                }),
+            }
+        }
+        catalog
+    }
+
+    fn new_token(&self) -> String {
+        let n = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        format!("t{n}-{nanos:x}-{:x}", std::process::id())
+    }
+
+    /// Runs `mcp.<function>(spec)` in the tools session and takes the answer it sends back
+    /// under `token` (None if it sent none: the record says why).
+    async fn run_in_tools_session(
+        &self,
+        function: &str,
+        spec: &Value,
+        token: &str,
+        reset: bool,
+        cancel: CancellationToken,
+    ) -> Result<(RunRecord, Option<Value>), String> {
+        let Some(sessions) = self.sessions.upgrade() else {
+            return Err("the server is shutting down".into());
+        };
+        // A JSON string literal is a valid Python string literal (serde_json emits no `\/`).
+        let literal = serde_json::to_string(&spec.to_string()).map_err(|e| e.to_string())?;
+        let code = format!("__import__(\"mcp\").{function}({literal})");
+        lock(&self.inbox).insert(token.to_string(), None);
+        let outcome = sessions
+            .run(
+                RunRequest {
+                    code,
+                    session: TOOLS_SESSION.to_string(),
+                    timeout: None,
+                    reset,
+                    servers: Vec::new(),
+                    progress: None,
+                },
+                cancel,
+            )
+            .await;
+        let answer = lock(&self.inbox).remove(token).flatten();
+        outcome.map(|r| (r, answer)).map_err(|e| e.to_string())
+    }
+
+    /// Calls a local tool for `tools/call`; `None` when `name` is not one.
+    pub async fn call(
+        &self,
+        name: &str,
+        arguments: Option<&JsonObject>,
+        cancel: CancellationToken,
+    ) -> Option<CallToolResult> {
+        if !self.listed.load(Ordering::SeqCst) {
+            return None;
+        }
+        let catalog = self.ensure_catalog().await;
+        let tool = catalog.tools.iter().find(|t| t.name == name)?.clone();
+        let args = Value::Object(arguments.cloned().unwrap_or_default());
+        Some(match self.invoke(&tool.name, args, cancel).await {
+            Ok((record, envelope)) => self.tool_result(&tool, record, envelope),
+            Err(why) => error_result(format!("the tool {name} could not run: {why}")),
+        })
+    }
+
+    async fn invoke(
+        &self,
+        name: &str,
+        arguments: Value,
+        cancel: CancellationToken,
+    ) -> Result<(RunRecord, Option<Value>), String> {
+        let generation = self.ensure_catalog().await.generation;
+        let token = self.new_token();
+        let spec = json!({
+            "token": token,
+            "generation": generation,
+            "paths": self.paths,
+            "saved_dir": self.saved_dir,
+            "name": name,
+            "arguments": arguments,
+        });
+        let (record, answer) = self
+            .run_in_tools_session("_tools_invoke", &spec, &token, false, cancel)
+            .await?;
+        let envelope = answer.and_then(|a| a.get("envelope").cloned());
+        Ok((record, envelope))
+    }
+
+    /// The MCP result of one call: the value (text, and `structuredContent` for tools with an
+    /// output schema), or an `isError` result shaped like `run_python`'s.
+    fn tool_result(
+        &self,
+        tool: &LocalTool,
+        mut record: RunRecord,
+        envelope: Option<Value>,
+    ) -> CallToolResult {
+        let Some(env) = envelope else {
+            return self.record_error(record, "the tool session gave no answer");
+        };
+        let message = env
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        if env.get("ok") == Some(&Value::Bool(true)) {
+            let value = env.get("value").cloned().unwrap_or(Value::Null);
+            let mut content = vec![ContentBlock::text(value_text(&value))];
+            let printed = printed_output(&record);
+            if !printed.is_empty() {
+                content.push(ContentBlock::text(printed));
+            }
+            let mut result = CallToolResult::success(content);
+            if tool.output_schema.is_some() {
+                result.structured_content = env.get("structured").cloned();
+            }
+            return result;
+        }
+        match env.get("kind").and_then(Value::as_str) {
+            Some("validation") => {
+                error_result(format!("invalid arguments for {}: {message}", tool.name))
+            }
+            Some("raised") => {
+                record.status = RunStatus::Error;
+                record.error = Some(crate::frame::PyErrorInfo {
+                    kind: short(
+                        env.get("type").and_then(Value::as_str).unwrap_or("Error"),
+                        256,
+                    ),
+                    message: short(&message, 8192),
+                    traceback: short(
+                        env.get("traceback").and_then(Value::as_str).unwrap_or(""),
+                        16384,
+                    ),
+                });
+                self.record_error(record, "")
+            }
+            _ => error_result(format!("the tool {} could not run: {message}", tool.name)),
+        }
+    }
+
+    fn record_error(&self, record: RunRecord, why: &str) -> CallToolResult {
+        let mut text = record.render(self.output_mode);
+        if !record.is_error() && !why.is_empty() {
+            text = format!("error: {why}\n{text}");
+        }
+        let mut result = CallToolResult::error(vec![ContentBlock::text(text)]);
+        result.structured_content = serde_json::to_value(&record).ok();
+        result
+    }
+
+    /// Answers one `tools.<op>` bridge request of the worker of session `from`.
+    pub async fn handle(&self, from: &str, op: &str, params: &Value) -> Value {
+        match self.handle_op(from, op, params).await {
+            Ok(result) => json!({ "result": result }),
+            Err((kind, message)) => json!({"error": {"kind": kind, "message": message}}),
+        }
+    }
+
+    async fn handle_op(
+        &self,
+        from: &str,
+        op: &str,
+        params: &Value,
+    ) -> Result<Value, (&'static str, String)> {
+        let from_tools = from == TOOLS_SESSION;
+        match op {
+            "result" | "catalog" => {
+                if !from_tools {
+                    return Err(("bad_request", "only the tools session answers".into()));
+                }
+                self.accept_answer(params).map(|()| Value::Null)
+            }
+            "list" | "call" if from_tools => Err((
+                "bad_request",
+                "inside a tool, call other tools as plain functions".into(),
+            )),
+            "list" => {
+                let catalog = if self.listed.load(Ordering::SeqCst) {
+                    self.ensure_catalog().await
+                } else {
+                    Arc::new(Catalog {
+                        errors: self.path_errors.clone(),
+                        ..Catalog::default()
+                    })
+                };
+                let tools: Vec<Value> = catalog
+                    .tools
+                    .iter()
+                    .map(|t| {
+                        let mut v = json!({
+                            "name": t.name,
+                            "description": t.description,
+                            "inputSchema": t.input_schema,
+                            "origin": t.origin,
+                        });
+                        if let Some(o) = &t.output_schema {
+                            v["outputSchema"] = Value::Object(o.clone());
+                        }
+                        v
+                    })
+                    .collect();
+                Ok(json!({"tools": tools, "errors": catalog.errors}))
+            }
+            "call" => {
+                let name = params.get("name").and_then(Value::as_str).unwrap_or("");
+                let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
+                if !arguments.is_object() {
+                    return Err(("bad_request", "the arguments must be a dict".into()));
+                }
+                let catalog = if self.listed.load(Ordering::SeqCst) {
+                    self.ensure_catalog().await
+                } else {
+                    Arc::new(Catalog::default())
+                };
+                if !catalog.tools.iter().any(|t| t.name == name) {
+                    let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_str()).collect();
+                    return Err((
+                        "unknown_tool",
+                        format!(
+                            "no local tool {name:?}; tools: {}",
+                            if names.is_empty() {
+                                "(none)".to_string()
+                            } else {
+                                names.join(", ")
+                            }
+                        ),
+                    ));
+                }
+                let (record, envelope) = self
+                    .invoke(name, arguments, CancellationToken::new())
+                    .await
+                    .map_err(|why| ("unavailable", why))?;
+                let Some(env) = envelope else {
+                    return Err(("unavailable", record.render(self.output_mode)));
+                };
+                if env.get("ok") == Some(&Value::Bool(true)) {
+                    return Ok(env.get("value").cloned().unwrap_or(Value::Null));
+                }
+                let message = env.get("message").and_then(Value::as_str).unwrap_or("");
+                match env.get("kind").and_then(Value::as_str) {
+                    Some("validation") => Err((
+                        "bad_request",
+                        format!("invalid arguments for {name}: {message}"),
+                    )),
+                    Some("raised") => {
+                        let kind = env.get("type").and_then(Value::as_str).unwrap_or("Error");
+                        let tb = env.get("traceback").and_then(Value::as_str).unwrap_or("");
+                        Err(("refused", format!("{name} raised {kind}: {message}\n{tb}")))
+                    }
+                    _ => Err(("unavailable", message.to_string())),
+                }
+            }
+            "save" => {
+                let message = self.save(params)?;
+                Ok(json!({ "message": message }))
+            }
+            "delete" => {
+                let name = params.get("name").and_then(Value::as_str).unwrap_or("");
+                if !valid_tool_name(name) {
+                    return Err(("bad_request", format!("no saved tool {name:?}")));
+                }
+                match std::fs::remove_file(self.saved_dir.join(format!("{name}.py"))) {
+                    Ok(()) => {
+                        self.list_changed();
+                        Ok(json!({"message": format!("Tool {name:?} deleted.")}))
+                    }
+                    Err(_) => Err(("bad_request", format!("no saved tool {name:?}"))),
+                }
+            }
+            other => Err(("bad_request", format!("unknown tools operation {other:?}"))),
+        }
+    }
+
+    /// Takes an answer of the tools session for a token the host is waiting for.
+    fn accept_answer(&self, params: &Value) -> Result<(), (&'static str, String)> {
+        let token = params.get("token").and_then(Value::as_str).unwrap_or("");
+        let size = params.to_string().len();
+        let mut inbox = lock(&self.inbox);
+        let Some(slot) = inbox.get_mut(token) else {
+            return Err((
+                "bad_request",
+                "no answer is expected under that token".into(),
+            ));
+        };
+        if slot.is_some() {
+            return Err(("bad_request", "that token was already answered".into()));
+        }
+        if size > MAX_ANSWER_BYTES {
+            let note = format!(
+                "the answer is {size} bytes; the limit is {} MiB: return less (or write it to a file)",
+                MAX_ANSWER_BYTES >> 20
+            );
+            *slot = Some(
+                json!({"envelope": {"ok": false, "kind": "raised", "type": "ValueError", "message": note, "traceback": ""}, "tools": [], "errors": [{"file": "", "reason": note}]}),
+            );
+            return Err(("bad_request", note));
+        }
+        *slot = Some(params.clone());
+        Ok(())
+    }
+
+    /// Writes a saved tool (`<state dir>/tools/<name>.py`) and announces the new list.
+    fn save(&self, params: &Value) -> Result<String, (&'static str, String)> {
+        let bad = |m: String| ("bad_request", m);
+        let name = params
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("a tool name must be a string".into()))?;
+        if !valid_tool_name(name) {
+            return Err(bad(format!(
+                "invalid tool name {name:?}: use a Python identifier of at most 64 ASCII letters, digits and '_', other than {}",
+                RESERVED_NAMES.join(" and ")
+            )));
+        }
+        let source = params
+            .get("source")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("the tool's source must be a string".into()))?;
+        if source.len() > MAX_SAVED_TOOL_BYTES {
+            return Err(bad(format!(
+                "the tool's source is {} bytes; the limit is {MAX_SAVED_TOOL_BYTES}",
+                source.len()
+            )));
+        }
+        let file_tool = self
+            .catalog
+            .try_lock()
+            .ok()
+            .and_then(|c| {
+                c.as_ref()
+                    .map(|c| c.tools.iter().any(|t| t.name == name && t.origin == "file"))
+            })
+            .unwrap_or(false);
+        if file_tool {
+            return Err(bad(format!(
+                "a tool named {name:?} comes from the tools files; choose another name"
+            )));
+        }
+        let target = format!("{name}.py");
+        let existing = saved_tool_files(&self.saved_dir).count();
+        let replacing = self.saved_dir.join(&target).is_file();
+        if !replacing && existing >= MAX_SAVED_TOOLS {
+            return Err(bad(format!(
+                "there are already {existing} saved tools (the limit); delete some first"
+            )));
+        }
+        write_saved_tool(&self.saved_dir, &target, source.as_bytes())
+            .map_err(|e| ("unavailable", format!("saving the tool failed: {e}")))?;
+        self.listed.store(true, Ordering::SeqCst);
+        self.list_changed();
+        Ok(format!(
+            "Tool {name:?} saved: it is an MCP tool from now on (also after restarts), run in the sandbox."
+        ))
+    }
+
+    /// Bumps the generation, reloads in the background, then tells the client.
+    fn list_changed(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        let Some(sessions) = self.sessions.upgrade() else {
+            return;
+        };
+        let Some(this) = sessions.local_tools() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let catalog = this.ensure_catalog().await;
+            for e in &catalog.errors {
+                tracing::warn!("tools: {e}");
+            }
+            let peer = lock(&this.peer).clone();
+            if let Some(peer) = peer
+                && let Err(e) = peer.notify_tool_list_changed().await
+            {
+                tracing::debug!(error = %e, "could not send tools/list_changed");
+            }
+        });
+    }
+}
+
+/// Answers a `tools.<op>` bridge request of the worker of session `from` (an error where no
+/// local tools exist, e.g. `ironcell exec`). Boxed: a call runs a cell in the tools session,
+/// whose run loop is what spawns this future.
+pub fn handle_request(
+    tools: Option<Arc<LocalTools>>,
+    from: String,
+    op: String,
+    params: Value,
+) -> futures::future::BoxFuture<'static, Value> {
+    Box::pin(async move {
+        match tools {
+            Some(t) => t.handle(&from, &op, &params).await,
+            None => {
+                json!({"error": {"kind": "unavailable", "message": "local tools are only available under `ironcell serve`"}})
+            }
+        }
+    })
+}
+
+fn session_failure(why: &str) -> LoadError {
+    LoadError {
+        file: String::new(),
+        line: None,
+        reason: format!(
+            "the tools session could not load the tools: {}",
+            short(why, 4096)
+        ),
+    }
+}
+
+fn short(s: &str, max_chars: usize) -> String {
+    if s.chars().count() <= max_chars {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(max_chars).collect();
+    out.push_str("...");
+    out
+}
+
+/// Checks one tool of the catalog the tools session sent (it is untrusted data).
+fn checked_tool(t: &Value) -> Result<LocalTool, String> {
+    let name = t.get("name").and_then(Value::as_str).unwrap_or("");
+    if !valid_tool_name(name) {
+        return Err(format!(
+            "tool name {:?} is not usable: use a Python identifier of at most 64 ASCII characters, other than {}",
+            short(name, 80),
+            RESERVED_NAMES.join(" and ")
+        ));
+    }
+    let description = t.get("description").and_then(Value::as_str).unwrap_or("");
+    let description = short(description, MAX_DESCRIPTION_CHARS);
+    let schema = |key: &str| -> Result<Option<JsonObject>, String> {
+        match t.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(o)) => {
+                if o.get("type") != Some(&json!("object")) {
+                    return Err(format!("tool {name}: its {key} is not an object schema"));
+                }
+                let size = serde_json::to_string(o)
+                    .map(|s| s.len())
+                    .unwrap_or(usize::MAX);
+                if size > MAX_SCHEMA_BYTES {
+                    return Err(format!(
+                        "tool {name}: its {key} is {size} bytes; the limit is {MAX_SCHEMA_BYTES}"
+                    ));
+                }
+                Ok(Some(o.clone()))
+            }
+            Some(_) => Err(format!("tool {name}: its {key} is not an object")),
+        }
+    };
+    let input_schema =
+        schema("inputSchema")?.ok_or_else(|| format!("tool {name} has no inputSchema"))?;
+    let output_schema = schema("outputSchema")?;
+    let origin = match t.get("origin").and_then(Value::as_str) {
+        Some("saved") => "saved",
+        _ => "file",
+    };
+    Ok(LocalTool {
+        name: name.to_string(),
+        description,
+        input_schema,
+        output_schema,
+        origin: origin.to_string(),
+    })
+}
+
+fn to_mcp_tool(t: &LocalTool) -> Tool {
+    let tool = Tool::new(
+        t.name.clone(),
+        t.description.clone(),
+        Arc::new(t.input_schema.clone()),
+    );
+    match &t.output_schema {
+        Some(o) => tool.with_raw_output_schema(Arc::new(o.clone())),
+        None => tool,
+    }
+}
+
+/// A tool's value as text: a string as it is, anything else as JSON.
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => serde_json::to_string(other).unwrap_or_default(),
+    }
+}
+
+/// What the tool printed, if anything, as one text block.
+fn printed_output(record: &RunRecord) -> String {
+    let mut parts = Vec::new();
+    if !record.stdout.trim().is_empty() {
+        parts.push(format!("[printed]\n{}", record.stdout.trim_end()));
+    }
+    if !record.stderr.trim().is_empty() {
+        parts.push(format!("[stderr]\n{}", record.stderr.trim_end()));
+    }
+    parts.join("\n")
+}
+
+fn error_result(message: String) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(format!("error: {message}"))])
+}
+
+/// The `--tools` entries as real paths, and why any cannot be used. A tools path may not
+/// contain, or lie inside, the state dir (it is granted to the tools session).
+fn resolve_tool_paths(paths: &[PathBuf], state_dir: &Path) -> (Vec<PathBuf>, Vec<LoadError>) {
+    let state = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let mut ok = Vec::new();
+    let mut errors = Vec::new();
+    for p in paths {
+        let shown = p.display().to_string();
+        let fail = |reason: String| LoadError {
+            file: shown.clone(),
+            line: None,
+            reason,
+        };
+        match std::fs::canonicalize(p) {
+            Err(e) => errors.push(fail(format!(
+                "{e}; give an existing .py file or folder with --tools (IRONCELL_TOOLS)"
+            ))),
+            Ok(real) if real == Path::new("/") => errors.push(fail(
+                "is the root directory; give a file or a folder of tools".into(),
+            )),
+            Ok(real) if real.starts_with(&state) || state.starts_with(&real) => {
+                errors.push(fail(format!(
+                    "overlaps ironcell's state dir {}; keep tools elsewhere",
+                    state.display()
+                )))
+            }
+            Ok(real) if real.is_file() && real.extension().is_none_or(|e| e != "py") => {
+                errors.push(fail("is not a .py file".into()))
+            }
+            Ok(real) => {
+                if !ok.contains(&real) {
+                    ok.push(real);
+                }
+            }
+        }
+    }
+    (ok, errors)
+}
+
+/// The saved tool files (`<identifier>.py`, regular files) of `dir`.
+fn saved_tool_files(dir: &Path) -> impl Iterator<Item = PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let stem = name.to_str()?.strip_suffix(".py")?;
+            let regular = e.file_type().ok()?.is_file();
+            (regular && valid_tool_name(stem)).then(|| e.path())
+        })
+}
+
+/// Writes `name` in `dir` (created private if missing) through a fresh temporary file that is
+/// renamed over it, so a reader never sees half a file and a planted symlink is never followed.
+fn write_saved_tool(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let meta = std::fs::symlink_metadata(dir)?;
+    if !meta.is_dir() {
+        return Err(std::io::Error::other(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
+    }
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, dir.join(name)).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_names_are_identifiers_and_not_ironcells_own() {
+        for ok in ["analyze", "safe_divide_numbers", "_x", "A1"] {
+            assert!(valid_tool_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "1x",
+            "a-b",
+            "a.b",
+            "../x",
+            "run_python",
+            "run_python_job",
+            "é",
+            &"x".repeat(65),
+        ] {
+            assert!(!valid_tool_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn catalog_entries_from_the_worker_are_checked() {
+        let ok = json!({"name": "f", "description": "d", "inputSchema": {"type": "object", "properties": {}}});
+        assert!(checked_tool(&ok).is_ok());
+        let bad_name = json!({"name": "run_python", "inputSchema": {"type": "object"}});
+        assert!(checked_tool(&bad_name).is_err());
+        let not_object = json!({"name": "f", "inputSchema": {"type": "string"}});
+        assert!(checked_tool(&not_object).is_err());
+        let huge = json!({"name": "f", "inputSchema": {"type": "object", "description": "x".repeat(MAX_SCHEMA_BYTES)}});
+        assert!(checked_tool(&huge).is_err());
+    }
+
+    #[test]
+    fn tools_paths_must_exist_and_stay_out_of_the_state_dir() {
+        let dir = std::env::temp_dir().join(format!("ironcell-lt-{}", std::process::id()));
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        let good = dir.join("t.py");
+        std::fs::write(&good, "x = 1\n").unwrap();
+        let (ok, errors) = resolve_tool_paths(
+            &[
+                good.clone(),
+                dir.join("missing.py"),
+                state.join("."),
+                dir.clone(),
+            ],
+            &state,
+        );
+        assert_eq!(ok, vec![std::fs::canonicalize(&good).unwrap()]);
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,501 @@
+"""Local Python tools (issue 11 B): `@tool` functions from `--tools` files, and `save_tool`, as MCP
+tools run in a sandboxed worker of ironcell's tools session. Real binary, official MCP SDK
+client; the sandbox cases also as `nobody`, with hand-written JSON-RPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from conftest import REPO, RawServer, Run, _field, run, server_env, shared_tmp_dir, wait_until, IRONCELL
+
+pytestmark = pytest.mark.anyio
+
+EXAMPLE = REPO / "examples" / "local-runtime-bridge" / "tools.py"
+
+TYPED = '''
+from dataclasses import dataclass
+from typing import Literal, Optional, TypedDict
+
+from mcp import tool
+
+
+@dataclass
+class Options:
+    mode: Literal["fast", "careful"] = "fast"
+    repeat: int = 1
+
+
+class Point(TypedDict):
+    x: float
+    y: float
+
+
+@tool
+def describe(name: str, count: int, ratio: float = 0.5, loud: bool = False,
+             tags: list[str] = [], extra: dict[str, int] = {}, note: Optional[str] = None,
+             options: Optional[Options] = None, where: Optional[Point] = None) -> dict:
+    """Describe the arguments as Python saw them.
+
+    Args:
+        name: Who to describe.
+        count: How many.
+    """
+    return {"name": name, "count": count, "ratio": ratio, "loud": loud, "tags": tags,
+            "extra": extra, "note": note,
+            "options": None if options is None else [type(options).__name__, options.mode, options.repeat],
+            "where": where}
+
+
+@tool(name="letters")
+def split_letters(word: str) -> list[str]:
+    """Split a word into letters."""
+    return list(word)
+
+
+@tool
+def fail(message: str) -> str:
+    """Raise ValueError with the message."""
+    raise ValueError(message)
+
+
+@tool
+def chatty(n: int) -> int:
+    """Print, then return n + 1."""
+    print("thinking about", n)
+    return n + 1
+
+
+def not_a_tool():
+    return 1
+'''
+
+# Line 3 raises while the file is imported.
+BROKEN = '''from mcp import tool
+
+raise RuntimeError("this tools file is broken on purpose")
+
+
+@tool
+def never_listed() -> str:
+    return "no"
+'''
+
+BAD_SYNTAX = '''from mcp import tool
+
+@tool
+def oops(x: int) -> int
+    return x
+'''
+
+ATTACK = '''
+import os
+import socket
+
+from mcp import tool
+
+
+def _outcome(f):
+    try:
+        return "ok:" + repr(f())[:200]
+    except BaseException as e:
+        return f"{type(e).__name__}:{getattr(e, 'errno', None)}"
+
+
+@tool
+def read_path(path: str) -> str:
+    """Read a file."""
+    return _outcome(lambda: open(path).read())
+
+
+@tool
+def open_socket() -> str:
+    """Try to reach the network."""
+    return _outcome(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).connect(("127.0.0.1", 9)))
+
+
+@tool
+def list_dir(path: str) -> str:
+    """List a directory."""
+    return _outcome(lambda: sorted(os.listdir(path)))
+
+
+@tool
+def spawn() -> str:
+    """Try to start a process."""
+    return _outcome(lambda: os.fork())
+'''
+
+
+def make_tools_dir(files: dict[str, str]) -> Path:
+    """A tools folder every user can read, outside /tmp (sessions may get a private /tmp)."""
+    d = shared_tmp_dir("/var/tmp") / "tools"
+    d.mkdir(mode=0o755)
+    for name, text in files.items():
+        (d / name).write_text(text)
+        (d / name).chmod(0o644)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tools_dir():
+    d = make_tools_dir({"typed.py": TYPED, "broken.py": BROKEN, "bad_syntax.py": BAD_SYNTAX})
+    shutil.copy(EXAMPLE, d / "demo.py")
+    (d / "demo.py").chmod(0o644)
+    yield d
+    shutil.rmtree(d.parent, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def client(state_dir: Path, notes: list | None = None, **env: str):
+    """An official SDK `ClientSession` to a fresh ironcell; server notifications go to `notes`."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    async def on_message(message: Any) -> None:
+        if notes is not None:
+            notes.append(message)
+
+    params = StdioServerParameters(command=str(IRONCELL), args=["serve"], env=server_env(state_dir, **env))
+    with open(state_dir / "server.log", "a") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write, message_handler=on_message) as session:
+                init = await session.initialize()
+                session.init_result = init
+                yield session
+
+
+def text_of(result: Any) -> str:
+    return "\n".join(c.text for c in result.content if getattr(c, "type", None) == "text")
+
+
+def is_error(result: Any) -> bool:
+    return bool(_field(result, "is_error", "isError"))
+
+
+def structured(result: Any) -> Any:
+    return _field(result, "structured_content", "structuredContent")
+
+
+def schema_of(tool: Any, which: str) -> Any:
+    return _field(tool, which, {"input_schema": "inputSchema", "output_schema": "outputSchema"}[which])
+
+
+async def tool_map(session) -> dict[str, Any]:
+    return {t.name: t for t in (await session.list_tools()).tools}
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing and schemas
+# ---------------------------------------------------------------------------------------------
+
+async def test_tools_from_files_are_listed_with_schemas_from_their_type_hints(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        tools = await tool_map(s)
+        assert {"run_python", "run_python_job", "analyze_text_complexity", "safe_divide_numbers",
+                "describe", "letters", "fail", "chatty"} <= set(tools)
+        assert "not_a_tool" not in tools and "never_listed" not in tools and "oops" not in tools
+
+        divide = tools["safe_divide_numbers"]
+        assert divide.description.startswith("Divide a by b")
+        assert schema_of(divide, "input_schema") == {
+            "type": "object",
+            "properties": {"a": {"type": "number", "description": "The dividend."},
+                           "b": {"type": "number", "description": "The divisor."}},
+            "required": ["a", "b"],
+        }
+        assert schema_of(divide, "output_schema") is None  # a plain string is not structured
+
+        analyze = tools["analyze_text_complexity"]
+        assert schema_of(analyze, "input_schema")["required"] == ["text"]
+        out = schema_of(analyze, "output_schema")
+        assert out["type"] == "object"
+        assert out["properties"]["complexity"] == {"type": "string", "enum": ["simple", "moderate", "complex"]}
+        assert set(out["required"]) == {"word_count", "sentence_count", "average_word_length",
+                                        "average_sentence_length", "complexity"}
+
+        d = schema_of(tools["describe"], "input_schema")
+        p = d["properties"]
+        assert d["required"] == ["name", "count"]
+        assert p["name"] == {"type": "string", "description": "Who to describe."}
+        assert p["count"] == {"type": "integer", "description": "How many."}
+        assert p["ratio"] == {"type": "number", "default": 0.5}
+        assert p["loud"] == {"type": "boolean", "default": False}
+        assert p["tags"] == {"type": "array", "items": {"type": "string"}, "default": []}
+        assert p["extra"] == {"type": "object", "additionalProperties": {"type": "integer"}, "default": {}}
+        assert p["note"] == {"type": ["string", "null"], "default": None}
+        options = p["options"]["anyOf"][0]
+        assert options["properties"]["mode"] == {"type": "string", "enum": ["fast", "careful"], "default": "fast"}
+        assert options["properties"]["repeat"] == {"type": "integer", "default": 1}
+        where = p["where"]["anyOf"][0]
+        assert where["properties"] == {"x": {"type": "number"}, "y": {"type": "number"}}
+        assert where["required"] == ["x", "y"]
+        assert tools["describe"].description == "Describe the arguments as Python saw them."
+        # A list return is structured, wrapped as {"result": [...]}.
+        letters_out = schema_of(tools["letters"], "output_schema")
+        assert letters_out["properties"]["result"] == {"type": "array", "items": {"type": "string"}}
+        assert s.init_result.capabilities.tools.list_changed is True
+
+
+async def test_without_tools_the_tool_list_is_exactly_todays(state_dir):
+    async with client(state_dir) as s:
+        tools = await tool_map(s)
+        assert set(tools) == {"run_python", "run_python_job"}
+        assert not s.init_result.capabilities.tools.list_changed
+        r = await s.call_tool("safe_divide_numbers", {"a": 1, "b": 2})
+        assert is_error(r) and "unknown tool" in text_of(r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calls
+# ---------------------------------------------------------------------------------------------
+
+async def test_calls_return_the_functions_value(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        r = await s.call_tool("analyze_text_complexity", {"text": "The cat sat. The dog ran away!"})
+        assert not is_error(r), text_of(r)
+        v = structured(r)
+        assert v["word_count"] == 7 and v["sentence_count"] == 2
+        assert v["complexity"] == "simple"
+        assert json.loads(text_of(r)) == v
+
+        r = await s.call_tool("safe_divide_numbers", {"a": 10, "b": 4})
+        assert not is_error(r) and text_of(r) == "10 / 4 = 2.5"
+
+        r = await s.call_tool("letters", {"word": "abc"})
+        assert structured(r) == {"result": ["a", "b", "c"]}
+
+        r = await s.call_tool("describe", {"name": "n", "count": 2, "ratio": 1, "tags": ["t"],
+                                           "options": {"mode": "careful"}, "where": {"x": 1, "y": 2.5}})
+        v = structured(r)
+        assert v["ratio"] == 1.0 and v["tags"] == ["t"] and v["note"] is None
+        assert v["options"] == ["Options", "careful", 1]  # a dataclass argument arrives as one
+        assert v["where"] == {"x": 1, "y": 2.5}
+
+        # Arguments reach the function verbatim: nothing in them is ever Python source.
+        weird = 'x"); __import__("os")._exit(3) #\\\n\u2028\u00e9\'\'\'"""\x00'
+        r = await s.call_tool("describe", {"name": weird, "count": 0})
+        assert structured(r)["name"] == weird
+
+        r = await s.call_tool("chatty", {"n": 41})
+        assert not is_error(r) and text_of(r).startswith("42") and "thinking about 41" in text_of(r)
+
+
+async def test_division_by_zero_is_answered_with_a_clear_message(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        r = await s.call_tool("safe_divide_numbers", {"a": 7, "b": 0})
+        assert not is_error(r)
+        assert "cannot divide 7 by zero" in text_of(r)
+
+
+async def test_bad_arguments_get_an_error_that_names_the_field(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        cases = [
+            ("safe_divide_numbers", {"a": 1, "b": "zero"}, "`b` must be a number"),
+            ("safe_divide_numbers", {"a": 1}, "missing required argument `b`"),
+            ("safe_divide_numbers", {"a": 1, "b": 2, "c": 3}, "unknown argument `c`"),
+            ("describe", {"name": "n", "count": 1.5}, "`count` must be an integer"),
+            ("describe", {"name": "n", "count": 1, "tags": ["ok", 3]}, "`tags[1]` must be a string"),
+            ("describe", {"name": "n", "count": 1, "options": {"mode": "slow"}}, "`options.mode` must be one of"),
+            ("describe", {"name": "n", "count": 1, "where": {"x": 1}}, "`where.y` is required"),
+        ]
+        for name, args, expected in cases:
+            r = await s.call_tool(name, args)
+            assert is_error(r), (name, args)
+            assert f"invalid arguments for {name}" in text_of(r) and expected in text_of(r), text_of(r)
+
+
+async def test_a_tool_that_raises_is_an_error_result_shaped_like_run_pythons(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        r = await s.call_tool("fail", {"message": "no such thing"})
+        assert is_error(r)
+        assert "ValueError" in text_of(r) and "no such thing" in text_of(r)
+        record = structured(r)
+        assert record["status"] == "error" and record["error"]["type"] == "ValueError"
+        assert "typed.py" in record["error"]["traceback"]
+        # The tools session survives a failing call.
+        r = await s.call_tool("safe_divide_numbers", {"a": 1, "b": 1})
+        assert text_of(r) == "1 / 1 = 1"
+
+
+async def test_a_broken_tools_file_is_reported_and_the_others_still_load(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        tools = await tool_map(s)
+        assert "safe_divide_numbers" in tools and "describe" in tools
+        rec = await run(s, "from mcp import tools\ntools.errors")
+        errors = eval(rec["result"])
+        by_file = {Path(e["file"]).name: e for e in errors}
+        assert by_file["broken.py"]["line"] == 3
+        assert "RuntimeError: this tools file is broken on purpose" in by_file["broken.py"]["reason"]
+        assert by_file["bad_syntax.py"]["line"] == 4 and "SyntaxError" in by_file["bad_syntax.py"]["reason"]
+    log = (state_dir / "server.log").read_text()
+    assert f"{tools_dir / 'broken.py'}:3: RuntimeError: this tools file is broken on purpose" in log
+
+
+async def test_a_tools_file_that_hangs_at_import_is_cut_off_and_the_others_still_load(state_dir):
+    d = make_tools_dir({"a_hangs.py": "from mcp import tool\nwhile True:\n    pass\n"})
+    shutil.copy(EXAMPLE, d / "demo.py")
+    (d / "demo.py").chmod(0o644)
+    try:
+        async with client(state_dir, IRONCELL_TOOLS=str(d)) as s:
+            assert "safe_divide_numbers" in await tool_map(s)
+            rec = await run(s, "from mcp import tools\n[(e['file'], e['line'], e['reason']) for e in tools.errors]")
+            assert eval(rec["result"]) == [(str(d / "a_hangs.py"), 2, "importing it took more than 10 s")]
+    finally:
+        shutil.rmtree(d.parent, ignore_errors=True)
+
+
+async def test_a_missing_tools_path_is_reported_with_the_fix(state_dir, tools_dir):
+    missing = tools_dir / "nope.py"
+    async with client(state_dir, IRONCELL_TOOLS=f"{tools_dir / 'demo.py'}:{missing}") as s:
+        tools = await tool_map(s)
+        assert "safe_divide_numbers" in tools and "describe" not in tools
+        rec = await run(s, "from mcp import tools\ntools.errors")
+        assert str(missing) in rec["result"] and "--tools" in rec["result"]
+
+
+async def test_tools_are_callable_from_run_python(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        r = await run(s, "from mcp import tools\n"
+                         "c = tools.analyze_text_complexity(text='One. Two words here.')\n"
+                         "(c['word_count'], c.sentence_count, tools.safe_divide_numbers(a=9, b=3))")
+        assert not r.is_error, r
+        assert r["result"] == "(4, 2, '9 / 3 = 3')"
+        r = await run(s, "try:\n    tools.safe_divide_numbers(a=1, b='x')\n"
+                         "except ValueError as e:\n    err = str(e)\nerr")
+        assert "`b` must be a number" in r["result"], r
+        r = await run(s, "import mcp\ntry:\n    tools.fail(message='boom')\nexcept mcp.ToolError as e:\n    err = str(e)\nerr")
+        assert "fail raised ValueError: boom" in r["result"], r
+        r = await run(s, "import mcp\ntry:\n    tools.nope()\nexcept mcp.ToolNotFoundError as e:\n    err = str(e)\nerr")
+        assert "no local tool 'nope'" in r["result"] or 'no local tool "nope"' in r["result"], r
+        r = await run(s, "sorted(dir(tools))[:3]")
+        assert r["result"] == "['analyze_text_complexity', 'chatty', 'describe']"
+
+
+async def test_the_tools_session_cannot_be_used_by_run_python(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        r = await run(s, "1", session="ironcell.tools")
+        assert r.is_error and "reserved" in r.text
+
+
+async def test_other_sessions_cannot_forge_the_tools_sessions_answers(state_dir, tools_dir):
+    async with client(state_dir, IRONCELL_TOOLS=str(tools_dir)) as s:
+        for op in ("result", "catalog"):
+            r = await run(s, f"import mcp\ntry:\n    mcp._request_sync('tools.{op}', {{'token': 't1', 'tools': []}})\n"
+                             "    out = 'accepted'\nexcept mcp.MCPError as e:\n    out = str(e)\nout")
+            assert "only the tools session answers" in r["result"], r
+
+
+# ---------------------------------------------------------------------------------------------
+# save_tool
+# ---------------------------------------------------------------------------------------------
+
+SAVE = '''
+import math
+from typing import Literal
+
+def hypotenuse(a: float, b: float, unit: Literal["m", "cm"] = "m") -> dict:
+    """Length of the hypotenuse of a right triangle."""
+    return {"length": math.hypot(a, b), "unit": unit}
+
+save_tool(hypotenuse)
+'''
+
+
+async def test_save_tool_makes_a_tool_announces_it_and_keeps_it_across_restarts(state_dir):
+    notes: list = []
+    async with client(state_dir, notes) as s:
+        assert set(await tool_map(s)) == {"run_python", "run_python_job"}
+        r = await run(s, SAVE)
+        assert not r.is_error, r
+        assert "saved" in r["result"]
+
+        def announced():
+            return any(type(n).__name__ == "ToolListChangedNotification" for n in notes)
+
+        with anyio.fail_after(30):
+            while not announced():
+                await anyio.sleep(0.05)
+        tools = await tool_map(s)
+        assert "hypotenuse" in tools
+        schema = schema_of(tools["hypotenuse"], "input_schema")
+        assert schema["properties"]["unit"] == {"type": "string", "enum": ["m", "cm"], "default": "m"}
+        r = await s.call_tool("hypotenuse", {"a": 3, "b": 4})
+        assert not is_error(r) and structured(r) == {"length": 5.0, "unit": "m"}
+        r = await s.call_tool("hypotenuse", {"a": 3, "b": 4, "unit": "km"})
+        assert is_error(r) and "`unit` must be one of" in text_of(r)
+        # A function that needs session globals other than modules is refused, with the name.
+        r = await run(s, "factor = 2\ndef twice(x: int) -> int:\n    return x * factor\nsave_tool(twice)")
+        assert r.is_error and "factor" in r.text, r
+        # Names are checked by the host too.
+        r = await run(s, "import mcp\nmcp._request_sync('tools.save', {'name': '../evil', 'source': 'x'})")
+        assert r.is_error and "invalid tool name" in r.text, r
+        r = await run(s, "import mcp\nmcp._request_sync('tools.save', {'name': 'big', 'source': 'x' * 70000})")
+        assert r.is_error and "limit" in r.text, r
+    assert sorted(p.name for p in (state_dir / "tools").iterdir()) == ["hypotenuse.py"]
+
+    async with client(state_dir) as s:
+        assert s.init_result.capabilities.tools.list_changed is True
+        tools = await tool_map(s)
+        assert "hypotenuse" in tools
+        r = await run(s, "from mcp import tools\ntools.hypotenuse(a=6, b=8)['length']")
+        assert r["result"] == "10.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox holds for tools (as root and as nobody)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["root", "nobody"])
+def raw_tools_server(request):
+    tools = make_tools_dir({"attack.py": ATTACK})
+    base = tools.parent
+    (base / "state").mkdir(mode=0o777)
+    os.chmod(base / "state", 0o777)
+    srv = RawServer(base, as_user=request.param, MCP_BRIDGE_STATE_DIR=str(base / "state"),
+                    IRONCELL_TOOLS=str(tools))
+    srv.initialize()
+    yield srv, tools, base
+    srv.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def call_tool(srv: RawServer, name: str, **args: Any) -> dict:
+    return srv.request("tools/call", {"name": name, "arguments": args}, timeout=60)["result"]
+
+
+def tool_text(result: dict) -> str:
+    return "\n".join(c.get("text", "") for c in result["content"] if c.get("type") == "text")
+
+
+def test_a_tool_cannot_escape_the_sandbox(raw_tools_server):
+    srv, tools, base = raw_tools_server
+    listed = {t["name"] for t in srv.request("tools/list", {}, timeout=60)["result"]["tools"]}
+    assert {"read_path", "open_socket", "list_dir", "spawn"} <= listed
+    # A secret every user could read, so only the sandbox stands between it and the tool.
+    secret = shared_tmp_dir("/var/tmp") / "secret.txt"
+    secret.write_text("host secret")
+    secret.chmod(0o644)
+    try:
+        assert tool_text(call_tool(srv, "read_path", path="/etc/shadow")) == "PermissionError:13"
+        assert tool_text(call_tool(srv, "read_path", path=str(secret))) == "PermissionError:13"
+        assert tool_text(call_tool(srv, "read_path", path="/proc/self/environ")) == "PermissionError:13"
+        assert tool_text(call_tool(srv, "open_socket")) == "PermissionError:1"
+        assert tool_text(call_tool(srv, "spawn")) == "PermissionError:1"
+        # ironcell's state (memory, saved tools, other sessions) is out of reach.
+        assert tool_text(call_tool(srv, "list_dir", path=str(base / "state"))) == "PermissionError:13"
+        # Positive control: the tools file itself is readable in the tools session...
+        assert tool_text(call_tool(srv, "read_path", path=str(tools / "attack.py"))).startswith("ok:")
+    finally:
+        shutil.rmtree(secret.parent, ignore_errors=True)
+    # ...and only there: a run_python session gets no grant for it.
+    r = srv.call(f"open({str(tools / 'attack.py')!r}).read()")
+    assert r["isError"] and "PermissionError" in json.dumps(r["structuredContent"]["error"])
