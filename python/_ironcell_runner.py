@@ -487,3 +487,43 @@ def run_cell(code, run_id=0):
             print(f"[ironcell] collecting images failed: {exc}", file=sys.stderr)
         _flush()
     return out
+
+
+def zygote_warm_up(font_cache_dir=None):
+    """Warm what a new session's first plot would otherwise pay for, once, in the zygote.
+
+    For the zygote to call after its warm imports and before `gc.freeze()` (it runs there with
+    the host's rights, before any worker exists). With matplotlib installed, imports
+    `matplotlib.pyplot` (backend Agg) so workers inherit the module and its built font list: a
+    new session's first `plt.plot` then costs what a warm one does. `font_cache_dir`, if given,
+    is where matplotlib reads and (re)writes its font cache during this call (e.g. the state
+    dir's `font-cache`, which the host also keeps), so the font scan happens once per
+    matplotlib version instead of once per zygote. Does nothing without matplotlib; never
+    raises. Returns what it did, for the zygote's log.
+    """
+    import importlib.util
+    import os
+
+    try:
+        if importlib.util.find_spec("matplotlib") is None:
+            return "matplotlib is not installed"
+    except (ImportError, ValueError):
+        return "matplotlib is not importable"
+    saved = os.environ.get("MPLCONFIGDIR")
+    try:
+        if font_cache_dir:
+            os.makedirs(font_cache_dir, mode=0o700, exist_ok=True)
+            os.environ["MPLCONFIGDIR"] = font_cache_dir
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.font_manager  # noqa: F401 - builds or loads the font list
+        import matplotlib.pyplot  # noqa: F401
+        return f"matplotlib {matplotlib.__version__} warmed (font cache: {matplotlib.get_cachedir()})"
+    except BaseException as exc:  # noqa: BLE001 - a warm-up never stops the zygote
+        return f"matplotlib warm-up skipped: {type(exc).__name__}: {exc}"
+    finally:
+        if saved is None:
+            os.environ.pop("MPLCONFIGDIR", None)
+        else:
+            os.environ["MPLCONFIGDIR"] = saved
