@@ -110,12 +110,16 @@ pub struct Session {
     generation: AtomicU64,
     /// When the quota watch next measures this session.
     next_quota_check: Mutex<Instant>,
+    /// How long its last measurement took (the walk's cost grows with the files).
+    last_quota_walk: Mutex<Duration>,
 }
 
 impl Session {
-    /// Schedules a quota measurement within [`QUOTA_CHECK_EVERY`] (a run is starting).
+    /// Schedules a quota measurement within [`QUOTA_CHECK_EVERY`] (a run is starting), or
+    /// [`QUOTA_WALK_SPACING`] times the last walk if that is longer.
     fn measure_soon(&self) {
-        let soon = Instant::now() + QUOTA_CHECK_EVERY;
+        let spacing = *lock(&self.last_quota_walk) * QUOTA_WALK_SPACING;
+        let soon = Instant::now() + QUOTA_CHECK_EVERY.max(spacing);
         let mut next = lock(&self.next_quota_check);
         if *next > soon {
             *next = soon;
@@ -333,6 +337,7 @@ impl SessionManager {
                     over_quota: tokio::sync::watch::Sender::new(None),
                     generation: AtomicU64::new(0),
                     next_quota_check: Mutex::new(Instant::now()),
+                    last_quota_walk: Mutex::new(Duration::ZERO),
                 })
             })
             .clone()
@@ -1312,8 +1317,9 @@ impl SessionManager {
             } else {
                 IDLE_QUOTA_CHECK_EVERY
             };
-            *lock(&s.next_quota_check) =
-                Instant::now() + every.max(started.elapsed() * QUOTA_WALK_SPACING);
+            let took = started.elapsed();
+            *lock(&s.last_quota_walk) = took;
+            *lock(&s.next_quota_check) = Instant::now() + every.max(took * QUOTA_WALK_SPACING);
             let Some(over) = quota_verdict(usage, quota) else {
                 continue;
             };
@@ -1410,6 +1416,7 @@ impl SessionManager {
             over_quota: tokio::sync::watch::Sender::new(None),
             generation: AtomicU64::new(0),
             next_quota_check: Mutex::new(Instant::now()),
+            last_quota_walk: Mutex::new(Duration::ZERO),
         };
         let worker = match self.spawn_worker_in_slot(&session, slot).await {
             Ok(w) => w,
