@@ -498,3 +498,129 @@ def run_cell(code, run_id=0):
             print(f"[ironcell] collecting images failed: {exc}", file=sys.stderr)
         _flush()
     return out
+
+
+def zygote_warm_up(font_cache_dir=None):
+    """Warm what a new session's first plot would otherwise pay for, once, in the zygote.
+
+    For the zygote to call after its warm imports and before `gc.freeze()` (it runs there with
+    the host's rights, before any worker exists). With matplotlib installed, imports
+    `matplotlib.pyplot` (backend Agg) so workers inherit the module and its built font list: a
+    new session's first `plt.plot` then costs what a warm one does. `font_cache_dir`, if given,
+    is where matplotlib reads and (re)writes its font cache during this call (e.g. the state
+    dir's `font-cache`, which the host also keeps), so the font scan happens once per
+    matplotlib version instead of once per zygote. Does nothing without matplotlib; never
+    raises. Returns what it did, for the zygote's log.
+    """
+    import importlib.util
+    import os
+
+    try:
+        if importlib.util.find_spec("matplotlib") is None:
+            return "matplotlib is not installed"
+    except (ImportError, ValueError):
+        return "matplotlib is not importable"
+    saved = os.environ.get("MPLCONFIGDIR")
+    try:
+        if font_cache_dir:
+            os.makedirs(font_cache_dir, mode=0o700, exist_ok=True)
+            os.environ["MPLCONFIGDIR"] = font_cache_dir
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.font_manager  # noqa: F401 - builds or loads the font list
+        import matplotlib.pyplot  # noqa: F401
+        return f"matplotlib {matplotlib.__version__} warmed (font cache: {matplotlib.get_cachedir()})"
+    except BaseException as exc:  # noqa: BLE001 - a warm-up never stops the zygote
+        return f"matplotlib warm-up skipped: {type(exc).__name__}: {exc}"
+    finally:
+        if saved is None:
+            os.environ.pop("MPLCONFIGDIR", None)
+        else:
+            os.environ["MPLCONFIGDIR"] = saved
+
+
+class _ImageScan:
+    """Finds image files without listing every directory of the session on every run.
+
+    Replaces the full `os.walk` of `_images_written_since` (a session of 100,000 files paid for
+    it on every run). A directory is listed again only when its mtime changed since it was
+    listed (a file created, removed or renamed in it), or when that mtime was too recent to be
+    trusted (a change in the same clock tick as the listing would not move it); otherwise its
+    remembered image names and subdirectories are reused. Only image files are `stat`ed, so an
+    image rewritten in place is still seen. Like the walk it replaces, it is the worker's own
+    bookkeeping: the host checks every path it reports.
+    """
+
+    RACY_S = 2.0  # a directory modified this recently is listed again next time
+    MAX_DIRS = 20_000
+
+    def __init__(self):
+        self.dirs = {}  # path -> (mtime_ns, image names, subdirectory names)
+
+    def _list(self, path):
+        import os
+
+        images, subdirs = [], []
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            if not (path == "." and e.name == ".ironcell"):
+                                subdirs.append(e.name)
+                        elif os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES:
+                            images.append(e.name)
+                    except OSError:
+                        continue
+        except OSError:
+            return [], []
+        return images, subdirs
+
+    def images(self):
+        import os
+        import time
+
+        now_ns = time.time_ns()
+        seen, out, stack = set(), [], ["."]
+        while stack and len(seen) < self.MAX_DIRS:
+            path = stack.pop()
+            seen.add(path)
+            try:
+                mtime = os.stat(path, follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            cached = self.dirs.get(path)
+            if cached is None or cached[0] != mtime or now_ns - mtime < self.RACY_S * 1e9:
+                images, subdirs = self._list(path)
+                self.dirs[path] = (mtime, images, subdirs)
+            else:
+                _, images, subdirs = cached
+            out.extend(os.path.normpath(os.path.join(path, n)) for n in images)
+            stack.extend(os.path.join(path, d) for d in subdirs)
+        for gone in set(self.dirs) - seen:
+            del self.dirs[gone]
+        return out
+
+
+_image_scan = _ImageScan()
+
+
+def _images_written_since(started):  # noqa: F811 - replaces the full walk defined above
+    """Image files written or changed since `started` (None: only remember what is there).
+    A file is this run's only if it is not exactly as an earlier run left it, so a file from an
+    earlier run is never sent again as this run's image."""
+    import os
+
+    found = []
+    for path in _image_scan.images():
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        state = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if started is not None and st.st_mtime >= started and _seen_images.get(path) != state:
+            found.append(path)
+        if len(_seen_images) < 10_000 or path in _seen_images:
+            _seen_images[path] = state
+    return sorted(found)[:MAX_IMAGES_PER_RUN]

@@ -1,19 +1,32 @@
 #!/usr/bin/env python3
-"""ironcell benchmark: prints medians beside baselines measured in the same run.
+"""ironcell benchmark: medians and p99 of every measurement, beside peers measured in the same
+run, with the ratio and the targets of issue 12 (target vs measured, pass/miss).
 
-usage: scripts/bench.py [--binary target/release/ironcell] [--quick]
+usage: scripts/bench.py [--binary target/release/ironcell] [--python PATH] [--quick]
 
-(a) new session to first output     vs. a fresh `python3 -c` subprocess per call
-(b) warm run_python round trip      vs. `python3 -c` per call, and a warm ipykernel (if installed)
-(c) private memory (USS) per idle session   vs. a fresh idle `python3` process
-(d) server start to first result    vs. one `python3 -c` start
-(e) proxied MCP call from Python    vs. the same call made directly to the server
-(f) 200 concurrent proxied calls (asyncio.gather) in one cell
-(g) runtime.search_tool_docs over 1,000 tools
+Peers (each only when installed; the table says when one is not):
+  python3 -c           a fresh interpreter per call
+  bwrap + python3      the same inside bubblewrap (`which bwrap`)
+  ipykernel (warm)     a warm Jupyter kernel's round trip (jupyter_client in the current
+                       interpreter, or in a venv at ~/.cache/mcp-harness/ipyk)
 
-(e)-(g) need the test peers (scripts/install_test_peers.sh); they are skipped without them.
+Scenarios:
+  new session -> first result (one at a time, and a burst of 20 at once)
+  warm round trip
+  server start -> first result
+  private memory (USS, /proc/<pid>/smaps_rollup) per idle session, without and with numpy +
+    pandas preloaded (IRONCELL_PRELOAD)
+  first matplotlib plot in a new session vs in a warm one
+  a run printing 100 MB (host RSS before, host peak after)
+  a run in a session holding 100,000 files vs in an empty session
+  proxied call vs the same call made directly to the reference server (overhead), 1,000
+    concurrent proxied calls with one slow call among them (spread: no head-of-line blocking),
+    runtime.search_tool_docs over 1,000 tools (the proxy rows need scripts/install_test_peers.sh)
 
-The client is a minimal JSON-RPC-over-stdio client (no SDK), so the numbers are ironcell's.
+`--python PATH` runs the sessions on that interpreter (ironcell's --python flag where the binary
+has it, IRONCELL_PYTHON otherwise: harmless if neither is supported yet; the header says which
+interpreter really ran). The client is a minimal JSON-RPC-over-stdio client (no SDK), so the
+numbers are ironcell's. Targets live here, never in timed tests.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import argparse
 import json
 import os
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,55 +44,150 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PY = "/usr/bin/python3.11" if os.path.exists("/usr/bin/python3.11") else sys.executable
-
-
 HARNESS = Path(os.environ.get("IRONCELL_HARNESS", Path.home() / ".cache" / "mcp-harness"))
 TEST_SERVER = REPO / "tests" / "e2e" / "servers" / "test_server.py"
+PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and the table
+# ---------------------------------------------------------------------------------------------
+
+def p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(0.99 * len(s) + 0.5)) - 1))]
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def ms(xs: list[float] | None, digits: int = 2) -> str:
+    if not xs:
+        return "n/a"
+    return f"{med(xs):.{digits}f} / {p99(xs):.{digits}f} ms"
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+        self.targets: list[tuple[str, str, str, bool | None]] = []
+
+    def row(self, name: str, value: str, peers: str = "") -> None:
+        self.rows.append((name, value, peers))
+
+    def target(self, what: str, target: str, measured: str, ok: bool | None) -> None:
+        self.targets.append((what, target, measured, ok))
+
+    def print(self, header: str, markdown: bool) -> None:
+        print(header)
+        if markdown:
+            print("\n| measurement | ironcell (median / p99) | peers, same run (median / p99; ratio) |")
+            print("|---|---|---|")
+            for n, v, p in self.rows:
+                print(f"| {n} | {v} | {p} |")
+            print("\n| target (issue 12) | target | measured | |")
+            print("|---|---|---|---|")
+            for w, t, m, ok in self.targets:
+                print(f"| {w} | {t} | {m} | {verdict(ok)} |")
+            return
+        w = max(len(r[0]) for r in self.rows)
+        print(f"\n  {'measurement':<{w}}  {'ironcell (median / p99)':>26}   peers, same run")
+        for n, v, p in self.rows:
+            print(f"  {n:<{w}}  {v:>26}   {p}")
+        w = max(len(t[0]) for t in self.targets)
+        print(f"\n  {'target (issue 12)':<{w}}  {'target':>18}  {'measured':>18}")
+        for what, t, m, ok in self.targets:
+            print(f"  {what:<{w}}  {t:>18}  {m:>18}  {verdict(ok)}")
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def ratio(ours: list[float], theirs: list[float] | None) -> str:
+    if not theirs:
+        return ""
+    return f"; ironcell is {med(theirs) / med(ours):.1f}x faster" if med(ours) < med(theirs) else \
+        f"; ironcell is {med(ours) / med(theirs):.1f}x slower"
+
+
+# ---------------------------------------------------------------------------------------------
+# A minimal MCP client (pipelined: many requests may be in flight)
+# ---------------------------------------------------------------------------------------------
 
 class Client:
     def __init__(self, binary: str, env: dict[str, str], cmd: list[str] | None = None):
         self.p = subprocess.Popen(cmd or [binary, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, env=env, bufsize=0)
+                                  stderr=open(os.environ["BENCH_STDERR"], "ab") if os.environ.get("BENCH_STDERR") else subprocess.DEVNULL, env=env, bufsize=0)
         self.buf = b""
         self.id = 0
+        self.answers: dict[int, dict] = {}
 
     def _line(self) -> dict:
         while b"\n" not in self.buf:
             select.select([self.p.stdout], [], [])
             chunk = os.read(self.p.stdout.fileno(), 1 << 20)
             if not chunk:
-                raise EOFError
+                raise EOFError("the server closed its stdout")
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
 
-    def request(self, method: str, params: dict) -> dict:
+    def send(self, method: str, params: dict) -> int:
         self.id += 1
         self.p.stdin.write(json.dumps({"jsonrpc": "2.0", "id": self.id, "method": method, "params": params}).encode() + b"\n")
-        while True:
+        return self.id
+
+    def wait(self, rid: int) -> dict:
+        while rid not in self.answers:
             m = self._line()
-            if m.get("id") == self.id:
-                return m
+            if "id" in m and ("result" in m or "error" in m):
+                self.answers[m["id"]] = m
+        return self.answers.pop(rid)
+
+    def request(self, method: str, params: dict) -> dict:
+        return self.wait(self.send(method, params))
 
     def initialize(self) -> None:
         self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                     "clientInfo": {"name": "bench", "version": "0"}})
         self.p.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
 
-    def run(self, code: str, session: str = "default", timeout_s: float = 120) -> dict:
-        args = {"code": code, "session": session, "timeout_s": timeout_s}
-        r = self.request("tools/call", {"name": "run_python", "arguments": args})
+    @staticmethod
+    def record(r: dict) -> dict:
         res = r["result"]
         if res.get("isError"):
             raise RuntimeError(res["content"][0]["text"])
         return res["structuredContent"]
 
+    def call(self, code: str, session: str = "default", timeout_s: float = 300) -> int:
+        return self.send("tools/call", {"name": "run_python",
+                                        "arguments": {"code": code, "session": session, "timeout_s": timeout_s}})
+
+    def run(self, code: str, session: str = "default", timeout_s: float = 300) -> dict:
+        rec = self.record(self.wait(self.call(code, session, timeout_s)))
+        while rec.get("status") == "running":  # a long run became a background job
+            rec = self.record(self.request("tools/call", {"name": "run_python_job", "arguments": {"job": rec["job"]}}))
+        return rec
+
+    def info(self) -> dict:
+        return json.loads(self.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+
     def close(self) -> None:
         self.p.stdin.close()
-        self.p.wait(10)
+        self.p.wait(30)
 
+
+def timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return (time.perf_counter() - t) * 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers
+# ---------------------------------------------------------------------------------------------
 
 def uss_kib(pid: int) -> int:
     total = 0
@@ -89,150 +198,379 @@ def uss_kib(pid: int) -> int:
     return total
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
+def status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
 
 
-def python_c_ms(n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        subprocess.run([PY, "-c", "print(1)"], stdout=subprocess.DEVNULL, check=True)
-        out.append((time.perf_counter() - t) * 1000)
-    return out
-
-
-def ipykernel_round_trip_ms(n: int) -> list[float] | None:
+def proc_ms(cmd: list[str], n: int) -> list[float] | None:
     try:
-        from jupyter_client.manager import start_new_kernel  # type: ignore
-    except ImportError:
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
         return None
-    km, kc = start_new_kernel()
+    return [timed(lambda: subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)) for _ in range(n)]
+
+
+def bwrap_cmd(py: str) -> list[str] | None:
+    bwrap = shutil.which("bwrap")
+    if not bwrap:
+        return None
+    return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--unshare-all", "--die-with-parent", py]
+
+
+IPYKERNEL_SCRIPT = r"""
+import json, sys, time
+from jupyter_client.manager import start_new_kernel
+km, kc = start_new_kernel()
+try:
+    kc.execute_interactive("x = 0", timeout=60)
+    out = []
+    for _ in range(int(sys.argv[1])):
+        t = time.perf_counter()
+        kc.execute_interactive("x += 1", timeout=60)
+        out.append((time.perf_counter() - t) * 1000)
+    print(json.dumps(out))
+finally:
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+"""
+
+
+def ipykernel_ms(n: int) -> tuple[list[float] | None, str]:
+    for py in (sys.executable, str(HARNESS / "ipyk" / "bin" / "python")):
+        if not os.path.exists(py):
+            continue
+        probe = subprocess.run([py, "-c", "import jupyter_client, ipykernel"], capture_output=True)
+        if probe.returncode != 0:
+            continue
+        r = subprocess.run([py, "-c", IPYKERNEL_SCRIPT, str(n)], capture_output=True, text=True, timeout=600)
+        if r.returncode == 0:
+            return json.loads(r.stdout.strip().splitlines()[-1]), py
+    return None, "not installed"
+
+
+def idle_python_uss(py: str, imports: str) -> float | None:
+    code = f"{imports}\nimport sys, time\nsys.stdout.write('r\\n'); sys.stdout.flush(); time.sleep(60)"
+    p = subprocess.Popen([py, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        kc.execute_interactive("x = 0", timeout=30)
-        out = []
-        for _ in range(n):
-            t = time.perf_counter()
-            kc.execute_interactive("x += 1", timeout=30)
-            out.append((time.perf_counter() - t) * 1000)
-        return out
+        if p.stdout.readline() != b"r\n":
+            return None
+        time.sleep(0.3)
+        return uss_kib(p.pid) / 1024
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+        p.kill()
+        p.wait()
 
 
-def proxy_rows(binary: str, env: dict[str, str], quick: bool) -> list[tuple[str, str, str]]:
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+# ---------------------------------------------------------------------------------------------
+
+def new_sessions(c: Client, n: int, prefix: str) -> tuple[list[float], list[int]]:
+    lat, pids = [], []
+    for i in range(n):
+        t = time.perf_counter()
+        r = c.run("import os\nos.getpid()", session=f"{prefix}{i}")
+        lat.append((time.perf_counter() - t) * 1000)
+        pids.append(int(r["result"]))
+    return lat, pids
+
+
+def burst(c: Client, size: int, rounds: int, prefix: str) -> tuple[list[float], list[float]]:
+    """Per-call latencies of `size` new sessions started at once, and each burst's wall time."""
+    lat, walls = [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        ids = {c.call("1", session=f"{prefix}{r}x{i}"): None for i in range(size)}
+        done = 0
+        while done < size:
+            m = c._line()
+            if m.get("id") in ids:
+                lat.append((time.perf_counter() - t0) * 1000)
+                c.record(m)
+                done += 1
+        walls.append((time.perf_counter() - t0) * 1000)
+    return lat, walls
+
+
+PLOT = ("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+        "fig = plt.figure()\nplt.plot([1, 2, 3], [1, 4, 9])\nfig.savefig('plot.png')\nplt.close(fig)\n")
+
+
+def plots(c: Client, n: int) -> tuple[list[float], list[float]] | None:
+    probe = c.run("import importlib.util\nimportlib.util.find_spec('matplotlib') is not None", session="plotprobe")
+    if probe["result"] != "True":
+        return None
+    # The server builds the shared font cache once in the background: wait until it is there.
+    deadline = time.monotonic() + 120
+    i = 0
+    while time.monotonic() < deadline:
+        i += 1
+        if c.run("import os\nos.environ.get('MPLCONFIGDIR')", session=f"plotwait{i}")["result"] not in (None, "None"):
+            break
+        time.sleep(0.5)
+    new, warm = [], []
+    for k in range(n):
+        new.append(timed(lambda: c.run(PLOT, session=f"plotnew{k}")))
+        warm.append(timed(lambda: c.run(PLOT, session=f"plotnew{k}")))
+    return new, warm
+
+
+def python_plot_ms(py: str, n: int) -> list[float] | None:
+    code = PLOT.replace("'plot.png'", "'/dev/null', format='png'")
+    return proc_ms([py, "-c", code], n)
+
+
+MAKE_100K = (
+    "for i in range(100):\n"
+    "    os.mkdir(f'h{i}')\n"
+    "    for j in range(1000):\n"
+    "        os.close(os.open(f'h{i}/f{j}', os.O_CREAT | os.O_WRONLY, 0o600))\n"
+    "len(os.listdir('h99'))"
+)
+
+
+def many_files(c: Client, n: int) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Round trips (plain, and writing one file) in an empty session and in one of 100k files."""
+    c.run("import os", session="empty")
+    c.run("import os", session="huge")
+    rec = c.run(MAKE_100K, session="huge", timeout_s=600)
+    assert rec["result"] == "1000", rec
+    c.run("1", session="huge")  # the listing after the 100k files were made is not timed
+    out = []
+    for s in ("empty", "huge"):
+        out.append([timed(lambda: c.run("x = 1", session=s)) for _ in range(n)])
+    for s in ("empty", "huge"):
+        lat = []
+        for k in range(n // 4):
+            t = time.perf_counter()
+            r = c.run(f"open('w{k}.txt', 'w').write('x')", session=s)
+            lat.append((time.perf_counter() - t) * 1000)
+            assert [f["path"] for f in r["files"]] == [f"w{k}.txt"], r
+        out.append(lat)
+    return out[0], out[1], out[2], out[3]
+
+
+def loud(c: Client) -> tuple[float, int, int, int]:
+    """A run printing 100 MB: its time, host RSS before, host peak after (KiB), bytes seen."""
+    pid = c.p.pid
+    c.run("'warm'", session="loud")
+    before = status_kib(pid, "VmRSS")
+    t = time.perf_counter()
+    rec = c.run("import sys\nchunk = 'y' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)", session="loud")
+    took = (time.perf_counter() - t) * 1000
+    total = (rec.get("stdout_truncated") or {}).get("total_bytes", len(rec["stdout"]))
+    return took, before, status_kib(pid, "VmHWM"), total
+
+
+def proxy_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> None:
     py = HARNESS / "venv" / "bin" / "python"
     if not py.exists():
-        return [("(e)-(g) proxied calls", "skipped", "test peers not installed")]
+        table.row("proxied call", "skipped", "test peers not installed (scripts/install_test_peers.sh)")
+        table.target("proxied call overhead", "<= 0.30 ms", "skipped", None)
+        return
     n_calls = 200 if quick else 1000
     server_cmd = [str(py), str(TEST_SERVER), "--many-tools", "1000"]
-    # Direct: the same minimal client talking to the server itself.
-    direct_client = Client(binary, {**env}, cmd=server_cmd)
+    direct_client = Client(binary, dict(env), cmd=server_cmd)
     direct_client.initialize()
-    direct = []
-    for _ in range(n_calls):
-        t = time.perf_counter()
-        direct_client.request("tools/call", {"name": "structured", "arguments": {"n": 1}})
-        direct.append((time.perf_counter() - t) * 1000)
+    call = {"name": "structured", "arguments": {"n": 1}}
+    for _ in range(20):
+        direct_client.request("tools/call", call)
+    direct = [timed(lambda: direct_client.request("tools/call", call)) for _ in range(n_calls)]
     direct_client.close()
     config = {"mcpServers": {"t": {"command": server_cmd[0], "args": server_cmd[1:]}}}
     c = Client(binary, {**env, "MCP_BRIDGE_CONFIG": json.dumps(config)})
     c.initialize()
     code = f"""
-import time, statistics, asyncio
-mcp_t.structured_sync(n=1)
+import time, asyncio
+for _ in range(20):
+    mcp_t.structured_sync(n=1)
 proxied = []
 for _ in range({n_calls}):
     t = time.perf_counter(); mcp_t.structured_sync(n=1); proxied.append((time.perf_counter() - t) * 1000)
+async def one(i):
+    t = time.perf_counter()
+    await mcp_t.structured(n=i)
+    return (time.perf_counter() - t) * 1000
+async def slow():
+    t = time.perf_counter()
+    await mcp_t.sleep(seconds=1.0)
+    return (time.perf_counter() - t) * 1000
+async def all_at_once():
+    return await asyncio.gather(slow(), *(one(i) for i in range(1000)))
 t = time.perf_counter()
-await asyncio.gather(*(mcp_t.structured(n=i) for i in range(200)))
+spread = await all_at_once()
 gather_ms = (time.perf_counter() - t) * 1000
 runtime.search_tool_docs_sync("create invoice", limit=5)
 search = []
 for _ in range(100):
     t = time.perf_counter(); runtime.search_tool_docs_sync("export calendar event", limit=5); search.append((time.perf_counter() - t) * 1000)
-(statistics.median(proxied), gather_ms, statistics.median(search))
+def summary(xs):
+    s = sorted(xs)
+    return [statistics.median(s), s[min(len(s) - 1, max(0, int(round(0.99 * len(s) + 0.5)) - 1))], s[0], s[-1]]
+import statistics, json
+json.dumps([summary(proxied), summary(spread[1:]), spread[0], gather_ms, summary(search)])
 """
-    proxied_ms, gather_ms, search_ms = eval(c.run(code)["result"])
+    res = c.run(code)
+    proxied, spread, slow_ms, gather_ms, search = json.loads(eval(res["result"]))
     c.close()
-    d = med(direct)
-    return [
-        ("(e) proxied call from Python", f"{proxied_ms:.3f} ms", f"direct to the server: {d:.3f} ms; overhead {proxied_ms - d:.3f} ms"),
-        ("(f) 200 concurrent proxied calls", f"{gather_ms:.1f} ms", f"one direct call x 200: {d * 200:.1f} ms"),
-        ("(g) search_tool_docs, 1,000 tools", f"{search_ms:.3f} ms", "round trip from Python included"),
-    ]
+    def sm(x, d=3):
+        return f"{x[0]:.{d}f} / {x[1]:.{d}f} ms"
+    over = proxied[0] - med(direct)
+    table.row("proxied call from Python (sync)", sm(proxied),
+              f"same call direct to the server: {ms(direct, 3)}; overhead {over:.3f} ms (median)")
+    table.row("1,000 concurrent proxied calls + one 1 s call", sm(spread, 1),
+              f"spread min {spread[2]:.1f} / max {spread[3]:.1f} ms; all done in {gather_ms:.0f} ms; "
+              f"the 1 s call took {slow_ms:.0f} ms")
+    table.row("runtime.search_tool_docs, 1,000 tools", sm(search), "round trip from Python included")
+    table.target("proxied call overhead", "<= 0.30 ms", f"{over:.3f} ms", over <= 0.3)
+    table.target("1,000 concurrent: no head-of-line blocking", "p99 < the 1 s call",
+                 f"p99 {spread[1]:.0f} ms", spread[1] < slow_ms)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def python_flag_supported(binary: str) -> bool:
+    r = subprocess.run([binary, "serve", "--help"], capture_output=True, text=True)
+    return "--python" in r.stdout
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "ironcell"))
+    ap.add_argument("--python", help="the interpreter the sessions run on (ironcell --python / IRONCELL_PYTHON)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for the README)")
     a = ap.parse_args()
-    n_sessions, n_warm, n_start, n_base = (10, 100, 3, 10) if a.quick else (50, 1000, 10, 30)
+    q = a.quick
+    n_new, n_warm, n_start, n_base, n_files, n_plot, burst_rounds = \
+        (10, 100, 3, 10, 40, 2, 1) if q else (50, 1000, 10, 30, 200, 5, 3)
     state = tempfile.mkdtemp(prefix="ironcell-bench-")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": str(n_sessions + 10)}
+           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_MAX_OUTPUT": "200m"}
+    binary = a.binary
+    peer_py = a.python or PY
+    python_how = "the binary's default interpreter"
+    if a.python:
+        env["IRONCELL_PYTHON"] = a.python
+        if python_flag_supported(binary):
+            wrapper = Path(state) / "ironcell-with-python"
+            wrapper.write_text(f"#!/bin/sh\nexec {json.dumps(binary)} \"$@\" --python {json.dumps(a.python)}\n")
+            wrapper.chmod(0o755)
+            binary = str(wrapper)
+            python_how = f"--python {a.python}"
+        else:
+            python_how = f"IRONCELL_PYTHON={a.python} (this binary has no --python flag yet)"
+    table = Table()
 
-    base_c = python_c_ms(n_base)
-    rows = []
+    # Peers first, on a quiet machine.
+    base_c = proc_ms([peer_py, "-c", "print(1)"], n_base)
+    bw = bwrap_cmd(peer_py)
+    base_bwrap = proc_ms(bw + ["-c", "print(1)"], n_base) if bw else None
+    ipk, ipk_how = ipykernel_ms(min(n_warm, 200))
 
-    # (d) server start to first result
+    # Server start to first result.
     starts = []
     for _ in range(n_start):
         t = time.perf_counter()
-        c = Client(a.binary, env)
+        c = Client(binary, env)
         c.initialize()
         c.run("1")
         starts.append((time.perf_counter() - t) * 1000)
         c.close()
 
-    c = Client(a.binary, env)
+    c = Client(binary, env)
     c.initialize()
     c.run("x = 0")
-    # (a) new session to first output (fork + lockdown + first cell + MCP round trip)
-    new_sess, pids = [], []
-    for i in range(n_sessions):
-        t = time.perf_counter()
-        r = c.run("import os\nprint(os.getpid())", session=f"s{i}")
-        new_sess.append((time.perf_counter() - t) * 1000)
-        pids.append(int(r["stdout"]))
-    # (b) warm round trip
-    warm = []
-    for _ in range(n_warm):
-        t = time.perf_counter()
-        c.run("x += 1")
-        warm.append((time.perf_counter() - t) * 1000)
-    info = json.loads(c.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    info = c.info()
+    py_version = (info.get("python") or {}).get("version", "?").split()[0]
+    single, pids = new_sessions(c, n_new, "s")
+    burst_lat, burst_walls = burst(c, 20, burst_rounds, "b")
+    warm = [timed(lambda: c.run("x += 1")) for _ in range(n_warm)]
+    info = c.info()
     lockdown_ms = info.get("worker_lockdown_ms_median") or 0.0
-    # (c) USS of idle sessions
     time.sleep(0.5)
     uss = [uss_kib(p) / 1024 for p in pids]
+    plot = plots(c, n_plot)
+    empty_rt, huge_rt, empty_w, huge_w = many_files(c, n_files)
+    loud_ms, rss_before, rss_peak, loud_bytes = loud(c)
     c.close()
 
-    idle = subprocess.Popen([PY, "-c", "import time; time.sleep(30)"])
+    # Idle sessions with numpy and pandas preloaded.
+    c = Client(binary, {**env, "IRONCELL_PRELOAD": "numpy,pandas"})
+    c.initialize()
+    c.run("1")
+    _, pre_pids = new_sessions(c, max(5, n_new // 5), "p")
     time.sleep(0.5)
-    base_uss = uss_kib(idle.pid) / 1024
-    idle.kill()
-    ipk = ipykernel_round_trip_ms(min(n_warm, 200))
+    uss_pre = [uss_kib(p) / 1024 for p in pre_pids]
+    pre_ok = c.run("import sys\n'pandas' in sys.modules and 'numpy' in sys.modules", session="p0")["result"] == "True"
+    c.close()
+    base_uss = idle_python_uss(peer_py, "")
+    base_uss_np = idle_python_uss(peer_py, "import numpy, pandas")
+    py_plot = python_plot_ms(peer_py, n_plot)
 
-    rows.append(("(a) new session to first output", f"{med(new_sess):.2f} ms", f"python3 -c per call: {med(base_c):.1f} ms"))
-    rows.append(("    of which: kernel lockdown", f"{lockdown_ms:.2f} ms",
-                 f"so without it: {med(new_sess) - lockdown_ms:.2f} ms"))
-    b_base = f"python3 -c per call: {med(base_c):.1f} ms"
-    if ipk:
-        b_base += f"; ipykernel warm: {med(ipk):.2f} ms"
+    def peer_list(ours: list[float]) -> str:
+        parts = [f"python3 -c: {ms(base_c, 1)}{ratio(ours, base_c)}"]
+        parts.append(f"bwrap + python3: {ms(base_bwrap, 1)}{ratio(ours, base_bwrap)}" if base_bwrap
+                     else "bwrap: not installed")
+        return "; ".join(parts)
+
+    table.row("new session -> first result (one at a time)", ms(single), peer_list(single))
+    table.row("  of which: kernel lockdown (worker-reported)", f"{lockdown_ms:.2f} ms", "")
+    table.row("new session, burst of 20 at once (per call)", ms(burst_lat),
+              f"whole burst {ms(burst_walls, 1)} = {med(burst_walls) / 20:.2f} ms per session")
+    table.row("warm round trip `x += 1`", ms(warm, 3),
+              (f"ipykernel warm: {ms(ipk, 3)}{ratio(warm, ipk)}" if ipk else f"ipykernel: {ipk_how}")
+              + f"; python3 -c: {ms(base_c, 1)}")
+    table.row("server start -> first result", ms(starts, 1), f"python3 -c: {ms(base_c, 1)}{ratio(starts, base_c)}")
+    table.row("USS per idle session", f"{med(uss):.2f} / {p99(uss):.2f} MiB",
+              f"fresh idle python3: {base_uss:.1f} MiB" if base_uss else "")
+    table.row("USS per idle session, numpy + pandas preloaded", f"{med(uss_pre):.2f} / {p99(uss_pre):.2f} MiB",
+              (f"idle python3 with numpy + pandas: {base_uss_np:.1f} MiB" if base_uss_np else "numpy/pandas not installed")
+              + ("" if pre_ok else " (preload did not take)"))
+    if plot:
+        new_p, warm_p = plot
+        table.row("first matplotlib plot, new session", ms(new_p, 1),
+                  f"python3 -c importing matplotlib and plotting: {ms(py_plot, 1)}{ratio(new_p, py_plot)}")
+        table.row("matplotlib plot, warm session", ms(warm_p, 1), "")
     else:
-        b_base += "; ipykernel: not installed"
-    rows.append(("(b) warm round trip `x += 1`", f"{med(warm):.3f} ms", b_base))
-    rows.append(("(c) USS per idle session", f"{med(uss):.2f} MiB", f"fresh idle python3: {base_uss:.1f} MiB"))
-    rows.append(("(d) server start to first result", f"{med(starts):.1f} ms", f"python3 -c start: {med(base_c):.1f} ms"))
-    rows.extend(proxy_rows(a.binary, env, a.quick))
-    print(f"ironcell benchmark ({'quick' if a.quick else 'full'}): medians; n = {n_sessions} sessions, "
-          f"{n_warm} warm calls, {n_start} starts, {n_base} baseline runs")
-    w = max(len(r[0]) for r in rows)
-    for name, val, base in rows:
-        print(f"  {name:<{w}}  {val:>12}   baseline: {base}")
+        table.row("first matplotlib plot", "skipped", "matplotlib is not installed")
+    table.row("round trip, empty session", ms(empty_rt, 3), "")
+    table.row("round trip, session of 100,000 files", ms(huge_rt, 3), f"{med(huge_rt) / med(empty_rt):.2f}x the empty session")
+    table.row("run writing a file (listed), empty session", ms(empty_w, 3), "")
+    table.row("run writing a file (listed), 100,000 files", ms(huge_w, 3), f"{med(huge_w) / med(empty_w):.2f}x the empty session")
+    table.row("run printing 100 MB", f"{loud_ms:.0f} ms",
+              f"{loud_bytes / 1e6:.0f} MB seen; host RSS {rss_before / 1024:.0f} MiB before, peak {rss_peak / 1024:.0f} MiB")
+    proxy_rows(binary, env, q, table)
+
+    # Targets of issue 12, first (the proxy rows added theirs above).
+    t = []
+    t.append(("new session -> first result", "<= 1.00 ms", f"{med(single):.2f} ms", med(single) <= 1.0))
+    t.append(("burst of 20: time per session", "<= 2.00 ms", f"{med(burst_walls) / 20:.2f} ms", med(burst_walls) / 20 <= 2.0))
+    t.append(("warm round trip", "<= 0.50 ms", f"{med(warm):.3f} ms", med(warm) <= 0.5))
+    t.append(("USS per idle session", "<= 1.50 MiB", f"{med(uss):.2f} MiB", med(uss) <= 1.5))
+    t.append(("USS per idle session, numpy + pandas", "<= 1.50 MiB", f"{med(uss_pre):.2f} MiB", med(uss_pre) <= 1.5 if pre_ok else None))
+    if plot:
+        new_p, warm_p = plot
+        t.append(("first plot, new session vs warm", "<= 1.2x warm", f"{med(new_p) / med(warm_p):.2f}x", med(new_p) <= 1.2 * med(warm_p)))
+    else:
+        t.append(("first plot, new session vs warm", "<= 1.2x warm", "skipped", None))
+    grow = med(huge_rt) - med(empty_rt)
+    t.append(("100k files: round trip slower by", "<= 0.2 ms or 20%", f"{grow:+.3f} ms", grow <= max(0.2, 0.2 * med(empty_rt))))
+    grow_w = med(huge_w) - med(empty_w)
+    t.append(("100k files: run listing a new file slower by", "<= 0.2 ms or 20%", f"{grow_w:+.3f} ms", grow_w <= max(0.2, 0.2 * med(empty_w))))
+    t.append(("100 MB of output: host peak RSS growth", "<= 64 MiB", f"{(rss_peak - rss_before) / 1024:.1f} MiB", rss_peak - rss_before <= 64 * 1024))
+    table.targets[:0] = [(w, tt, m, ok) for w, tt, m, ok in t]
+
+    header = (f"ironcell benchmark ({'quick' if q else 'full'}; median / p99 ms unless stated): "
+              f"Python {py_version} via {python_how}; peers on {peer_py}; {os.cpu_count()} CPUs; "
+              f"n = {n_new} new sessions, {burst_rounds} bursts of 20, {n_warm} warm calls, {n_start} starts, "
+              f"{n_base} peer runs")
+    table.print(header, a.markdown)
+    shutil.rmtree(state, ignore_errors=True)
     return 0
 
 

@@ -13,6 +13,9 @@ use serde::Serialize;
 
 use crate::host_fs;
 
+mod changes;
+pub use changes::{ChangeTracker, Changes};
+
 pub const URI_PREFIX: &str = "ironcell://session/";
 /// Largest file served through `resources/read`.
 pub const MAX_READ_BYTES: u64 = 16 * 1024 * 1024;
@@ -153,12 +156,7 @@ impl host_fs::Visitor for Lister {
         if !host_fs::is_regular(e.stat) {
             return host_fs::Step::Descend;
         }
-        let mtime = SystemTime::UNIX_EPOCH
-            .checked_add(std::time::Duration::new(
-                e.stat.st_mtime.max(0) as u64,
-                e.stat.st_mtime_nsec.clamp(0, 999_999_999) as u32,
-            ))
-            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let mtime = mtime_of(e.stat);
         if self.since.is_some_and(|since| mtime < since) {
             return host_fs::Step::Descend;
         }
@@ -179,6 +177,16 @@ impl host_fs::Visitor for Lister {
         tracing::debug!(%path, %error, "a session directory could not be listed");
         host_fs::Step::Descend
     }
+}
+
+/// The modification time in a `stat`.
+fn mtime_of(st: &nix::sys::stat::FileStat) -> SystemTime {
+    SystemTime::UNIX_EPOCH
+        .checked_add(std::time::Duration::new(
+            st.st_mtime.max(0) as u64,
+            st.st_mtime_nsec.clamp(0, 999_999_999) as u32,
+        ))
+        .unwrap_or(SystemTime::UNIX_EPOCH)
 }
 
 fn walk_files(root: &Path, limit: usize, skip_hidden: bool, since: Option<SystemTime>) -> Listing {

@@ -38,6 +38,11 @@ const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How often idle sessions with a live worker are measured against the scratch quota (a thread
 /// the code left running keeps writing after its run returned).
 const IDLE_QUOTA_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// How often the quota watch looks for sessions due a measurement.
+const QUOTA_WATCH_TICK: Duration = Duration::from_millis(100);
+/// A session's next measurement waits at least this many times as long as its last one took, so
+/// measuring a huge tree uses at most about a tenth of one core.
+const QUOTA_WALK_SPACING: u32 = 10;
 
 /// Why a call was refused before any code ran. Shown to the model as an `isError` result.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +101,30 @@ pub struct Session {
     scratch: PathBuf,
     state: tokio::sync::Mutex<SessionState>,
     last_used: Mutex<Instant>,
+    /// The quota watch's verdict: `Some(why)` once it measured the directory over quota. Set
+    /// by the background measurement (never on a run's path), acted on by whoever holds
+    /// `state`: the running cell's loop, the next run, or the watch itself if the session idles.
+    over_quota: tokio::sync::watch::Sender<Option<String>>,
+    /// Bumped whenever the directory is emptied, so a measurement that started before cannot
+    /// condemn the fresh directory.
+    generation: AtomicU64,
+    /// When the quota watch next measures this session.
+    next_quota_check: Mutex<Instant>,
+    /// How long its last measurement took (the walk's cost grows with the files).
+    last_quota_walk: Mutex<Duration>,
+}
+
+impl Session {
+    /// Schedules a quota measurement within [`QUOTA_CHECK_EVERY`] (a run is starting), or
+    /// [`QUOTA_WALK_SPACING`] times the last walk if that is longer.
+    fn measure_soon(&self) {
+        let spacing = *lock(&self.last_quota_walk) * QUOTA_WALK_SPACING;
+        let soon = Instant::now() + QUOTA_CHECK_EVERY.max(spacing);
+        let mut next = lock(&self.next_quota_check);
+        if *next > soon {
+            *next = soon;
+        }
+    }
 }
 
 /// The session table and everything needed to give a session a worker.
@@ -118,7 +147,27 @@ pub struct SessionManager {
     /// How long the last workers took to lock themselves down, in microseconds.
     recent_lockdown_us: Mutex<Vec<u64>>,
     root: PathBuf,
+    /// Which files each run created or changed, without walking the session each time.
+    changes: Arc<crate::files::ChangeTracker>,
+    /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
+    /// and given to every worker read-only as `MPLCONFIGDIR`; `None` until built, or without
+    /// matplotlib.
+    font_cache: Mutex<Option<PathBuf>>,
 }
+
+/// The shared font cache's directory inside `sessions-<pid>` ('@' is never in a session name).
+const FONT_CACHE_DIR: &str = "@font-cache";
+/// Where the font cache is built (by a worker that runs only ironcell's own code).
+const FONT_CACHE_BUILD_DIR: &str = "@font-cache-build";
+/// Where the last built font cache is kept for the next server, inside the state dir.
+const FONT_CACHE_KEPT_DIR: &str = "font-cache";
+/// What the font-cache builder runs: import matplotlib's font manager with `MPLCONFIGDIR` set
+/// to its own directory (which holds the previous server's cache, if any: matplotlib keeps it
+/// if it is current and rebuilds it otherwise). Nothing else runs in that worker.
+const FONT_CACHE_BUILD_CODE: &str = "import importlib.util\n\
+if importlib.util.find_spec('matplotlib') is None:\n    r = 'absent'\n\
+else:\n    import matplotlib, matplotlib.font_manager\n    r = matplotlib.get_cachedir()\n\
+r";
 
 /// Session names become directory names, so only a safe alphabet is accepted.
 pub fn valid_session_name(name: &str) -> bool {
@@ -189,8 +238,14 @@ impl SessionManager {
             recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
+            changes: Arc::new(crate::files::ChangeTracker::new()),
+            font_cache: Mutex::new(None),
         });
         enforce_scratch_quotas_periodically(&manager);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let m = manager.clone();
+            runtime.spawn(async move { m.build_font_cache().await });
+        }
         Ok(manager)
     }
 
@@ -330,6 +385,10 @@ impl SessionManager {
                         pending_notice: None,
                     }),
                     last_used: Mutex::new(Instant::now()),
+                    over_quota: tokio::sync::watch::Sender::new(None),
+                    generation: AtomicU64::new(0),
+                    next_quota_check: Mutex::new(Instant::now()),
+                    last_quota_walk: Mutex::new(Duration::ZERO),
                 })
             })
             .clone()
@@ -382,7 +441,7 @@ impl SessionManager {
                 w.kill().await;
             }
             state.pending_notice = None;
-            let removal = remove_scratch(session.scratch.clone()).await;
+            let removal = self.empty_scratch(&session).await;
             notices.push(if removal.is_complete() {
                 "session reset: fresh interpreter, empty working directory".into()
             } else {
@@ -410,6 +469,7 @@ impl SessionManager {
                 }
             }
         }
+        session.measure_soon();
         let mut session_state = "kept";
         if state.worker.is_none() {
             if let Some(n) = state.pending_notice.take() {
@@ -453,7 +513,14 @@ impl SessionManager {
 
         let mut record = outcome.record;
         record.session = session.name.clone();
-        link_outputs(&mut record, &session, outcome.images, started_wall).await;
+        link_outputs(
+            &mut record,
+            &session,
+            &self.changes,
+            outcome.images,
+            started_wall,
+        )
+        .await;
         record.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
         record.session_state = if outcome.worker_lost {
             "lost"
@@ -506,10 +573,20 @@ impl SessionManager {
         if let (Some(tools), Some(fs)) = (self.local_tools.get(), sandbox.filesystem.as_mut()) {
             fs.read_only.extend(tools.read_grants_for(&session.name));
         }
+        let mut env = worker_environment(&session.name, &session.scratch);
+        let font_cache = lock(&self.font_cache).clone();
+        if let Some(dir) = font_cache.filter(|d| *d != session.scratch) {
+            if let Some(fs) = sandbox.filesystem.as_mut() {
+                fs.read_only.push(dir.clone());
+            }
+            env.push(("MPLCONFIGDIR".into(), dir.display().to_string()));
+        } else if session.name == FONT_CACHE_BUILD_DIR {
+            env.push(("MPLCONFIGDIR".into(), session.scratch.display().to_string()));
+        }
         let spec = WorkerSpec {
             session: session.name.clone(),
             scratch: session.scratch.clone(),
-            env: worker_environment(&session.name, &session.scratch),
+            env,
             sandbox,
             mcp_servers: self.proxy.server_summaries(),
             image_budget_bytes: self.settings.image_budget,
@@ -627,7 +704,7 @@ impl SessionManager {
                 w.kill().await;
             }
             let had_files = s.scratch.exists();
-            remove_scratch(s.scratch.clone()).await;
+            self.empty_scratch(&s).await;
             if had_worker || had_files {
                 st.pending_notice = Some(format!(
                     "this session expired after {} s idle (IRONCELL_SESSION_TTL); variables and files were discarded",
@@ -707,16 +784,16 @@ impl SessionManager {
 
         let deadline = tokio::time::Instant::now() + timeout;
         let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
-        let quota = self.sandbox.scratch_quota_bytes();
         // Summaries of the proxied calls this cell made; their answers go straight to the
         // worker's writer, so the loop below never waits on the worker's socket.
         let (summaries_tx, mut summaries_rx) =
             tokio::sync::mpsc::unbounded_channel::<CallSummary>();
-        let mut quota_check = tokio::time::interval(QUOTA_CHECK_EVERY);
+        // The quota is measured in the background; its verdict wakes this loop.
+        let mut quota_verdict_rx = session.over_quota.subscribe();
+        quota_verdict_rx.mark_changed();
         let cell_started = tokio::time::Instant::now();
         let mut progress_tick =
             tokio::time::interval_at(cell_started + PROGRESS_EVERY, PROGRESS_EVERY);
-        quota_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         while let Some(worker) = state.worker.as_mut() {
             let wake_at = stopping.map(|(_, kill_at)| kill_at).unwrap_or(deadline);
             let event = tokio::select! {
@@ -724,7 +801,7 @@ impl SessionManager {
                 _ = tokio::time::sleep_until(wake_at) => CellEvent::Wake,
                 Some(call) = summaries_rx.recv() => CellEvent::Call(call),
                 _ = progress_tick.tick(), if progress.is_some() => CellEvent::Progress,
-                _ = quota_check.tick() => CellEvent::QuotaCheck,
+                Ok(()) = quota_verdict_rx.changed() => CellEvent::QuotaCheck,
                 _ = cancel.cancelled(), if stopping.is_none() => CellEvent::Cancel,
             };
             match event {
@@ -932,12 +1009,11 @@ impl SessionManager {
                     }
                 }
                 CellEvent::QuotaCheck => {
-                    if let Some(over) =
-                        quota_verdict(scratch_usage(session.scratch.clone(), quota).await, quota)
-                    {
+                    let verdict = quota_verdict_rx.borrow_and_update().clone();
+                    if let Some(over) = verdict {
                         let Some(w) = state.worker.take() else { break };
                         w.kill().await;
-                        let removal = remove_scratch(session.scratch.clone()).await;
+                        let removal = self.empty_scratch(session).await;
                         let why = format!("killed: {over}; {}", removal_outcome(&removal));
                         return CellOutcome::lost(
                             stdout,
@@ -1151,6 +1227,7 @@ fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
 async fn link_outputs(
     record: &mut RunRecord,
     session: &Session,
+    changes: &Arc<crate::files::ChangeTracker>,
     images: Vec<crate::frame::CellImage>,
     since: std::time::SystemTime,
 ) {
@@ -1181,11 +1258,20 @@ async fn link_outputs(
     }
     let shown: std::collections::HashSet<String> =
         record.images.iter().map(|i| i.path.clone()).collect();
-    let (dir, name) = (session.scratch.clone(), session.name.clone());
-    let (files, incomplete) =
-        tokio::task::spawn_blocking(move || crate::files::changed_since(&dir, &name, since, 50))
-            .await
-            .unwrap_or_else(|e| (Vec::new(), Some(format!("the listing failed: {e}"))));
+    let (dir, name, changes) = (
+        session.scratch.clone(),
+        session.name.clone(),
+        changes.clone(),
+    );
+    let listed = tokio::task::spawn_blocking(move || changes.changed(&name, &dir, since, 50))
+        .await
+        .unwrap_or_else(|e| crate::files::Changes {
+            files: Vec::new(),
+            incomplete: Some(format!("the listing failed: {e}")),
+            method: "none",
+        });
+    tracing::debug!(session = %session.name, method = listed.method, "listed the run's files");
+    let (files, incomplete) = (listed.files, listed.incomplete);
     if let Some(why) = incomplete {
         record.notices.push(format!(
             "the list of changed files may be incomplete: {why}"
@@ -1254,58 +1340,250 @@ async fn remove_scratch(dir: PathBuf) -> host_fs::Removal {
     removal
 }
 
-/// Measures idle sessions with a live worker every [`IDLE_QUOTA_CHECK_EVERY`], for as long as
-/// the manager exists (runs only inside a tokio runtime).
+/// Runs the quota watch (and drains the change tracker's queue) for as long as the manager
+/// exists (only inside a tokio runtime).
 fn enforce_scratch_quotas_periodically(manager: &Arc<SessionManager>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let weak = Arc::downgrade(manager);
     runtime.spawn(async move {
-        let mut tick = tokio::time::interval(IDLE_QUOTA_CHECK_EVERY);
+        let mut tick = tokio::time::interval(QUOTA_WATCH_TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
             let Some(manager) = weak.upgrade() else { break };
+            manager.changes.drain();
             manager.enforce_scratch_quotas().await;
         }
     });
 }
 
 impl SessionManager {
-    /// Checks every idle session with a live worker against the scratch quota (a running cell
-    /// checks its own).
+    /// The quota watch: measures every session with a live worker that is due (a running one
+    /// every [`QUOTA_CHECK_EVERY`], an idle one every [`IDLE_QUOTA_CHECK_EVERY`], never sooner
+    /// than [`QUOTA_WALK_SPACING`] times its last walk), off the async runtime and off every
+    /// run's path. A directory over quota gets its verdict; an idle session is then stopped
+    /// here, a running one by its cell loop, which the verdict wakes.
     pub async fn enforce_scratch_quotas(&self) {
+        let quota = self.sandbox.scratch_quota_bytes();
         let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
         for s in sessions {
-            let Ok(mut state) = s.state.try_lock() else {
+            let busy = match s.state.try_lock() {
+                Ok(st) if st.worker.is_none() => continue, // nothing writes to it
+                Ok(_) => false,
+                Err(_) => true, // a run holds it, so it has a worker
+            };
+            if *lock(&s.next_quota_check) > Instant::now() {
+                continue;
+            }
+            let generation = s.generation.load(Ordering::SeqCst);
+            let started = Instant::now();
+            let usage = scratch_usage(s.scratch.clone(), quota).await;
+            let every = if busy {
+                QUOTA_CHECK_EVERY
+            } else {
+                IDLE_QUOTA_CHECK_EVERY
+            };
+            let took = started.elapsed();
+            *lock(&s.last_quota_walk) = took;
+            *lock(&s.next_quota_check) = Instant::now() + every.max(took * QUOTA_WALK_SPACING);
+            let Some(over) = quota_verdict(usage, quota) else {
                 continue;
             };
-            self.enforce_quota_while_idle(&s, &mut state).await;
+            // Emptied while it was measured: the new directory is measured next time. (The
+            // check runs under the verdict's lock, which emptying takes to bump the generation.)
+            let published = s.over_quota.send_if_modified(|v| {
+                let current = s.generation.load(Ordering::SeqCst) == generation;
+                if current {
+                    *v = Some(over);
+                }
+                current
+            });
+            if !published {
+                continue;
+            }
+            if let Ok(mut state) = s.state.try_lock() {
+                self.enforce_quota_while_idle(&s, &mut state).await;
+            }
         }
     }
 
-    /// Kills the worker of a session between runs if its directory is over quota, removes the
-    /// files, and leaves the reason for the session's next run.
+    /// Acts on the quota watch's verdict between runs: kills the session's worker, removes the
+    /// files, and leaves the reason for the session's next run. Cheap when there is none.
     async fn enforce_quota_while_idle(&self, session: &Session, state: &mut SessionState) {
-        if state.worker.is_none() {
-            return; // nothing writes to it
-        }
-        let quota = self.sandbox.scratch_quota_bytes();
-        let Some(over) = quota_verdict(scratch_usage(session.scratch.clone(), quota).await, quota)
-        else {
+        let Some(over) = session.over_quota.borrow().clone() else {
             return;
         };
         if let Some(w) = state.worker.take() {
             w.kill().await; // returns its session slot
         }
-        let removal = remove_scratch(session.scratch.clone()).await;
+        let removal = self.empty_scratch(session).await;
         tracing::warn!(session = %session.name, "worker killed between runs: {over}");
         state.pending_notice = Some(format!(
             "this session's worker was killed between runs: {over} (code left running after a run kept writing); variables and imports were lost, {}",
             removal_outcome(&removal)
         ));
     }
+
+    /// Removes everything in a session's directory; a quota verdict about the old contents
+    /// and the change tracker's watches go with it.
+    async fn empty_scratch(&self, session: &Session) -> host_fs::Removal {
+        let clear = |v: &mut Option<String>| {
+            session.generation.fetch_add(1, Ordering::SeqCst);
+            *v = None;
+        };
+        session.over_quota.send_modify(clear);
+        self.changes.forget(&session.name);
+        let removal = remove_scratch(session.scratch.clone()).await;
+        session.over_quota.send_modify(clear);
+        removal
+    }
+}
+
+impl SessionManager {
+    /// Builds matplotlib's font cache once for this server, so a new session's first plot does
+    /// not spend a second rebuilding it in its own HOME. A worker (sandboxed like any other, but
+    /// running only [`FONT_CACHE_BUILD_CODE`]) builds it in a directory of its own, seeded with
+    /// the previous server's cache; the host then moves the `fontlist-*.json` files it finds
+    /// (regular files only, no symlinks) into `sessions-<pid>/@font-cache`, which every later
+    /// worker reads as `MPLCONFIGDIR` (read-only by Landlock), and keeps a copy in the state dir.
+    /// Without matplotlib, or if anything fails, workers simply keep their own caches.
+    async fn build_font_cache(self: &Arc<Self>) {
+        let build = self.root.join(FONT_CACHE_BUILD_DIR);
+        let kept = self.state_dir().join(FONT_CACHE_KEPT_DIR);
+        let seeded = {
+            let (build, kept) = (build.clone(), kept.clone());
+            tokio::task::spawn_blocking(move || {
+                std::fs::create_dir_all(&build)?;
+                set_private(&build);
+                for (name, data) in font_cache_files(&kept) {
+                    std::fs::write(build.join(name), data)?;
+                }
+                std::io::Result::Ok(())
+            })
+            .await
+        };
+        if !matches!(seeded, Ok(Ok(()))) {
+            tracing::debug!("cannot prepare the font cache build: {seeded:?}");
+            return;
+        }
+        // A slot of its own: the builder never takes a session's place under the cap (it is one
+        // worker more for about a second, once per server).
+        let Ok(slot) = Arc::new(Semaphore::new(1)).try_acquire_owned() else {
+            return;
+        };
+        let session = Session {
+            name: FONT_CACHE_BUILD_DIR.into(),
+            scratch: build.clone(),
+            state: tokio::sync::Mutex::new(SessionState {
+                worker: None,
+                pending_notice: None,
+            }),
+            last_used: Mutex::new(Instant::now()),
+            over_quota: tokio::sync::watch::Sender::new(None),
+            generation: AtomicU64::new(0),
+            next_quota_check: Mutex::new(Instant::now()),
+            last_quota_walk: Mutex::new(Duration::ZERO),
+        };
+        let worker = match self.spawn_worker_in_slot(&session, slot).await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::debug!("no font cache: {e}");
+                return;
+            }
+        };
+        let mut state = session.state.lock().await;
+        state.worker = Some(worker);
+        let started = Instant::now();
+        let outcome = self
+            .drive_cell(
+                &session,
+                &mut state,
+                Cell {
+                    run_no: 0,
+                    code: FONT_CACHE_BUILD_CODE,
+                    timeout: Duration::from_secs(120),
+                    cancel: CancellationToken::new(),
+                    progress: None,
+                },
+            )
+            .await;
+        if let Some(w) = state.worker.take() {
+            w.kill().await;
+        }
+        let result = outcome.record.result.unwrap_or_default();
+        let published = if outcome.record.status != RunStatus::Ok || result.contains("absent") {
+            tracing::debug!(%result, status = ?outcome.record.status, "no shared font cache");
+            None
+        } else {
+            let (root, build) = (self.root.clone(), build.clone());
+            tokio::task::spawn_blocking(move || publish_font_cache(&root, &build, &kept))
+                .await
+                .ok()
+                .flatten()
+        };
+        remove_scratch(build).await;
+        if let Some(dir) = published {
+            tracing::info!(
+                dir = %dir.display(),
+                ms = started.elapsed().as_millis() as u64,
+                "matplotlib's font cache is shared by new sessions"
+            );
+            *lock(&self.font_cache) = Some(dir);
+        }
+    }
+}
+
+/// The `fontlist-*.json` regular files directly in `dir` (no symlinks), with their contents.
+fn font_cache_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let Ok(fd) = host_fs::open_session_dir(dir) else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if !(name.starts_with("fontlist-") && name.ends_with(".json")) {
+            continue;
+        }
+        if let Ok(data) = host_fs::read_regular_file(fd.as_fd(), Path::new(&name), 64 << 20) {
+            out.push((name, data));
+        }
+    }
+    out
+}
+
+/// Copies the font cache the builder made into `root/@font-cache` (and the state dir, for the
+/// next server); returns the shared directory if it holds a font list.
+fn publish_font_cache(root: &Path, build: &Path, kept: &Path) -> Option<PathBuf> {
+    let files = font_cache_files(build);
+    if files.is_empty() {
+        return None;
+    }
+    let shared = root.join(FONT_CACHE_DIR);
+    let staging = root.join(format!("{FONT_CACHE_DIR}.new"));
+    let _ = host_fs::remove_tree(&staging);
+    std::fs::create_dir(&staging).ok()?;
+    set_private(&staging);
+    for (name, data) in &files {
+        std::fs::write(staging.join(name), data).ok()?;
+    }
+    std::fs::rename(&staging, &shared).ok()?;
+    if std::fs::create_dir_all(kept).is_ok() {
+        set_private(kept);
+        for (name, data) in &files {
+            let tmp = kept.join(format!(".{name}.{}", std::process::id()));
+            if std::fs::write(&tmp, data).is_ok() {
+                let _ = std::fs::rename(&tmp, kept.join(name));
+            }
+        }
+    }
+    Some(shared)
 }
 
 /// Removes `sessions-<pid>` directories left by ironcell servers that died without cleaning

@@ -200,10 +200,13 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
             tracing::debug!(module = name, error = %e, "warm import skipped");
         }
     }
-    // Caches the runner knows how to build once for every session (e.g. matplotlib's fonts).
-    if runner.hasattr("zygote_warm_up").unwrap_or(false) {
-        if let Err(e) = runner.call_method0("zygote_warm_up") {
-            tracing::warn!(error = %e, "zygote warm-up step failed");
+    // With matplotlib preloaded, also build its font list here (and select Agg), so a new
+    // session's first plot costs what a warm one does. Not by default: it makes the zygote, and
+    // so every fork, larger.
+    if preload.iter().any(|m| m.trim().starts_with("matplotlib")) {
+        match runner.call_method0("zygote_warm_up") {
+            Ok(done) => tracing::info!(result = %done, "zygote warm-up"),
+            Err(e) => tracing::warn!(error = %e, "zygote warm-up step failed"),
         }
     }
     // Move everything imported so far into the permanent generation: a forked worker's garbage
