@@ -86,6 +86,8 @@ class Table:
             print("|---|---|---|")
             for n, v, p in self.rows:
                 print(f"| {n} | {v} | {p} |")
+            if not self.targets:
+                return
             print("\n| target (issue 12) | target | measured | |")
             print("|---|---|---|---|")
             for w, t, m, ok in self.targets:
@@ -95,6 +97,8 @@ class Table:
         print(f"\n  {'measurement':<{w}}  {'ironcell (median / p99)':>26}   peers, same run")
         for n, v, p in self.rows:
             print(f"  {n:<{w}}  {v:>26}   {p}")
+        if not self.targets:
+            return
         w = max(len(t[0]) for t in self.targets)
         print(f"\n  {'target (issue 12)':<{w}}  {'target':>18}  {'measured':>18}")
         for what, t, m, ok in self.targets:
@@ -438,13 +442,68 @@ def python_flag_supported(binary: str) -> bool:
     return "--python" in r.stdout
 
 
+def interpreters_on_this_machine() -> list[str]:
+    """pyenv's newest 3.9-3.13 builds (where readable) and the system's python3.11/python3."""
+    found = []
+    versions = Path.home() / ".pyenv" / "versions"
+    for minor in range(9, 14):
+        try:
+            builds = sorted(versions.glob(f"3.{minor}.*"),
+                            key=lambda p: [int(x) for x in p.name.split(".") if x.isdigit()])
+        except OSError:
+            builds = []
+        if builds and os.access(builds[-1] / "bin" / "python3", os.X_OK):
+            found.append(str(builds[-1] / "bin" / "python3"))
+    for system in ("/usr/bin/python3.11", "/usr/bin/python3.13", "/usr/bin/python3"):
+        if os.access(system, os.X_OK) and not any(os.path.realpath(system) == os.path.realpath(f) for f in found):
+            found.append(system)
+    return found
+
+
+def per_python(binary: str, pythons: list[str], quick: bool, markdown: bool) -> int:
+    """Issue 9's benchmark: cold start, new session and warm call per interpreter version, with
+    that interpreter's own `python3 -c` as the peer."""
+    n_start, n_new, n_warm, n_base = (3, 10, 100, 10) if quick else (10, 50, 500, 30)
+    table = Table()
+    for py in pythons:
+        state = tempfile.mkdtemp(prefix="ironcell-bench-")
+        env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "MCP_BRIDGE_STATE_DIR": state,
+               "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_PYTHON": py}
+        starts = []
+        for _ in range(n_start):
+            t = time.perf_counter()
+            c = Client(binary, env)
+            c.initialize()
+            c.run("1")
+            starts.append((time.perf_counter() - t) * 1000)
+            c.close()
+        c = Client(binary, env)
+        c.initialize()
+        c.run("x = 0")
+        version = ((c.info().get("python") or {}).get("version") or "?").split()[0]
+        single, _ = new_sessions(c, n_new, "s")
+        warm = [timed(lambda: c.run("x += 1")) for _ in range(n_warm)]
+        c.close()
+        shutil.rmtree(state, ignore_errors=True)
+        base = proc_ms([py, "-c", "print(1)"], n_base)
+        table.row(f"{version} cold start -> first result", ms(starts), "")
+        table.row(f"{version} new session -> first result", ms(single), f"python3 -c {ms(base)} {ratio(single, base)}")
+        table.row(f"{version} warm round trip", ms(warm), "")
+    table.print(f"ironcell per interpreter ({binary})", markdown)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "ironcell"))
     ap.add_argument("--python", help="the interpreter the sessions run on (ironcell --python / IRONCELL_PYTHON)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--per-python", action="store_true",
+                    help="only cold start, new session and warm call, once per interpreter on this machine")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for the README)")
     a = ap.parse_args()
+    if a.per_python:
+        return per_python(a.binary, [a.python] if a.python else interpreters_on_this_machine(), a.quick, a.markdown)
     q = a.quick
     n_new, n_warm, n_start, n_base, n_files, n_plot, burst_rounds = \
         (10, 100, 3, 10, 40, 2, 1) if q else (50, 1000, 10, 30, 200, 5, 3)

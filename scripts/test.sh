@@ -12,12 +12,15 @@ if [[ ! -x "$H/venv/bin/python" ]] || ! "$H/venv/bin/python" -c 'import mcp, pyt
   bash scripts/install_test_peers.sh "$H"
   "$H/venv/bin/pip" install -q 'pytest==9.2.0'
 fi
+echo "== ruff (the Python in python/, scripts/, tests/)"
+if [[ ! -x "$H/venv/bin/ruff" ]]; then "$H/venv/bin/pip" install -q 'ruff==0.14.6'; fi
+"$H/venv/bin/ruff" check python scripts tests
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
-cargo clippy --release --all-targets -- -D warnings
+cargo clippy --release --workspace --all-targets -- -D warnings
 echo "== cargo test"
-cargo test --release
+cargo test --release --workspace --exclude ironcell-python
 echo "== end-to-end (real binary, official MCP SDK)"
 cargo build --release
 export IRONCELL_BIN=$PWD/target/release/ironcell

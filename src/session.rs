@@ -153,6 +153,9 @@ pub struct SessionManager {
     /// and given to every worker read-only as `MPLCONFIGDIR`; `None` until built, or without
     /// matplotlib.
     font_cache: Mutex<Option<PathBuf>>,
+    /// Whether the font-cache builder's worker is alive (it holds no session slot, but it is a
+    /// live worker all the same, and `system://info` counts it).
+    font_cache_building: std::sync::atomic::AtomicBool,
 }
 
 /// The shared font cache's directory inside `sessions-<pid>` ('@' is never in a session name).
@@ -240,6 +243,7 @@ impl SessionManager {
             root,
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
+            font_cache_building: std::sync::atomic::AtomicBool::new(false),
         });
         enforce_scratch_quotas_periodically(&manager);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -283,7 +287,9 @@ impl SessionManager {
 
     /// How many workers are alive (for tests and `system://info`).
     pub fn live_worker_count(&self) -> usize {
+        let builder = self.font_cache_building.load(Ordering::SeqCst) as usize;
         (self.settings.max_sessions as usize).saturating_sub(self.session_slots.available_permits())
+            + builder
     }
 
     /// Median lockdown time of the most recent workers, in milliseconds.
@@ -1486,9 +1492,11 @@ impl SessionManager {
             next_quota_check: Mutex::new(Instant::now()),
             last_quota_walk: Mutex::new(Duration::ZERO),
         };
+        self.font_cache_building.store(true, Ordering::SeqCst);
         let worker = match self.spawn_worker_in_slot(&session, slot).await {
             Ok(w) => w,
             Err(e) => {
+                self.font_cache_building.store(false, Ordering::SeqCst);
                 tracing::debug!("no font cache: {e}");
                 return;
             }
@@ -1512,6 +1520,7 @@ impl SessionManager {
         if let Some(w) = state.worker.take() {
             w.kill().await;
         }
+        self.font_cache_building.store(false, Ordering::SeqCst);
         let result = outcome.record.result.unwrap_or_default();
         let published = if outcome.record.status != RunStatus::Ok || result.contains("absent") {
             tracing::debug!(%result, status = ?outcome.record.status, "no shared font cache");

@@ -1167,7 +1167,7 @@ def _load_tools(spec):
     """Imports every tools file once per generation; a broken one is recorded, not fatal."""
     if _registry["generation"] == spec.get("generation"):
         return
-    import importlib.util
+    import importlib.util  # noqa: F401 - kept for the loaders below
 
     sys.dont_write_bytecode = True
     _registry.update(generation=spec.get("generation"), tools={}, errors=[])
@@ -1194,7 +1194,7 @@ class _ImportTimeout(Exception):
 
 def _load_file(i, path, origin):
     """Imports one tools file (at most IMPORT_SECONDS) and registers its `@tool` functions."""
-    import importlib.util
+    import importlib.util  # noqa: F401 - kept for the loaders below
     import signal
 
     folder = os.path.dirname(path)

@@ -13,7 +13,6 @@ servers, un-awaited coroutines, images, the bridge's environment variables and m
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile

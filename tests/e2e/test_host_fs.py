@@ -10,7 +10,6 @@ SECURITY.md's catalogue numbers (44, 45, 50, 53).
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from conftest import REPO, RawServer, Run, _field, run, server_env, shared_tmp_dir, wait_until, IRONCELL
+from conftest import REPO, RawServer, _field, run, server_env, shared_tmp_dir, IRONCELL
 
 pytestmark = pytest.mark.anyio
 

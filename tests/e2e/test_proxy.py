@@ -7,14 +7,13 @@ servers/test_server.py (official Python SDK) for crashes, hangs, secrets and big
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import HARNESS, Run, connect, run
+from conftest import HARNESS, connect, run
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,6 @@ import os
 import pwd
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -427,7 +426,7 @@ def test_37_the_hosts_token_is_not_in_the_workers_memory(box_with_secret):
         "libc = ctypes.CDLL(None)\n"
         "libc.getauxval.restype = ctypes.c_ulong\n"
         "top = libc.getauxval(31)\n"                     # AT_EXECFN, near the top of the stack
-        "stack = ctypes.string_at(top - 12000, 12000 + 32)\n"
+        "stack = ctypes.string_at(top - 12000, 12000 + len(ctypes.string_at(top)))\n"
         "environ = ctypes.c_char_p.in_dll(libc, 'environ')\n"
         f"needle = {TOKEN[:12]!r}.encode() + {TOKEN[12:]!r}.encode()\n"
         "heap_hits = sum(1 for o in gc.get_objects() if isinstance(o, str) and needle.decode() in o and o is not needle)\n"

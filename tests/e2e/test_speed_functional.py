@@ -15,7 +15,6 @@ Run as root and as the unprivileged user `nobody`, like the sandbox suite.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AS_NOBODY, HARNESS, IRONCELL, RawServer, server_env, shared_tmp_dir
+from conftest import HARNESS, IRONCELL, RawServer, server_env, shared_tmp_dir
 
 PYENV = Path("/root/.pyenv/versions")
 
@@ -56,7 +56,7 @@ def _info(srv: RawServer) -> dict:
     return json.loads(r["result"]["contents"][0]["text"])
 
 
-@pytest.mark.parametrize("python", _interpreters())
+@pytest.mark.parametrize("python", list(_interpreters()))
 def test_core_cases_run_in_each_interpreter(python, state_dir):
     if python is None or not python.exists():
         pytest.skip("this interpreter is not installed on this machine")
@@ -108,7 +108,7 @@ def venv_with_package():
 
 
 def test_a_venvs_packages_are_importable_and_absent_without_it(venv_with_package, state_dir):
-    code = "import sys\ntry:\n    import tabulate; r = (tabulate.__name__, sys.prefix)\nexcept ImportError: r = None\nr"
+    code = "import sys\ntry:\n    import tabulate; r = (tabulate.__name__, sys.prefix)\nexcept ImportError: r = 'absent'\nr"
     srv = RawServer(state_dir, IRONCELL_PYTHON=str(venv_with_package))
     try:
         srv.initialize()
@@ -121,7 +121,7 @@ def test_a_venvs_packages_are_importable_and_absent_without_it(venv_with_package
     srv = RawServer(state_dir)
     try:
         srv.initialize()
-        assert _result(srv.call(code)) == "None", "without --python the venv's packages are not there"
+        assert _result(srv.call(code)) == "'absent'", "without --python the venv's packages are not there"
     finally:
         srv.close()
     # VIRTUAL_ENV (an activated venv) chooses it too.
@@ -146,8 +146,12 @@ def conda_like_prefix():
     (prefix / "bin" / "python3").symlink_to("python3.11")
     shutil.copytree("/usr/lib/python3.11", prefix / "lib" / "python3.11", symlinks=True,
                     ignore=shutil.ignore_patterns("test", "__pycache__", "idlelib", "tkinter", "dist-packages"))
-    site = prefix / "lib" / "python3.11" / "site-packages"
-    site.mkdir(exist_ok=True)
+    # Where this interpreter looks for packages (Debian's site.py says dist-packages).
+    found = subprocess.run([str(prefix / "bin" / "python3"), "-I", "-c", "import site; print(site.getsitepackages()[0])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    site = Path(found)
+    assert site.is_relative_to(prefix), site
+    site.mkdir(parents=True, exist_ok=True)
     (site / "ann_pkg.py").write_text("VALUE = 'from the env'\n")
     (home / ".ssh").mkdir()
     (home / ".ssh" / "id_ed25519").write_text("PRIVATE KEY\n")
@@ -158,6 +162,7 @@ def conda_like_prefix():
 
 ATTACKS = r"""
 import os, sys
+import ann_pkg
 prefix = sys.prefix
 home = os.path.dirname(os.path.dirname(os.path.dirname(prefix)))
 out = {}
@@ -168,13 +173,12 @@ def attempt(name, fn):
         out[name] = "denied"
     except OSError as e:
         out[name] = type(e).__name__
-attempt("write_site_packages", lambda: open(os.path.join(prefix, "lib/python3.11/site-packages/evil.py"), "w").write("x"))
+attempt("write_site_packages", lambda: open(os.path.join(os.path.dirname(ann_pkg.__file__), "evil.py"), "w").write("x"))
 attempt("write_stdlib", lambda: open(os.path.join(prefix, "lib/python3.11/os.py"), "a").write("x"))
 attempt("read_home_key", lambda: open(os.path.join(home, ".ssh/id_ed25519")).read())
 attempt("list_home", lambda: os.listdir(home))
 attempt("read_prefix_bin", lambda: open(os.path.join(prefix, "bin/python3.11"), "rb").read(4))
 attempt("read_etc", lambda: open("/etc/hostname").read())
-import ann_pkg
 out["pkg"] = ann_pkg.VALUE
 out["prefix"] = prefix
 out
@@ -196,7 +200,7 @@ def test_the_sandbox_holds_with_a_conda_like_prefix_under_a_home(conda_like_pref
             assert _info(srv)["python"]["chosen_by"] == "CONDA_PREFIX"
         finally:
             srv.close()
-        assert not (conda_like_prefix / "lib/python3.11/site-packages/evil.py").exists()
+        assert not list(conda_like_prefix.rglob("evil.py"))
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
