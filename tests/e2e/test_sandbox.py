@@ -559,7 +559,9 @@ def test_43_two_hundred_concurrent_calls_are_bounded_and_cancel_cleanly(state_di
         info = srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"]
         return json.loads(info)["sessions"]["live_workers"]
 
-    assert live_workers() <= 4
+    # Four session slots; at a server's start the font-cache builder may be one worker more
+    # (it holds no session slot and lives about a second).
+    assert live_workers() <= 4 + 1
     # The interrupted runs end on their own schedule; until they have, a new session may still
     # be refused as busy. Any other answer, or no recovery at all, is a failure.
     deadline = time.monotonic() + 120
