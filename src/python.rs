@@ -102,17 +102,6 @@ pub enum PythonError {
     Launcher { path: PathBuf, reason: String },
 }
 
-impl PythonError {
-    /// Where the choice came from, when the error is about a chosen path.
-    pub fn source(&self) -> Option<Source> {
-        match self {
-            PythonError::Missing { source_, .. }
-            | PythonError::NotAnEnvironment { source_, .. } => Some(*source_),
-            _ => None,
-        }
-    }
-}
-
 /// Where the choice comes from: the setting and the process environment.
 pub trait Lookup {
     fn setting(&self) -> Option<PathBuf>;

@@ -115,6 +115,25 @@ pub struct Session {
 }
 
 impl Session {
+    /// A session with no worker yet, its scratch directory at `scratch`.
+    fn new(name: String, scratch: PathBuf) -> Session {
+        Session {
+            name,
+            scratch,
+            state: tokio::sync::Mutex::new(SessionState {
+                worker: None,
+                pending_notice: None,
+            }),
+            last_used: Mutex::new(Instant::now()),
+            over_quota: tokio::sync::watch::Sender::new(None),
+            generation: AtomicU64::new(0),
+            next_quota_check: Mutex::new(Instant::now()),
+            last_quota_walk: Mutex::new(Duration::ZERO),
+        }
+    }
+}
+
+impl Session {
     /// Schedules a quota measurement within [`QUOTA_CHECK_EVERY`] (a run is starting), or
     /// [`QUOTA_WALK_SPACING`] times the last walk if that is longer.
     fn measure_soon(&self) {
@@ -382,21 +401,7 @@ impl SessionManager {
         let mut table = lock(&self.sessions);
         table
             .entry(name.to_string())
-            .or_insert_with(|| {
-                Arc::new(Session {
-                    name: name.to_string(),
-                    scratch: self.root.join(name),
-                    state: tokio::sync::Mutex::new(SessionState {
-                        worker: None,
-                        pending_notice: None,
-                    }),
-                    last_used: Mutex::new(Instant::now()),
-                    over_quota: tokio::sync::watch::Sender::new(None),
-                    generation: AtomicU64::new(0),
-                    next_quota_check: Mutex::new(Instant::now()),
-                    last_quota_walk: Mutex::new(Duration::ZERO),
-                })
-            })
+            .or_insert_with(|| Arc::new(Session::new(name.to_string(), self.root.join(name))))
             .clone()
     }
 
@@ -1479,19 +1484,7 @@ impl SessionManager {
         let Ok(slot) = Arc::new(Semaphore::new(1)).try_acquire_owned() else {
             return;
         };
-        let session = Session {
-            name: FONT_CACHE_BUILD_DIR.into(),
-            scratch: build.clone(),
-            state: tokio::sync::Mutex::new(SessionState {
-                worker: None,
-                pending_notice: None,
-            }),
-            last_used: Mutex::new(Instant::now()),
-            over_quota: tokio::sync::watch::Sender::new(None),
-            generation: AtomicU64::new(0),
-            next_quota_check: Mutex::new(Instant::now()),
-            last_quota_walk: Mutex::new(Duration::ZERO),
-        };
+        let session = Session::new(FONT_CACHE_BUILD_DIR.into(), build.clone());
         self.font_cache_building.store(true, Ordering::SeqCst);
         let worker = match self.spawn_worker_in_slot(&session, slot).await {
             Ok(w) => w,

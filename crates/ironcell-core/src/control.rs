@@ -107,23 +107,6 @@ impl fmt::Display for ExitInfo {
     }
 }
 
-/// The environment the zygote is exec'd with: nothing from the host but these fixed values.
-pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
-    vec![
-        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        ("LANG", "C.UTF-8"),
-        ("LC_ALL", "C.UTF-8"),
-        ("PYTHONDONTWRITEBYTECODE", "1"),
-        ("PYTHONNOUSERSITE", "1"),
-        ("PYTHONIOENCODING", "utf-8"),
-        // Must be set before numpy/OpenBLAS load: the zygote forks, so it must stay 1 thread.
-        ("OPENBLAS_NUM_THREADS", "1"),
-        ("OMP_NUM_THREADS", "1"),
-        ("MKL_NUM_THREADS", "1"),
-        ("MPLBACKEND", "Agg"),
-    ]
-}
-
 // ---------------------------------------------------------------------------------------------
 // Sending and receiving (both sides)
 // ---------------------------------------------------------------------------------------------
