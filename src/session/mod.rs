@@ -1,0 +1,655 @@
+//! Sessions: the table of named sessions, each with at most one live worker, and the run loop
+//! that feeds a cell to a worker and turns what comes back into a [`RunRecord`].
+//!
+//! The host enforces what a worker cannot enforce on itself: the wall-clock timeout (SIGINT
+//! first, so the session survives; SIGKILL after a grace period), cancellation, the output cap,
+//! the cap on live sessions, and the idle TTL. A worker that dies for any reason is reported
+//! once, in the result of the run it died in or, if it died between runs, in the next one.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::lock;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use nix::sys::signal::Signal;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::frame::{self, CellStatus, FromWorker, PyErrorInfo, ToWorker, Violation, WorkerFrame};
+use crate::host_fs::{self, Usage};
+use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
+use crate::proxy::{CallSummary, Proxy};
+use crate::sandbox::Sandbox;
+use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
+use std::os::fd::AsFd;
+
+mod cell;
+mod font_cache;
+mod live;
+mod quota;
+mod spawn;
+use cell::{Cell, link_outputs};
+use font_cache::FONT_CACHE_BUILD_DIR;
+use live::{LiveWorker, Liveness, Outgoing, SendError};
+use quota::{enforce_scratch_quotas_periodically, remove_scratch};
+
+/// How long a new worker may take to report `ready`.
+const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often a running cell's scratch dir is measured against the quota.
+const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
+/// How often idle sessions with a live worker are measured against the scratch quota (a thread
+/// the code left running keeps writing after its run returned).
+const IDLE_QUOTA_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// How often the quota watch looks for sessions due a measurement.
+const QUOTA_WATCH_TICK: Duration = Duration::from_millis(100);
+/// A session's next measurement waits at least this many times as long as its last one took, so
+/// measuring a huge tree uses at most about a tenth of one core.
+const QUOTA_WALK_SPACING: u32 = 10;
+
+/// Why a call was refused before any code ran. Shown to the model as an `isError` result.
+#[derive(Debug, thiserror::Error)]
+pub enum RunRefusal {
+    #[error("invalid session name {0:?}: use 1-64 letters, digits, '-', '_' or '.'")]
+    InvalidSession(String),
+    #[error(
+        "code is {size} bytes; the limit is {limit} bytes (IRONCELL_MAX_CODE). Split it, or write data to a file in an earlier run"
+    )]
+    CodeTooLarge { size: usize, limit: u64 },
+    #[error(
+        "all {0} sessions are busy running code; wait for one to finish, or reuse a session name"
+    )]
+    Busy(u32),
+    #[error("could not start a Python worker: {0}")]
+    WorkerStart(String),
+    #[error("{0}")]
+    SandboxUnavailable(String),
+}
+
+/// What a running cell has done so far: sent as progress notifications and shown by job polls.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Progress {
+    pub elapsed_s: f64,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    /// The newest lines of output.
+    pub recent_output: String,
+}
+
+/// How often a running cell reports progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// One `run_python` call, validated by the server.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    pub code: String,
+    pub session: String,
+    pub timeout: Option<Duration>,
+    pub reset: bool,
+    /// Proxied servers to start before the code runs (they start on first use anyway).
+    pub servers: Vec<String>,
+    /// Where to report progress while the cell runs, if anyone listens.
+    pub progress: Option<tokio::sync::watch::Sender<Progress>>,
+}
+
+struct SessionState {
+    worker: Option<LiveWorker>,
+    /// Told to the model in the next run of this session (why its state was lost).
+    pending_notice: Option<String>,
+}
+
+/// A named session: a scratch directory and at most one worker process.
+pub struct Session {
+    name: String,
+    scratch: PathBuf,
+    state: tokio::sync::Mutex<SessionState>,
+    last_used: Mutex<Instant>,
+    /// The quota watch's verdict: `Some(why)` once it measured the directory over quota. Set
+    /// by the background measurement (never on a run's path), acted on by whoever holds
+    /// `state`: the running cell's loop, the next run, or the watch itself if the session idles.
+    over_quota: tokio::sync::watch::Sender<Option<String>>,
+    /// Bumped whenever the directory is emptied, so a measurement that started before cannot
+    /// condemn the fresh directory.
+    generation: AtomicU64,
+    /// When the quota watch next measures this session.
+    next_quota_check: Mutex<Instant>,
+    /// How long its last measurement took (the walk's cost grows with the files).
+    last_quota_walk: Mutex<Duration>,
+}
+
+impl Session {
+    /// A session with no worker yet, its scratch directory at `scratch`.
+    fn new(name: String, scratch: PathBuf) -> Session {
+        Session {
+            name,
+            scratch,
+            state: tokio::sync::Mutex::new(SessionState {
+                worker: None,
+                pending_notice: None,
+            }),
+            last_used: Mutex::new(Instant::now()),
+            over_quota: tokio::sync::watch::Sender::new(None),
+            generation: AtomicU64::new(0),
+            next_quota_check: Mutex::new(Instant::now()),
+            last_quota_walk: Mutex::new(Duration::ZERO),
+        }
+    }
+}
+
+impl Session {
+    /// Schedules a quota measurement within [`QUOTA_CHECK_EVERY`] (a run is starting), or
+    /// [`QUOTA_WALK_SPACING`] times the last walk if that is longer.
+    fn measure_soon(&self) {
+        let spacing = *lock(&self.last_quota_walk) * QUOTA_WALK_SPACING;
+        let soon = Instant::now() + QUOTA_CHECK_EVERY.max(spacing);
+        let mut next = lock(&self.next_quota_check);
+        if *next > soon {
+            *next = soon;
+        }
+    }
+}
+
+/// The session table and everything needed to give a session a worker.
+pub struct SessionManager {
+    settings: Settings,
+    sandbox: Sandbox,
+    proxy: Arc<Proxy>,
+    /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
+    memory: Arc<crate::memory::MemoryStore>,
+    /// Local Python tools (`tools.*` requests, and the tools session's read grants); set once
+    /// by the server.
+    local_tools: std::sync::OnceLock<Arc<crate::local_tools::LocalTools>>,
+    /// The interpreter chosen at start (or why none could be): every zygote runs it.
+    python: Result<crate::python::Interpreter, crate::python::PythonError>,
+    zygote: Mutex<Option<Arc<Zygote>>>,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    /// One permit per possible live worker (IRONCELL_MAX_SESSIONS); each live worker holds one.
+    session_slots: Arc<Semaphore>,
+    run_counter: AtomicU64,
+    /// How long the last workers took to lock themselves down, in microseconds.
+    recent_lockdown_us: Mutex<Vec<u64>>,
+    root: PathBuf,
+    /// Which files each run created or changed, without walking the session each time.
+    changes: Arc<crate::files::ChangeTracker>,
+    /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
+    /// and given to every worker read-only as `MPLCONFIGDIR`; `None` until built, or without
+    /// matplotlib.
+    font_cache: Mutex<Option<PathBuf>>,
+    /// Whether the font-cache builder's worker is alive (it holds no session slot, but it is a
+    /// live worker all the same, and `system://info` counts it).
+    font_cache_building: std::sync::atomic::AtomicBool,
+}
+
+/// Session names become directory names, so only a safe alphabet is accepted.
+pub fn valid_session_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && name != "."
+        && name != ".."
+}
+
+impl SessionManager {
+    /// Starts the zygote (it warms up in the background) and prepares this server's directory
+    /// of session scratch dirs.
+    pub fn start(settings: Settings, exe: PathBuf) -> anyhow::Result<Arc<SessionManager>> {
+        let state_dir = settings.prepare_state_dir()?;
+        remove_sessions_of_dead_servers(&state_dir);
+        let root = state_dir.join(format!("sessions-{}", std::process::id()));
+        std::fs::create_dir_all(&root)
+            .map_err(|e| anyhow::anyhow!("creating {}: {e}", root.display()))?;
+        set_private(&root);
+        let sandbox = settings.sandbox()?;
+        if let Err(refusal) = sandbox.preflight() {
+            tracing::error!("{refusal}");
+        }
+        let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+        let servers =
+            crate::proxy::config::load(&crate::proxy::config::ProcessEnv, &cwd, Some(&exe));
+        let proxy = Arc::new(Proxy::new(
+            servers,
+            settings.startup_timeout,
+            settings.call_timeout,
+            settings.approval,
+        ));
+        let python =
+            crate::python::choose(&crate::python::ProcessLookup(settings.python.as_deref()));
+        let zygote = match &python {
+            Ok(interpreter) => {
+                tracing::info!(
+                    python = %interpreter.executable.display(),
+                    chosen_by = %interpreter.source,
+                    "starting the zygote"
+                );
+                Some(Arc::new(Zygote::start(
+                    interpreter,
+                    &settings.preload,
+                    &crate::cli::log_filter(),
+                )?))
+            }
+            Err(e) => {
+                tracing::error!("{e}");
+                None
+            }
+        };
+        let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
+        crate::config::report_not_applicable_variables(&settings);
+        let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
+        let manager = Arc::new(SessionManager {
+            settings,
+            sandbox,
+            proxy,
+            memory,
+            local_tools: std::sync::OnceLock::new(),
+            python,
+            zygote: Mutex::new(zygote),
+            sessions: Mutex::new(HashMap::new()),
+            session_slots,
+            recent_lockdown_us: Mutex::new(Vec::new()),
+            run_counter: AtomicU64::new(0),
+            root,
+            changes: Arc::new(crate::files::ChangeTracker::new()),
+            font_cache: Mutex::new(None),
+            font_cache_building: std::sync::atomic::AtomicBool::new(false),
+        });
+        enforce_scratch_quotas_periodically(&manager);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let m = manager.clone();
+            runtime.spawn(async move { m.build_font_cache().await });
+        }
+        Ok(manager)
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.sandbox
+    }
+
+    /// The state directory in use (the configured one, or the private fallback).
+    pub fn state_dir(&self) -> &Path {
+        self.root.parent().unwrap_or(&self.root)
+    }
+
+    /// Connects the local Python tools (done once, by the server).
+    pub fn set_local_tools(&self, tools: Arc<crate::local_tools::LocalTools>) {
+        let _ = self.local_tools.set(tools);
+    }
+
+    pub fn local_tools(&self) -> Option<Arc<crate::local_tools::LocalTools>> {
+        self.local_tools.get().cloned()
+    }
+
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.proxy
+    }
+
+    /// Waits for the interpreter to be warm and returns what it reported.
+    pub async fn python_info(&self) -> anyhow::Result<ZygoteInfo> {
+        let z = self.current_zygote()?;
+        z.ready().await
+    }
+
+    /// How many workers are alive (for tests and `system://info`).
+    pub fn live_worker_count(&self) -> usize {
+        let builder = self.font_cache_building.load(Ordering::SeqCst) as usize;
+        (self.settings.max_sessions as usize).saturating_sub(self.session_slots.available_permits())
+            + builder
+    }
+
+    /// Median lockdown time of the most recent workers, in milliseconds.
+    pub fn median_lockdown_ms(&self) -> Option<f64> {
+        let mut v = lock(&self.recent_lockdown_us).clone();
+        v.sort_unstable();
+        v.get(v.len() / 2).map(|us| *us as f64 / 1000.0)
+    }
+
+    /// Files of every session: (session, relative path, size), at most `limit`. The walks run
+    /// off the async runtime and stop after a bounded number of entries.
+    pub async fn session_files(&self, limit: usize) -> Vec<(String, String, u64)> {
+        let sessions: Vec<(String, PathBuf)> = lock(&self.sessions)
+            .values()
+            .map(|s| (s.name.clone(), s.scratch.clone()))
+            .collect();
+        let walked = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            for (name, dir) in sessions {
+                let listing = crate::files::list(&dir, limit.saturating_sub(out.len()));
+                if let Some(why) = listing.incomplete {
+                    tracing::warn!(session = %name, "listing session files: {why}");
+                }
+                for (rel, size, _) in listing.files {
+                    out.push((name.clone(), rel, size));
+                }
+            }
+            out
+        })
+        .await;
+        walked.unwrap_or_else(|e| {
+            tracing::error!(error = %e, "listing session files failed");
+            Vec::new()
+        })
+    }
+
+    /// Reads a file of a session (off the async runtime), refusing paths that leave its
+    /// directory or pass through a symlink.
+    pub async fn read_session_file(&self, session: &str, rel: &str) -> Result<Vec<u8>, String> {
+        let dir = lock(&self.sessions)
+            .get(session)
+            .map(|s| s.scratch.clone())
+            .ok_or_else(|| format!("no session {session:?}"))?;
+        let rel = rel.to_string();
+        tokio::task::spawn_blocking(move || crate::files::read_within(&dir, &rel))
+            .await
+            .unwrap_or_else(|e| Err(format!("reading the file failed: {e}")))
+    }
+
+    pub fn session_count(&self) -> usize {
+        lock(&self.sessions).len()
+    }
+
+    /// The interpreter in use, or why there is none.
+    pub fn interpreter(&self) -> Result<&crate::python::Interpreter, &crate::python::PythonError> {
+        self.python.as_ref()
+    }
+
+    fn current_zygote(&self) -> anyhow::Result<Arc<Zygote>> {
+        let python = self.python.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut z = lock(&self.zygote);
+        match z.as_ref() {
+            Some(live) if !live.is_dead() => Ok(live.clone()),
+            _ => {
+                if z.is_some() {
+                    tracing::warn!("the zygote is gone; starting a new one");
+                }
+                let fresh = Arc::new(Zygote::start(
+                    python,
+                    &self.settings.preload,
+                    &crate::cli::log_filter(),
+                )?);
+                *z = Some(fresh.clone());
+                Ok(fresh)
+            }
+        }
+    }
+
+    /// Stops the proxied servers, kills the zygote (and so every worker) and removes all
+    /// scratch directories.
+    pub async fn shutdown(&self) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.proxy.shutdown()).await;
+        if let Some(z) = lock(&self.zygote).as_ref() {
+            z.kill();
+        }
+        remove_scratch(self.root.clone()).await;
+    }
+
+    fn session(&self, name: &str) -> Arc<Session> {
+        let mut table = lock(&self.sessions);
+        table
+            .entry(name.to_string())
+            .or_insert_with(|| Arc::new(Session::new(name.to_string(), self.root.join(name))))
+            .clone()
+    }
+
+    /// Runs one cell. `cancel` fires when the client cancels the call.
+    pub async fn run(
+        &self,
+        req: RunRequest,
+        cancel: CancellationToken,
+    ) -> Result<RunRecord, RunRefusal> {
+        if !valid_session_name(&req.session) {
+            return Err(RunRefusal::InvalidSession(req.session));
+        }
+        if req.code.len() as u64 > self.settings.max_code_bytes {
+            return Err(RunRefusal::CodeTooLarge {
+                size: req.code.len(),
+                limit: self.settings.max_code_bytes,
+            });
+        }
+        self.sandbox
+            .preflight()
+            .map_err(RunRefusal::SandboxUnavailable)?;
+        let mut notices = Vec::new();
+        let unknown = self.proxy.prestart(&req.servers);
+        if !unknown.is_empty() {
+            notices.push(format!(
+                "not configured, so not started: {} (runtime.discovered_servers() lists what is)",
+                unknown.join(", ")
+            ));
+        }
+        let timeout = match req.timeout {
+            Some(t) if t > self.settings.max_timeout => {
+                notices.push(format!(
+                    "timeout_s {:.0} is above the maximum; using {:.0} s (MCP_BRIDGE_MAX_TIMEOUT)",
+                    t.as_secs_f64(),
+                    self.settings.max_timeout.as_secs_f64()
+                ));
+                self.settings.max_timeout
+            }
+            Some(t) => t,
+            None => self.settings.default_timeout,
+        };
+        let session = self.session(&req.session);
+        let mut state = session.state.lock().await;
+        *lock(&session.last_used) = Instant::now();
+
+        if req.reset {
+            if let Some(w) = state.worker.take() {
+                w.kill().await;
+            }
+            state.pending_notice = None;
+            let removal = self.empty_scratch(&session).await;
+            notices.push(if removal.is_complete() {
+                "session reset: fresh interpreter, empty working directory".into()
+            } else {
+                format!(
+                    "session reset: fresh interpreter, but the working directory is NOT empty: {}",
+                    removal.summary()
+                )
+            });
+        }
+        self.enforce_quota_while_idle(&session, &mut state).await;
+        if let Some(mut w) = state.worker.take() {
+            // A dead zygote took every worker with it, even if its last reports are in flight.
+            let zygote_dead = lock(&self.zygote).as_ref().is_none_or(|z| z.is_dead());
+            match w.liveness() {
+                Liveness::Alive if !zygote_dead => state.worker = Some(w),
+                Liveness::Exited(status) => {
+                    state.pending_notice = Some(format!(
+                        "this session's worker {status} while idle; variables and imports were lost (files are kept)"
+                    ));
+                }
+                Liveness::Alive | Liveness::ZygoteGone => {
+                    state.pending_notice = Some(
+                        "this session's state was lost: the Python zygote (the process that starts every worker) died, and its workers with it; this run uses a fresh worker from a new zygote (variables and imports start fresh, files are kept)".into(),
+                    );
+                }
+            }
+        }
+        session.measure_soon();
+        let mut session_state = "kept";
+        if state.worker.is_none() {
+            if let Some(n) = state.pending_notice.take() {
+                notices.push(n);
+            }
+            let w = self.spawn_worker(&session).await?;
+            state.worker = Some(w);
+            session_state = "restarted";
+            if notices.is_empty() {
+                session_state = "new";
+            }
+        }
+        if let Some(w) = state
+            .worker
+            .as_ref()
+            .filter(|w| !w.missing_layers.is_empty())
+        {
+            notices.push(format!(
+                "sandbox is best-effort; running WITHOUT: {}",
+                w.missing_layers.join("; ")
+            ));
+        }
+        let run_no = self.run_counter.fetch_add(1, Ordering::Relaxed) + 1;
+        let started = Instant::now();
+        // Coarse file timestamps can trail the clock a little; look back a few milliseconds.
+        let started_wall = std::time::SystemTime::now() - Duration::from_millis(20);
+        let outcome = self
+            .drive_cell(
+                &session,
+                &mut state,
+                Cell {
+                    run_no,
+                    code: &req.code,
+                    timeout,
+                    cancel,
+                    progress: req.progress.as_ref(),
+                },
+            )
+            .await;
+        *lock(&session.last_used) = Instant::now();
+
+        let mut record = outcome.record;
+        record.session = session.name.clone();
+        link_outputs(
+            &mut record,
+            &session,
+            &self.changes,
+            outcome.images,
+            started_wall,
+        )
+        .await;
+        record.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+        record.session_state = if outcome.worker_lost {
+            "lost"
+        } else {
+            session_state
+        };
+        notices.append(&mut record.notices);
+        record.notices = notices;
+        if outcome.worker_lost {
+            state.pending_notice = Some(format!(
+                "this session's previous worker was lost ({}); variables and imports start fresh (files are kept)",
+                outcome.loss_reason.unwrap_or_else(|| "it stopped".into())
+            ));
+        }
+        Ok(record)
+    }
+
+    /// Makes room for one more worker by stopping the least recently used idle session.
+    async fn evict_one_idle_session(&self, except: &str) -> Result<(), RunRefusal> {
+        let mut candidates: Vec<Arc<Session>> = lock(&self.sessions)
+            .values()
+            .filter(|s| s.name != except)
+            .cloned()
+            .collect();
+        candidates.sort_by_key(|s| *lock(&s.last_used));
+        for s in candidates {
+            let Ok(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            if let Some(w) = st.worker.take() {
+                w.kill().await;
+                st.pending_notice = Some(format!(
+                    "this session was stopped to make room for another (at most {} live sessions, IRONCELL_MAX_SESSIONS); variables were lost, files are kept",
+                    self.settings.max_sessions
+                ));
+                tracing::info!(session = %s.name, "evicted idle session");
+                return Ok(());
+            }
+        }
+        Err(RunRefusal::Busy(self.settings.max_sessions))
+    }
+
+    /// Stops the workers of sessions idle longer than the TTL and deletes their files.
+    pub async fn expire_idle_sessions(&self) {
+        let ttl = self.settings.session_ttl;
+        let idle: Vec<Arc<Session>> = lock(&self.sessions)
+            .values()
+            .filter(|s| lock(&s.last_used).elapsed() >= ttl)
+            .cloned()
+            .collect();
+        for s in idle {
+            let Ok(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            let had_worker = st.worker.is_some();
+            if let Some(w) = st.worker.take() {
+                w.kill().await;
+            }
+            let had_files = s.scratch.exists();
+            self.empty_scratch(&s).await;
+            if had_worker || had_files {
+                st.pending_notice = Some(format!(
+                    "this session expired after {} s idle (IRONCELL_SESSION_TTL); variables and files were discarded",
+                    ttl.as_secs()
+                ));
+                tracing::info!(session = %s.name, "session expired");
+            }
+        }
+    }
+}
+
+/// Removes `sessions-<pid>` directories left by ironcell servers that died without cleaning
+/// up (e.g. SIGKILL), so their files do not pile up.
+fn remove_sessions_of_dead_servers(state_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("sessions-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!(dir = %entry.path().display(), "removing sessions of a server that is gone");
+            let removal = host_fs::remove_tree(&entry.path());
+            if !removal.is_complete() {
+                tracing::warn!(dir = %entry.path().display(), "{}", removal.summary());
+            }
+        }
+    }
+}
+
+/// Makes a directory the host created private (0700), without following a symlink.
+fn set_private(dir: &Path) {
+    let opened = nix::fcntl::open(
+        dir,
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_DIRECTORY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    );
+    let result = opened.and_then(|fd| {
+        nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o700))
+    });
+    if let Err(e) = result {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot make the directory private");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_names_cannot_escape_the_state_dir() {
+        for ok in ["default", "a-b_c.d", "S1"] {
+            assert!(valid_session_name(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../x", "a/b", "a b", "é", &"x".repeat(65)] {
+            assert!(!valid_session_name(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! The scratch quota: background measurement of session directories, and emptying them.
+
+use super::*;
+
+/// Measures a session directory against `quota`, off the async runtime (the walk stops just
+/// past the quota, so its cost is bounded by it: every entry counts at least 4 KiB).
+pub(super) async fn scratch_usage(dir: PathBuf, quota: u64) -> Usage {
+    let measured = tokio::task::spawn_blocking(move || match host_fs::open_session_dir(&dir) {
+        Ok(fd) => host_fs::usage(fd.as_fd(), quota),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Usage::Measured {
+            bytes: 0,
+            entries: 0,
+        },
+        Err(e) => Usage::Unmeasurable(format!("{}: {e}", dir.display())),
+    })
+    .await;
+    measured.unwrap_or_else(|e| Usage::Unmeasurable(e.to_string()))
+}
+
+/// Why a session directory is over its quota, if it is. A directory that cannot be measured
+/// (e.g. the code made one unreadable) counts as over: an unknown size is not a small one.
+pub(super) fn quota_verdict(usage: Usage, quota: u64) -> Option<String> {
+    match usage {
+        Usage::Measured { .. } => None,
+        Usage::Over { entries, .. } => Some(format!(
+            "the session directory grew past its quota ({} MiB; counted: {entries} files and directories, each at least {} KiB)",
+            quota >> 20,
+            host_fs::BYTES_PER_INODE >> 10
+        )),
+        Usage::Unmeasurable(why) => Some(format!(
+            "the session directory could not be measured against its quota ({} MiB): {why}",
+            quota >> 20
+        )),
+    }
+}
+
+/// Says what became of a session's files after a removal.
+pub(super) fn removal_outcome(removal: &host_fs::Removal) -> String {
+    if removal.is_complete() {
+        "its files were removed".into()
+    } else {
+        format!("removing its files failed: {}", removal.summary())
+    }
+}
+
+/// Removes a directory tree off the async runtime, fd-relative and without following
+/// symlinks, and logs what could not be removed.
+pub(super) async fn remove_scratch(dir: PathBuf) -> host_fs::Removal {
+    let shown = dir.display().to_string();
+    let removal = tokio::task::spawn_blocking(move || host_fs::remove_tree(&dir))
+        .await
+        .unwrap_or_else(|e| host_fs::Removal {
+            removed: 0,
+            failures: vec![format!("the removal failed: {e}")],
+        });
+    if !removal.is_complete() {
+        tracing::warn!(dir = %shown, "{}", removal.summary());
+    }
+    removal
+}
+
+/// Runs the quota watch (and drains the change tracker's queue) for as long as the manager
+/// exists (only inside a tokio runtime).
+pub(super) fn enforce_scratch_quotas_periodically(manager: &Arc<SessionManager>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(manager);
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(QUOTA_WATCH_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(manager) = weak.upgrade() else { break };
+            manager.changes.drain();
+            manager.enforce_scratch_quotas().await;
+        }
+    });
+}
+
+impl SessionManager {
+    /// The quota watch: measures every session with a live worker that is due (a running one
+    /// every [`QUOTA_CHECK_EVERY`], an idle one every [`IDLE_QUOTA_CHECK_EVERY`], never sooner
+    /// than [`QUOTA_WALK_SPACING`] times its last walk), off the async runtime and off every
+    /// run's path. A directory over quota gets its verdict; an idle session is then stopped
+    /// here, a running one by its cell loop, which the verdict wakes.
+    pub async fn enforce_scratch_quotas(&self) {
+        let quota = self.sandbox.scratch_quota_bytes();
+        let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
+        for s in sessions {
+            let busy = match s.state.try_lock() {
+                Ok(st) if st.worker.is_none() => continue, // nothing writes to it
+                Ok(_) => false,
+                Err(_) => true, // a run holds it, so it has a worker
+            };
+            if *lock(&s.next_quota_check) > Instant::now() {
+                continue;
+            }
+            let generation = s.generation.load(Ordering::SeqCst);
+            let started = Instant::now();
+            let usage = scratch_usage(s.scratch.clone(), quota).await;
+            let every = if busy {
+                QUOTA_CHECK_EVERY
+            } else {
+                IDLE_QUOTA_CHECK_EVERY
+            };
+            let took = started.elapsed();
+            *lock(&s.last_quota_walk) = took;
+            *lock(&s.next_quota_check) = Instant::now() + every.max(took * QUOTA_WALK_SPACING);
+            let Some(over) = quota_verdict(usage, quota) else {
+                continue;
+            };
+            // Emptied while it was measured: the new directory is measured next time. (The
+            // check runs under the verdict's lock, which emptying takes to bump the generation.)
+            let published = s.over_quota.send_if_modified(|v| {
+                let current = s.generation.load(Ordering::SeqCst) == generation;
+                if current {
+                    *v = Some(over);
+                }
+                current
+            });
+            if !published {
+                continue;
+            }
+            if let Ok(mut state) = s.state.try_lock() {
+                self.enforce_quota_while_idle(&s, &mut state).await;
+            }
+        }
+    }
+
+    /// Acts on the quota watch's verdict between runs: kills the session's worker, removes the
+    /// files, and leaves the reason for the session's next run. Cheap when there is none.
+    pub(super) async fn enforce_quota_while_idle(
+        &self,
+        session: &Session,
+        state: &mut SessionState,
+    ) {
+        let Some(over) = session.over_quota.borrow().clone() else {
+            return;
+        };
+        if let Some(w) = state.worker.take() {
+            w.kill().await; // returns its session slot
+        }
+        let removal = self.empty_scratch(session).await;
+        tracing::warn!(session = %session.name, "worker killed between runs: {over}");
+        state.pending_notice = Some(format!(
+            "this session's worker was killed between runs: {over} (code left running after a run kept writing); variables and imports were lost, {}",
+            removal_outcome(&removal)
+        ));
+    }
+
+    /// Removes everything in a session's directory; a quota verdict about the old contents
+    /// and the change tracker's watches go with it.
+    pub(super) async fn empty_scratch(&self, session: &Session) -> host_fs::Removal {
+        let clear = |v: &mut Option<String>| {
+            session.generation.fetch_add(1, Ordering::SeqCst);
+            *v = None;
+        };
+        session.over_quota.send_modify(clear);
+        self.changes.forget(&session.name);
+        let removal = remove_scratch(session.scratch.clone()).await;
+        session.over_quota.send_modify(clear);
+        removal
+    }
+}

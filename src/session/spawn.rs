@@ -1,0 +1,147 @@
+//! Giving a session a worker: a slot under the cap, the spawn request, the `ready` handshake.
+
+use super::cell::oversized_frame;
+use super::*;
+
+impl SessionManager {
+    /// Reserves a worker slot (evicting an idle session if all are taken), then spawns.
+    pub(super) async fn spawn_worker(&self, session: &Session) -> Result<LiveWorker, RunRefusal> {
+        // The slot is taken before the (slow) spawn, so concurrent calls cannot all pass the cap.
+        // The live worker holds it; whatever ends the worker gives it back.
+        let slot = loop {
+            match self.session_slots.clone().try_acquire_owned() {
+                Ok(slot) => break slot,
+                Err(_) => self.evict_one_idle_session(&session.name).await?,
+            }
+        };
+        self.spawn_worker_in_slot(session, slot).await
+    }
+
+    pub(super) async fn spawn_worker_in_slot(
+        &self,
+        session: &Session,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<LiveWorker, RunRefusal> {
+        std::fs::create_dir_all(&session.scratch).map_err(|e| {
+            RunRefusal::WorkerStart(format!("creating {}: {e}", session.scratch.display()))
+        })?;
+        set_private(&session.scratch);
+        let zygote = self
+            .current_zygote()
+            .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let python = zygote
+            .ready()
+            .await
+            .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let mut sandbox = self
+            .sandbox
+            .plan_for(&session.scratch, &python.python_paths);
+        if let (Some(tools), Some(fs)) = (self.local_tools.get(), sandbox.filesystem.as_mut()) {
+            fs.read_only.extend(tools.read_grants_for(&session.name));
+        }
+        let mut env = worker_environment(&session.name, &session.scratch);
+        let font_cache = lock(&self.font_cache).clone();
+        if let Some(dir) = font_cache.filter(|d| *d != session.scratch) {
+            if let Some(fs) = sandbox.filesystem.as_mut() {
+                fs.read_only.push(dir.clone());
+            }
+            env.push(("MPLCONFIGDIR".into(), dir.display().to_string()));
+        } else if session.name == FONT_CACHE_BUILD_DIR {
+            env.push(("MPLCONFIGDIR".into(), session.scratch.display().to_string()));
+        }
+        let spec = WorkerSpec {
+            session: session.name.clone(),
+            scratch: session.scratch.clone(),
+            env,
+            sandbox,
+            mcp_servers: self.proxy.server_summaries(),
+            image_budget_bytes: self.settings.image_budget,
+        };
+        let spawn_started = Instant::now();
+        let spawned = zygote
+            .spawn_worker(spec)
+            .await
+            .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
+        let forked_ms = spawn_started.elapsed().as_secs_f64() * 1000.0;
+        let mut worker = LiveWorker::new(spawned, slot, self.settings.image_budget)
+            .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
+        let budget = worker.image_budget_bytes;
+        let ready = tokio::time::timeout(WORKER_READY_TIMEOUT, async {
+            loop {
+                let f = match worker.frames.next().await {
+                    Some(Ok(f)) => f,
+                    Some(Err(e)) => {
+                        return Err(oversized_frame(&e).map_or_else(|| e.to_string(), |v| v.to_string()));
+                    }
+                    None => return Err("the worker exited during setup".into()),
+                };
+                match frame::decode_worker_frame(&f, budget) {
+                    Ok(WorkerFrame::Message(FromWorker::Ready {
+                        missing_layers,
+                        lockdown_us,
+                        ..
+                    })) => {
+                        let mut recent = lock(&self.recent_lockdown_us);
+                        if recent.len() >= 64 {
+                            recent.remove(0);
+                        }
+                        recent.push(lockdown_us);
+                        return Ok(missing_layers);
+                    }
+                    Ok(WorkerFrame::Message(FromWorker::Fatal { message })) => return Err(message),
+                    Ok(WorkerFrame::Stdout(b)) | Ok(WorkerFrame::Stderr(b)) => {
+                        let shown = &b[..b.len().min(2048)];
+                        tracing::warn!(output = %String::from_utf8_lossy(shown), "worker wrote during setup");
+                    }
+                    Ok(WorkerFrame::Message(_)) => {
+                        return Err(Violation("a message other than `ready` during setup".into()).to_string());
+                    }
+                    Err(v) => return Err(v.to_string()),
+                }
+            }
+        })
+        .await;
+        match ready {
+            Ok(Ok(missing_layers)) => {
+                worker.missing_layers = missing_layers;
+                tracing::debug!(
+                    session = %session.name,
+                    pid = worker.pid,
+                    forked_ms,
+                    ready_ms = spawn_started.elapsed().as_secs_f64() * 1000.0,
+                    "worker ready"
+                );
+                Ok(worker)
+            }
+            Ok(Err(message)) => {
+                let status = worker.kill().await;
+                let status = status.map(|s| format!(" ({s})")).unwrap_or_default();
+                Err(RunRefusal::WorkerStart(format!("{message}{status}")))
+            }
+            Err(_) => {
+                worker.kill().await;
+                Err(RunRefusal::WorkerStart(format!(
+                    "the worker did not become ready within {} s",
+                    WORKER_READY_TIMEOUT.as_secs()
+                )))
+            }
+        }
+    }
+}
+
+/// The whole environment of a worker: fixed values and the session's own directories.
+pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
+    let dir = scratch.display().to_string();
+    let mut env: Vec<(String, String)> = crate::zygote::zygote_environment()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    env.extend([
+        ("HOME".to_string(), dir.clone()),
+        ("TMPDIR".to_string(), dir.clone()),
+        ("PWD".to_string(), dir),
+        ("TERM".to_string(), "dumb".to_string()),
+        ("IRONCELL_SESSION".to_string(), session.to_string()),
+    ]);
+    env
+}
