@@ -352,6 +352,25 @@ _TMP_EVENTS = {"open": (0,), "os.listdir": (0,), "os.scandir": (0,), "os.mkdir":
                "glob.glob": (0,), "os.makedirs": (0,)}
 
 
+_tmp_allowed = []
+
+
+def bind_session(env, scratch):
+    """Gives a pre-forked spare worker its session: the host renamed the spare's directory to
+    the session's (the same directory, so the sandbox's grants, the cwd and a private /tmp
+    still point at it) and sends the environment that names it. Called before its first cell."""
+    import os
+    import tempfile
+
+    old = os.environ.get("HOME")
+    if old:  # first, so the /tmp guard (if any) lets the session use its renamed directory
+        old = os.path.normpath(old)
+        _tmp_allowed[:] = [os.path.normpath(scratch) if a == old else a for a in _tmp_allowed]
+    os.environ.update(env)
+    os.chdir(scratch)
+    tempfile.tempdir = None
+
+
 def _refuse_host_tmp(reason, allowed=()):
     """Without a private mount namespace `/tmp` is the host's, which Landlock keeps out of
     reach; say so plainly instead of a bare EACCES (the sandbox, not this hook, is the
@@ -362,9 +381,9 @@ def _refuse_host_tmp(reason, allowed=()):
     message = (f"/tmp is not available in this session ({reason}); use the session directory "
                "instead: a relative path, tempfile, or os.environ['TMPDIR']")
     # Granted paths beneath /tmp (e.g. the session dir itself) stay usable.
-    allowed = tuple(os.path.normpath(a) for a in allowed)
+    _tmp_allowed[:] = [os.path.normpath(a) for a in allowed]
 
-    def hook(event, args, _events=_TMP_EVENTS):
+    def hook(event, args, _events=_TMP_EVENTS, allowed=_tmp_allowed):
         where = _events.get(event)
         if where is None:
             return

@@ -3,7 +3,6 @@
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -180,7 +179,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         Ok(s) => s,
         Err(e) => return answer_requests_with_startup_error(e).await,
     };
-    let expiry = tokio::spawn(expire_sessions_periodically(sessions.clone()));
+    sessions.start_background_work();
     let server = IroncellServer::new(sessions.clone());
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -196,22 +195,8 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         anyhow::Ok(())
     }
     .await;
-    expiry.abort();
     sessions.shutdown().await;
     outcome
-}
-
-async fn expire_sessions_periodically(sessions: Arc<SessionManager>) {
-    let ttl = sessions.settings().session_ttl;
-    let every = (ttl / 4).clamp(
-        std::time::Duration::from_secs(1),
-        std::time::Duration::from_secs(60),
-    );
-    let mut tick = tokio::time::interval(every);
-    loop {
-        tick.tick().await;
-        sessions.expire_idle_sessions().await;
-    }
 }
 
 /// `ironcell exec`: one cell in a fresh worker, the result printed as the model would see it.

@@ -55,6 +55,12 @@ pub struct Settings {
     #[arg(long, global = true, env = "IRONCELL_MAX_SESSIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_sessions: u32,
 
+    /// Spare workers kept forked and locked down, so a new session starts without waiting for
+    /// one (0 disables the pool). Each waiting spare costs a few MiB; they do not count against
+    /// IRONCELL_MAX_SESSIONS.
+    #[arg(long, global = true, env = "IRONCELL_POOL_SIZE", default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub pool_size: u32,
+
     /// Idle time after which a session's worker and files are discarded.
     #[arg(long, global = true, env = "IRONCELL_SESSION_TTL", default_value = "30m", value_parser = parse_duration)]
     pub session_ttl: Duration,

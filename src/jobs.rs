@@ -85,7 +85,7 @@ impl Jobs {
         let (progress_tx, progress_rx) = watch::channel(Progress::default());
         let (outcome_tx, outcome_rx) = watch::channel(None);
         req.progress = Some(progress_tx);
-        let cancel = CancellationToken::new();
+        let cancel = sessions.stop_token();
         let finished_at = Arc::new(Mutex::new(None));
         let job = Arc::new(Job {
             id: id.clone(),

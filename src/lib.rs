@@ -22,7 +22,8 @@
 //!   host's handle on it: spawn requests, exits, readiness.
 //! - [`server`]: the rmcp `ServerHandler`: the tools and the `system://info` resource.
 //! - [`stdio`]: the stdio transport: bounded lines, an answer for every malformed one.
-//! - [`session`]: the session table, timeouts, cancellation, caps, and the per-cell run loop.
+//! - [`session`]: the session table, timeouts, cancellation, caps, spare workers (the pool), the
+//!   per-cell run loop, the scratch quota and the shared font cache.
 //! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
 //! - [`jobs`]: background runs (`run_python_job`, the tasks extension).
 //! - [`files`], [`host_fs`]: session files, read and written fd-relative, refusing symlinks.

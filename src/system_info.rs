@@ -73,6 +73,7 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         "mcp": sessions.proxy().describe().await,
         "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
+        "spare_workers": spare_workers(sessions),
         "output_mode": format!("{:?}", s.output_mode).to_lowercase(),
         "not_applicable": not_applicable(s),
     })
@@ -116,4 +117,28 @@ fn not_applicable(s: &crate::config::Settings) -> Value {
         out.insert(name, json!(format!("{value} (ignored: {why})")));
     }
     Value::Object(out)
+}
+
+/// The pool of pre-forked spares: how many wait, the pool's size, and the private memory they
+/// hold (USS from `smaps_rollup`; `null` where the kernel does not let the host read it).
+fn spare_workers(sessions: &SessionManager) -> Value {
+    let pids = sessions.spare_pids();
+    let private: Option<u64> = pids.iter().map(|pid| private_bytes(*pid)).sum();
+    json!({
+        "waiting": pids.len(),
+        "pool_size": sessions.settings().pool_size,
+        "private_bytes": private,
+        "not_counted_in": "max_sessions (IRONCELL_POOL_SIZE sets how many; 0 disables)",
+    })
+}
+
+/// A process's unique set size: its private clean and dirty pages.
+fn private_bytes(pid: i32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let kib: u64 = text
+        .lines()
+        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum();
+    Some(kib * 1024)
 }

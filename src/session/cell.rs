@@ -48,6 +48,7 @@ impl SessionManager {
         let run = ToWorker::Run {
             id: run_no,
             code: code.to_string(),
+            bind: worker.bind.take(),
         };
         match frame::json_body(&run).map(|body| worker.send(body)) {
             Ok(Ok(())) | Ok(Err(SendError::Gone)) => {} // a gone worker shows as the socket's end

@@ -52,7 +52,10 @@ impl SessionManager {
         };
         let session = Session::new(FONT_CACHE_BUILD_DIR.into(), build.clone());
         self.font_cache_building.store(true, Ordering::SeqCst);
-        let worker = match self.spawn_worker_in_slot(&session, slot).await {
+        let worker = match self
+            .spawn_worker_in_slot(Some(FONT_CACHE_BUILD_DIR), &session.scratch, slot)
+            .await
+        {
             Ok(w) => w,
             Err(e) => {
                 self.font_cache_building.store(false, Ordering::SeqCst);

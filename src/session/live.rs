@@ -60,6 +60,8 @@ pub(super) struct LiveWorker {
     pub missing_layers: Vec<String>,
     pub frames: FramedRead<OwnedReadHalf, LengthDelimitedCodec>,
     pub image_budget_bytes: u64,
+    /// A pre-forked spare's session, sent with its first `run` (see [`frame::Binding`]).
+    pub bind: Option<frame::Binding>,
     outbox: mpsc::Sender<Outgoing>,
     /// `None` once the zygote's report was taken (or can no longer come).
     exit: Option<oneshot::Receiver<ExitInfo>>,
@@ -98,11 +100,34 @@ impl LiveWorker {
             missing_layers: Vec::new(),
             frames: FramedRead::new(read, reader),
             image_budget_bytes,
+            bind: None,
             outbox,
             exit: Some(exit),
             requests: Arc::new(Semaphore::new(MAX_INFLIGHT_REQUESTS)),
             _session_slot: session_slot,
         })
+    }
+
+    /// Moves the worker under another cap (a spare of the pool becoming a session's worker);
+    /// the place it held is given back.
+    pub fn move_to_slot(&mut self, slot: OwnedSemaphorePermit) {
+        self._session_slot = slot;
+    }
+
+    /// Whether the worker's end of the session socket is closed (it died, even if nobody has
+    /// reported it yet); a worker that merely wrote something is not "closed".
+    pub fn hung_up(&self) -> bool {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        let sock: &tokio::net::UnixStream = self.frames.get_ref().as_ref();
+        let mut fds = [PollFd::new(sock.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) => false,
+            Ok(_) => fds[0]
+                .revents()
+                .is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR)),
+            Err(_) => true,
+        }
     }
 
     /// Whether the worker still runs, as far as the zygote has told.

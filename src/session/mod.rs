@@ -31,6 +31,7 @@ use std::os::fd::AsFd;
 mod cell;
 mod font_cache;
 mod live;
+mod pool;
 mod quota;
 mod spawn;
 use cell::{Cell, link_outputs};
@@ -182,6 +183,15 @@ pub struct SessionManager {
     /// Whether the font-cache builder's worker is alive (it holds no session slot, but it is a
     /// live worker all the same, and `system://info` counts it).
     font_cache_building: std::sync::atomic::AtomicBool,
+    /// Set once the font cache is built or known to be unneeded (spares wait for it).
+    font_cache_settled: tokio::sync::watch::Sender<bool>,
+    /// Pre-forked spare workers (see [`pool`]).
+    pool: pool::Pool,
+    /// The root of the cancellation tree: every background task of the manager (quota watch,
+    /// font cache, pool, idle expiry) and every job stops when it fires.
+    stop: CancellationToken,
+    /// The background tasks, so shutdown can wait for them to end.
+    tasks: tokio_util::task::TaskTracker,
 }
 
 /// Session names become directory names, so only a safe alphabet is accepted.
@@ -238,6 +248,7 @@ impl SessionManager {
             }
         };
         let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
+        let pool_size = settings.pool_size as usize;
         crate::config::report_not_applicable_variables(&settings);
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
         let manager = Arc::new(SessionManager {
@@ -256,13 +267,60 @@ impl SessionManager {
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
+            font_cache_settled: tokio::sync::watch::Sender::new(false),
+            pool: pool::Pool::new(pool_size),
+            stop: CancellationToken::new(),
+            tasks: tokio_util::task::TaskTracker::new(),
         });
-        enforce_scratch_quotas_periodically(&manager);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            enforce_scratch_quotas_periodically(&manager);
             let m = manager.clone();
-            runtime.spawn(async move { m.build_font_cache().await });
+            manager.spawn_until_stopped(async move {
+                m.build_font_cache().await;
+                m.font_cache_settled.send_replace(true);
+            });
         }
         Ok(manager)
+    }
+
+    /// Runs `task` in the background until it ends or the manager stops; shutdown waits for it.
+    fn spawn_until_stopped(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = task => {}
+            }
+        });
+    }
+
+    /// Starts what a long-running server does in the background: the pool of spare workers
+    /// (once the font cache is settled, so spares get it) and the expiry of idle sessions.
+    pub fn start_background_work(self: &Arc<Self>) {
+        if self.pool.size() > 0 {
+            let m = self.clone();
+            let stop = self.stop.child_token();
+            self.spawn_until_stopped(async move {
+                let _ = m
+                    .font_cache_settled
+                    .subscribe()
+                    .wait_for(|settled| *settled)
+                    .await;
+                m.keep_pool_filled(stop).await;
+            });
+        }
+        let m = self.clone();
+        self.spawn_until_stopped(async move { m.expire_idle_sessions_periodically().await });
+    }
+
+    /// A token that fires when the manager shuts down (jobs run under one).
+    pub fn stop_token(&self) -> CancellationToken {
+        self.stop.child_token()
+    }
+
+    /// The pids of the spare workers waiting in the pool.
+    pub fn spare_pids(&self) -> Vec<i32> {
+        self.pool.pids()
     }
 
     pub fn settings(&self) -> &Settings {
@@ -383,11 +441,26 @@ impl SessionManager {
     /// Stops the proxied servers, kills the zygote (and so every worker) and removes all
     /// scratch directories.
     pub async fn shutdown(&self) {
+        self.stop.cancel();
+        self.tasks.close();
+        self.pool.clear();
         let _ = tokio::time::timeout(Duration::from_secs(1), self.proxy.shutdown()).await;
         if let Some(z) = lock(&self.zygote).as_ref() {
             z.kill();
         }
+        // Every task ends at its next await once cancelled; a blocking walk may take longer.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
         remove_scratch(self.root.clone()).await;
+    }
+
+    async fn expire_idle_sessions_periodically(&self) {
+        let every =
+            (self.settings.session_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            self.expire_idle_sessions().await;
+        }
     }
 
     fn session(&self, name: &str) -> Arc<Session> {

@@ -59,14 +59,10 @@ pub(super) async fn remove_scratch(dir: PathBuf) -> host_fs::Removal {
     removal
 }
 
-/// Runs the quota watch (and drains the change tracker's queue) for as long as the manager
-/// exists (only inside a tokio runtime).
+/// Runs the quota watch (and drains the change tracker's queue) until the manager stops.
 pub(super) fn enforce_scratch_quotas_periodically(manager: &Arc<SessionManager>) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
     let weak = Arc::downgrade(manager);
-    runtime.spawn(async move {
+    manager.spawn_until_stopped(async move {
         let mut tick = tokio::time::interval(QUOTA_WATCH_TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

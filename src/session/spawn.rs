@@ -4,7 +4,8 @@ use super::cell::oversized_frame;
 use super::*;
 
 impl SessionManager {
-    /// Reserves a worker slot (evicting an idle session if all are taken), then spawns.
+    /// Reserves a worker slot (evicting an idle session if all are taken), then hands the
+    /// session a pre-forked spare if one fits, or spawns a worker for it.
     pub(super) async fn spawn_worker(&self, session: &Session) -> Result<LiveWorker, RunRefusal> {
         // The slot is taken before the (slow) spawn, so concurrent calls cannot all pass the cap.
         // The live worker holds it; whatever ends the worker gives it back.
@@ -14,18 +15,25 @@ impl SessionManager {
                 Err(_) => self.evict_one_idle_session(&session.name).await?,
             }
         };
-        self.spawn_worker_in_slot(session, slot).await
+        let slot = match self.take_spare(session, slot) {
+            Ok(worker) => return Ok(worker),
+            Err(slot) => slot,
+        };
+        self.spawn_worker_in_slot(Some(&session.name), &session.scratch, slot)
+            .await
     }
 
+    /// Spawns a worker for the session `name` (`None`: a spare of the pool, which learns its
+    /// session later) in the directory `scratch`, and waits for its `ready`.
     pub(super) async fn spawn_worker_in_slot(
         &self,
-        session: &Session,
+        name: Option<&str>,
+        scratch: &Path,
         slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<LiveWorker, RunRefusal> {
-        std::fs::create_dir_all(&session.scratch).map_err(|e| {
-            RunRefusal::WorkerStart(format!("creating {}: {e}", session.scratch.display()))
-        })?;
-        set_private(&session.scratch);
+        std::fs::create_dir_all(scratch)
+            .map_err(|e| RunRefusal::WorkerStart(format!("creating {}: {e}", scratch.display())))?;
+        set_private(scratch);
         let zygote = self
             .current_zygote()
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
@@ -33,25 +41,25 @@ impl SessionManager {
             .ready()
             .await
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
-        let mut sandbox = self
-            .sandbox
-            .plan_for(&session.scratch, &python.python_paths);
-        if let (Some(tools), Some(fs)) = (self.local_tools.get(), sandbox.filesystem.as_mut()) {
-            fs.read_only.extend(tools.read_grants_for(&session.name));
+        let mut sandbox = self.sandbox.plan_for(scratch, &python.python_paths);
+        if let (Some(tools), Some(fs), Some(name)) =
+            (self.local_tools.get(), sandbox.filesystem.as_mut(), name)
+        {
+            fs.read_only.extend(tools.read_grants_for(name));
         }
-        let mut env = worker_environment(&session.name, &session.scratch);
+        let mut env = worker_environment(name.unwrap_or(""), scratch);
         let font_cache = lock(&self.font_cache).clone();
-        if let Some(dir) = font_cache.filter(|d| *d != session.scratch) {
+        if let Some(dir) = font_cache.filter(|d| d != scratch) {
             if let Some(fs) = sandbox.filesystem.as_mut() {
                 fs.read_only.push(dir.clone());
             }
             env.push(("MPLCONFIGDIR".into(), dir.display().to_string()));
-        } else if session.name == FONT_CACHE_BUILD_DIR {
-            env.push(("MPLCONFIGDIR".into(), session.scratch.display().to_string()));
+        } else if name == Some(FONT_CACHE_BUILD_DIR) {
+            env.push(("MPLCONFIGDIR".into(), scratch.display().to_string()));
         }
         let spec = WorkerSpec {
-            session: session.name.clone(),
-            scratch: session.scratch.clone(),
+            session: name.unwrap_or("").to_string(),
+            scratch: scratch.to_path_buf(),
             env,
             sandbox,
             mcp_servers: self.proxy.server_summaries(),
@@ -105,7 +113,7 @@ impl SessionManager {
             Ok(Ok(missing_layers)) => {
                 worker.missing_layers = missing_layers;
                 tracing::debug!(
-                    session = %session.name,
+                    session = name.unwrap_or("(spare)"),
                     pid = worker.pid,
                     forked_ms,
                     ready_ms = spawn_started.elapsed().as_secs_f64() * 1000.0,
@@ -131,17 +139,22 @@ impl SessionManager {
 
 /// The whole environment of a worker: fixed values and the session's own directories.
 pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
-    let dir = scratch.display().to_string();
     let mut env: Vec<(String, String)> = crate::zygote::zygote_environment()
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    env.extend([
+    env.extend([("TERM".to_string(), "dumb".to_string())]);
+    env.extend(session_environment(session, scratch));
+    env
+}
+
+/// The variables that name the session and its directory (what a spare learns at hand-off).
+pub(super) fn session_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
+    let dir = scratch.display().to_string();
+    vec![
         ("HOME".to_string(), dir.clone()),
         ("TMPDIR".to_string(), dir.clone()),
         ("PWD".to_string(), dir),
-        ("TERM".to_string(), "dumb".to_string()),
         ("IRONCELL_SESSION".to_string(), session.to_string()),
-    ]);
-    env
+    ]
 }

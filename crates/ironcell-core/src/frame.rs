@@ -44,10 +44,27 @@ pub const KIND_STDERR: u8 = b'E';
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ToWorker {
     /// Run a cell of Python in the session's namespace.
-    Run { id: u64, code: String },
+    Run {
+        id: u64,
+        code: String,
+        /// Set on a pre-forked spare's first cell only: the session it now serves.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bind: Option<Binding>,
+    },
     /// The answer to a [`FromWorker::Request`]: `{"result": ...}` or
     /// `{"error": {"kind", "message"}}`.
     Response { id: u64, payload: serde_json::Value },
+}
+
+/// What a pre-forked spare learns when the host hands it to a session: the host has renamed
+/// the spare's directory to `scratch` (the same directory, so the worker's cwd, its Landlock
+/// grants and its private `/tmp` are unchanged), and `env` names the session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Binding {
+    /// Variables to set (`HOME`, `TMPDIR`, `PWD`, `IRONCELL_SESSION`).
+    pub env: Vec<(String, String)>,
+    /// The directory's path from now on.
+    pub scratch: std::path::PathBuf,
 }
 
 /// How a cell ended, as the worker saw it.

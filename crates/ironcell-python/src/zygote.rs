@@ -297,6 +297,9 @@ fn fork_worker(
     // interpreter; PyOS_BeforeFork/AfterFork_* take and reset CPython's internal locks and run
     // the `os.register_at_fork` hooks (e.g. `random` reseeds in the child).
     unsafe { pyo3::ffi::PyOS_BeforeFork() };
+    // Taken before the fork: the child compares its parent with it after asking for the
+    // parent-death signal (if the zygote died in between, the child was already reparented).
+    let zygote = nix::unistd::getpid();
     // SAFETY: plain fork(2); the child only runs code that is safe after fork of a
     // single-threaded process.
     let pid = unsafe { libc::fork() };
@@ -304,7 +307,7 @@ fn fork_worker(
         // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         let _ = blocked.thread_unblock();
-        crate::worker::run_worker_process(py, spec, session_fd);
+        crate::worker::run_worker_process(py, spec, session_fd, zygote);
     }
     // SAFETY: in the parent, after fork, with the GIL held.
     unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };

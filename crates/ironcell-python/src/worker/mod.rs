@@ -37,8 +37,13 @@ const SESSION_FD: RawFd = 3;
 const EXIT_SETUP_FAILED: i32 = 70;
 
 /// Runs in the freshly forked child with the GIL held. Never returns.
-pub fn run_worker_process(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> ! {
-    let code = match serve_session(py, spec, session_fd) {
+pub fn run_worker_process(
+    py: Python<'_>,
+    spec: WorkerSpec,
+    session_fd: OwnedFd,
+    zygote: nix::unistd::Pid,
+) -> ! {
+    let code = match serve_session(py, spec, session_fd, zygote) {
         Ok(()) => 0,
         Err(e) => {
             // fd 3 may or may not be a usable socket at this point; try to tell the host.
@@ -61,7 +66,12 @@ pub fn run_worker_process(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd)
     unsafe { libc::_exit(code) }
 }
 
-fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyhow::Result<()> {
+fn serve_session(
+    py: Python<'_>,
+    spec: WorkerSpec,
+    session_fd: OwnedFd,
+    zygote: nix::unistd::Pid,
+) -> anyhow::Result<()> {
     // Step 1: the session socket on fd 3, nothing else.
     move_fd_to(session_fd, SESSION_FD)?;
     close_fds_from(SESSION_FD + 1)?;
@@ -74,7 +84,6 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
 
     // Step 3: own session; die with the zygote.
     nix::unistd::setsid().context("setsid")?;
-    let zygote = nix::unistd::getppid();
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
         return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
@@ -133,7 +142,7 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
     // to the `mcp` module's requests go straight to whoever waits for them (a blocked call, or
     // an asyncio future), so calls resolve while a cell is running.
     crate::bridge::connect(writer.clone());
-    let (run_tx, mut run_rx) = std::sync::mpsc::channel::<(u64, String)>();
+    let (run_tx, mut run_rx) = std::sync::mpsc::channel::<RunOrder>();
     std::thread::Builder::new()
         .name("session-reader".into())
         .spawn(move || read_host_frames(reader, run_tx))
@@ -143,9 +152,12 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
         // The receiver moves into the GIL-free closure and back (it is Send, not Sync).
         let (next, back) = py.detach(move || (run_rx.recv(), run_rx));
         run_rx = back;
-        let Ok((id, code)) = next else {
+        let Ok(RunOrder { id, code, bind }) = next else {
             return Ok(()); // the host closed the session
         };
+        if let Some(bind) = bind {
+            bind_session(py, &runner, bind)?;
+        }
         let done = run_cell(&runner, id, &code);
         flush_python_streams(py);
         // Everything the cell wrote is in the pipes now; send it before `done`. Without the
@@ -154,14 +166,38 @@ fn serve_session(py: Python<'_>, spec: WorkerSpec, session_fd: OwnedFd) -> anyho
     }
 }
 
+/// A cell to run, as the reader thread hands it to the main thread.
+struct RunOrder {
+    id: u64,
+    code: String,
+    bind: Option<frame::Binding>,
+}
+
+/// A pre-forked spare's hand-off to its session (see [`frame::Binding`]). A failure ends the
+/// worker: it would otherwise run the session's code under the spare's paths.
+fn bind_session(
+    py: Python<'_>,
+    runner: &Bound<'_, PyModule>,
+    bind: frame::Binding,
+) -> anyhow::Result<()> {
+    let env = PyDict::new(py);
+    for (k, v) in &bind.env {
+        env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
+    }
+    runner
+        .call_method1("bind_session", (env, bind.scratch.display().to_string()))
+        .map_err(|e| anyhow!("binding the spare worker to its session: {e}"))?;
+    Ok(())
+}
+
 /// Body of the reader thread: dispatches frames from the host until the socket closes.
-fn read_host_frames(mut reader: UnixStream, runs: std::sync::mpsc::Sender<(u64, String)>) {
+fn read_host_frames(mut reader: UnixStream, runs: std::sync::mpsc::Sender<RunOrder>) {
     block_sigint_on_this_thread();
     loop {
         match frame::read_frame(&mut reader) {
             Ok(Some((KIND_JSON, body))) => match serde_json::from_slice::<ToWorker>(&body) {
-                Ok(ToWorker::Run { id, code }) => {
-                    if runs.send((id, code)).is_err() {
+                Ok(ToWorker::Run { id, code, bind }) => {
+                    if runs.send(RunOrder { id, code, bind }).is_err() {
                         break;
                     }
                 }

@@ -1,0 +1,163 @@
+//! Pre-forked spare workers, so a new session does not wait for a fork and a lockdown.
+//!
+//! A spare is an ordinary worker, forked and locked down before anyone asks for it, in a
+//! directory of its own, `sessions-<pid>/@spare-N` ('@' is never in a session name). Nothing
+//! about it depends on the session it will serve: its Landlock grants, its private `/tmp` and
+//! its cwd all name that directory (by inode, once applied). When a new session needs a worker,
+//! the host renames the spare's directory to the session's name, moves the spare under the
+//! session cap, and sends the variables that name the session with its first cell
+//! ([`crate::frame::Binding`]). The sandbox argument is unchanged: a spare is locked down before
+//! it says `ready`, and it runs nothing until it is handed code.
+//!
+//! Spares do not count against `IRONCELL_MAX_SESSIONS` (they hold places of their own, up to
+//! `IRONCELL_POOL_SIZE`), cost memory while they wait, and are reported in `system://info`.
+//! A spare is handed only to a session without files (a new one, or one whose directory is
+//! empty): a session with files keeps its own directory and gets a fresh fork.
+
+use tokio::sync::{Notify, OwnedSemaphorePermit};
+
+use super::quota::remove_scratch;
+use super::*;
+
+/// After a spare failed to start, how long the pool waits before trying again.
+const REFILL_BACKOFF: Duration = Duration::from_secs(2);
+
+/// A locked-down worker waiting for a session.
+pub(super) struct Spare {
+    worker: LiveWorker,
+    scratch: PathBuf,
+    /// The font cache it was given (`MPLCONFIGDIR`); a spare from before the shared cache was
+    /// published is not handed out.
+    font_cache: Option<PathBuf>,
+}
+
+pub(super) struct Pool {
+    size: usize,
+    spares: Mutex<Vec<Spare>>,
+    /// One place per spare, waiting or starting.
+    places: Arc<Semaphore>,
+    /// Wakes the refill task after a spare was taken or found dead.
+    wanted: Notify,
+    next_id: AtomicU64,
+}
+
+impl Pool {
+    pub(super) fn new(size: usize) -> Pool {
+        Pool {
+            size,
+            spares: Mutex::new(Vec::new()),
+            places: Arc::new(Semaphore::new(size)),
+            wanted: Notify::new(),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// The pids of the waiting spares.
+    pub(super) fn pids(&self) -> Vec<i32> {
+        lock(&self.spares).iter().map(|s| s.worker.pid).collect()
+    }
+
+    pub(super) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Kills every waiting spare.
+    pub(super) fn clear(&self) {
+        lock(&self.spares).clear();
+    }
+}
+
+impl SessionManager {
+    /// Hands `session` a waiting spare, if one fits: the session has no files, no extra grants
+    /// (the local tools session has some), and the spare is alive and current. Gives `slot`
+    /// back if not.
+    pub(super) fn take_spare(
+        &self,
+        session: &Session,
+        slot: OwnedSemaphorePermit,
+    ) -> Result<LiveWorker, OwnedSemaphorePermit> {
+        if self.pool.size == 0 || session.name.starts_with('@') {
+            return Err(slot);
+        }
+        if let Some(tools) = self.local_tools.get()
+            && !tools.read_grants_for(&session.name).is_empty()
+        {
+            return Err(slot);
+        }
+        // Only a directory without files is replaced (rmdir refuses anything else).
+        match std::fs::remove_dir(&session.scratch) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => return Err(slot),
+        }
+        let font_cache = lock(&self.font_cache).clone();
+        let zygote_dead = lock(&self.zygote).as_ref().is_none_or(|z| z.is_dead());
+        loop {
+            let Some(mut spare) = lock(&self.pool.spares).pop() else {
+                self.pool.wanted.notify_one();
+                return Err(slot);
+            };
+            self.pool.wanted.notify_one();
+            let alive = matches!(spare.worker.liveness(), Liveness::Alive)
+                && !zygote_dead
+                && !spare.worker.hung_up();
+            if !alive || spare.font_cache != font_cache {
+                tracing::debug!(pid = spare.worker.pid, alive, "discarding a spare");
+                let Spare {
+                    worker, scratch, ..
+                } = spare;
+                drop(worker); // kills it
+                tokio::spawn(remove_scratch(scratch));
+                continue;
+            }
+            // Renaming a directory within sessions-<pid>: both names are the host's own, and
+            // the spare has run no code, so its directory holds nothing of the worker's.
+            if let Err(e) = std::fs::rename(&spare.scratch, &session.scratch) {
+                tracing::warn!(from = %spare.scratch.display(), to = %session.scratch.display(), error = %e, "cannot hand a spare its session's directory");
+                return Err(slot);
+            }
+            spare.worker.move_to_slot(slot);
+            spare.worker.bind = Some(crate::frame::Binding {
+                env: super::spawn::session_environment(&session.name, &session.scratch),
+                scratch: session.scratch.clone(),
+            });
+            tracing::debug!(session = %session.name, pid = spare.worker.pid, "session takes a spare");
+            return Ok(spare.worker);
+        }
+    }
+
+    /// Keeps the pool full until the server shuts down: one spare at a time, again whenever
+    /// one was taken or found dead.
+    pub(super) async fn keep_pool_filled(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            let mut pause = Duration::from_secs(3600);
+            if let Ok(place) = self.pool.places.clone().try_acquire_owned() {
+                match self.start_spare(place).await {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        tracing::warn!("cannot start a spare worker: {e}");
+                        pause = REFILL_BACKOFF;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = self.pool.wanted.notified() => {}
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    async fn start_spare(&self, place: OwnedSemaphorePermit) -> Result<(), RunRefusal> {
+        let n = self.pool.next_id.fetch_add(1, Ordering::Relaxed);
+        let scratch = self.root.join(format!("@spare-{n}"));
+        let font_cache = lock(&self.font_cache).clone();
+        let worker = self.spawn_worker_in_slot(None, &scratch, place).await?;
+        lock(&self.pool.spares).push(Spare {
+            worker,
+            scratch,
+            font_cache,
+        });
+        Ok(())
+    }
+}

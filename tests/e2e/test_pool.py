@@ -1,0 +1,205 @@
+"""Spare workers: a new session takes a worker forked and locked down in advance (docs/ARCHITECTURE.md,
+"Spare workers"; docs/SECURITY.md #80-#82).
+
+A session is known to run in a spare when its worker process already existed, as a child of
+the zygote, before the request was sent (read from /proc by the test, outside the sandbox).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import pytest
+from conftest import RawServer, pid_alive, shared_tmp_dir, wait_until
+
+USERS = ["root", "nobody"]
+
+
+def children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids.update(int(p) for p in f.read().split())
+    return kids
+
+
+def info(srv: RawServer) -> dict:
+    r = srv.request("resources/read", {"uri": "system://info"})
+    return json.loads(r["result"]["contents"][0]["text"])
+
+
+def spares_waiting(srv: RawServer) -> int:
+    return info(srv)["spare_workers"]["waiting"]
+
+
+class Server:
+    def __init__(self, as_user: str = "root", **env: str):
+        self.dir = shared_tmp_dir()
+        state = self.dir / "state"
+        state.mkdir(mode=0o777)
+        os.chmod(state, 0o777)
+        self.state = state
+        self.srv = RawServer(self.dir, as_user=as_user, MCP_BRIDGE_STATE_DIR=str(state), **env)
+        self.srv.initialize()
+
+    def run(self, code: str, session: str) -> dict:
+        r = self.srv.call(code, session=session)
+        assert not r.get("isError"), r
+        return r["structuredContent"]
+
+    def wait_for_full_pool(self, size: int = 2) -> None:
+        assert wait_until(lambda: spares_waiting(self.srv) == size, timeout=60, step=0.1), info(self.srv)
+
+    def workers(self) -> set[int]:
+        """Every process the server's zygote(s) forked: spares and session workers."""
+        return {w for z in children(self.srv.proc.pid) for w in children(z)}
+
+    def new_session_from_spare(self, session: str, code: str = "") -> dict:
+        """Runs `code` in a new session that must have taken a spare."""
+        self.wait_for_full_pool()
+        before = self.workers()
+        rec = self.run("import os\n" + code + "\nos.getpid()", session)
+        assert rec["status"] == "ok", rec
+        assert rec["session_state"] == "new", rec
+        assert int(rec["result"]) in before, f"{session} did not run in a pre-forked spare: {rec}"
+        return rec
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+@pytest.fixture(params=USERS)
+def server(request):
+    s = Server(request.param)
+    yield s
+    s.close()
+
+
+def test_a_new_session_runs_in_a_spare_that_knows_its_name_and_directory(server):
+    rec = server.new_session_from_spare(
+        "analysis",
+        "import tempfile\n"
+        "open('made-here.txt', 'w').write('x')\n"
+        "with tempfile.NamedTemporaryFile(dir=None, delete=False) as f: f.write(b'y')\n"
+        "_where = (os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'], os.environ['PWD'],\n"
+        "          os.environ['IRONCELL_SESSION'], os.path.dirname(f.name), sorted(os.listdir('.')))\n"
+        "print(repr(_where))\n",
+    )
+    cwd, home, tmpdir, pwd, name, tmpfile_dir, listing = eval(rec["stdout"])
+    sessions_dir = next(server.state.glob("sessions-*"))
+    expected = str(sessions_dir / "analysis")
+    assert (cwd, home, tmpdir, pwd, name) == (expected, expected, expected, expected, "analysis")
+    assert tmpfile_dir in (expected, "/tmp")  # the private /tmp is the session directory
+    assert "made-here.txt" in listing
+    # The host sees the file where the session says it is, and links it.
+    assert (sessions_dir / "analysis" / "made-here.txt").read_text() == "x"
+    assert any(f["path"] == "made-here.txt" for f in rec["files"]), rec
+    # No spare directory is left holding the session's files.
+    assert not any((p / "made-here.txt").exists() for p in sessions_dir.glob("@spare-*"))
+
+
+def test_a_taken_spare_is_replaced_and_spares_stay_outside_the_session_cap(tmp_path):
+    s = Server(IRONCELL_MAX_SESSIONS="1")
+    try:
+        s.new_session_from_spare("one")
+        s.wait_for_full_pool()  # refilled in the background
+        i = info(s.srv)
+        assert i["sessions"]["live_workers"] == 1, i
+        assert i["spare_workers"]["pool_size"] == 2
+        # A second session evicts the first (cap 1) and still takes a spare.
+        s.new_session_from_spare("two")
+        assert wait_until(lambda: info(s.srv)["sessions"]["live_workers"] == 1)
+        again = s.run("1", "one")
+        assert any("make room" in n for n in again["notices"]), again
+    finally:
+        s.close()
+
+
+def test_a_session_with_files_keeps_its_directory_when_its_worker_is_replaced(server):
+    server.new_session_from_spare("keep", "open('data.txt', 'w').write('kept')")
+    lost = server.srv.call("import os; os._exit(3)", session="keep")["structuredContent"]
+    assert lost["session_state"] == "lost", lost
+    rec = server.run("import os; open('data.txt').read(), os.getcwd().endswith('/keep')", "keep")
+    assert rec["result"] == "('kept', True)", rec
+
+
+def test_pool_size_zero_keeps_no_spares():
+    s = Server(IRONCELL_POOL_SIZE="0")
+    try:
+        before = s.workers()
+        rec = s.run("import os; os.getpid()", "fresh")
+        assert rec["status"] == "ok" and int(rec["result"]) not in before, rec
+        time.sleep(1.0)
+        i = info(s.srv)
+        assert i["spare_workers"]["waiting"] == 0 and i["spare_workers"]["pool_size"] == 0, i
+    finally:
+        s.close()
+
+
+def test_spares_lost_with_their_zygote_are_not_handed_out(server):
+    server.wait_for_full_pool()
+    zygote = int(server.run("import os; os.getppid()", "probe")["result"])
+    spares = children(zygote)
+    os.kill(zygote, 9)
+    gone = wait_until(lambda: not any(pid_alive(p) for p in spares | {zygote}), 5)
+    assert gone, [(p, open(f"/proc/{p}/status").read()[:300]) for p in spares | {zygote} if pid_alive(p)]
+    # The next new session must not get a dead spare: it runs, in a live worker.
+    rec = server.srv.call("import os; os.getcwd().endswith('/after')", session="after")
+    assert rec["structuredContent"]["status"] == "ok", rec
+    assert rec["structuredContent"]["result"] == "True", rec
+
+
+ATTACKS = {
+    # docs/SECURITY.md #80: a spare is locked down before it waits; its session inherits that.
+    "read /etc/passwd": "open('/etc/passwd').read()",
+    "write a host file": "open({target!r}, 'w').write('pwned')",
+    "list the sessions directory": "os.listdir('..')",
+    "open an inet socket": "__import__('socket').socket().connect(('127.0.0.1', 9))",
+    "start a shell": "os.execv('/bin/sh', ['sh', '-c', 'true'])",
+}
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_80_a_session_from_a_spare_is_as_locked_down_as_a_fresh_one(user):
+    outside = shared_tmp_dir("/var/tmp")
+    target = outside / "host-file"
+    s = Server(user)
+    try:
+        s.new_session_from_spare("attack")
+        for what, expr in ATTACKS.items():
+            code = (
+                "try:\n"
+                f"    {expr.format(target=str(target))}\n"
+                "    _r = 'ok'\n"
+                "except BaseException as e:\n"
+                "    _r = type(e).__name__\n"
+                "_r"
+            )
+            rec = s.run(code, "attack")
+            assert rec["status"] == "ok", (what, rec)
+            assert rec["result"] != "'ok'", f"{what} succeeded in a session from a spare ({user})"
+        assert not target.exists()
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_81_a_session_cannot_reach_the_spares_waiting_next_to_it(user):
+    s = Server(user)
+    try:
+        s.new_session_from_spare("neighbour")
+        s.wait_for_full_pool()
+        sessions_dir = next(s.state.glob("sessions-*"))
+        spares = sorted(p.name for p in sessions_dir.glob("@spare-*"))
+        assert spares, "no spare directories to aim at"
+        for name in spares:
+            for expr in (f"os.listdir('../{name}')", f"open('../{name}/planted.py', 'w').write('x')"):
+                rec = s.run(f"try:\n    {expr}\n    _r = 'ok'\nexcept OSError as e:\n    _r = e.errno\n_r", "neighbour")
+                assert rec["result"] != "'ok'", (name, expr, rec)
+        assert not any((sessions_dir / n / "planted.py").exists() for n in spares)
+    finally:
+        s.close()
