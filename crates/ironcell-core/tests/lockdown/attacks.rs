@@ -864,3 +864,49 @@ fn write_read_list_remove_in_scratch(t: &Targets) -> Outcome {
     }
     Outcome::Done
 }
+
+extern "C" fn park_forever(_: *mut libc::c_void) -> *mut libc::c_void {
+    loop {
+        // SAFETY: pause only waits for a signal; the child's _exit ends every thread.
+        unsafe { libc::pause() };
+    }
+}
+
+/// Catalogue #29/#49: starts threads with small (64 KiB) stacks, each parked for good, until
+/// one is refused or `max` run. Returns how many started and the refusal's errno.
+pub fn start_threads(max: u64) -> (u64, Option<i32>) {
+    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
+    // SAFETY: initialising an attribute object we own.
+    if unsafe { libc::pthread_attr_init(attr.as_mut_ptr()) } != 0 {
+        return (0, Some(-1));
+    }
+    // SAFETY: pthread_attr_init succeeded; 64 KiB is above PTHREAD_STACK_MIN.
+    unsafe { libc::pthread_attr_setstacksize(attr.as_mut_ptr(), 64 << 10) };
+    for started in 0..max {
+        let mut thread: libc::pthread_t = 0;
+        // SAFETY: a valid attribute object and a thread function that never returns.
+        let rc = unsafe {
+            libc::pthread_create(
+                &mut thread,
+                attr.as_ptr(),
+                park_forever,
+                std::ptr::null_mut(),
+            )
+        };
+        if rc != 0 {
+            return (started, Some(rc));
+        }
+    }
+    (max, None)
+}
+
+/// RLIMIT_NPROC of this process (`RLIM_INFINITY` when there is none).
+pub fn nproc_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid struct pointer.
+    unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut lim) };
+    lim.rlim_cur
+}

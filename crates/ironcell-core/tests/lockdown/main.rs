@@ -58,6 +58,10 @@ const TESTS: &[(&str, Test)] = &[
         kill_listed_syscalls_end_a_locked_down_child_with_sigsys,
     ),
     (
+        "a_locked_down_childs_threads_stop_at_the_thread_cap",
+        a_locked_down_childs_threads_stop_at_the_thread_cap,
+    ),
+    (
         "canary_a_plan_granting_the_target_dir_lets_the_attack_through",
         canary_a_plan_granting_the_target_dir_lets_the_attack_through,
     ),
@@ -404,6 +408,86 @@ fn kill_listed_syscalls_end_a_locked_down_child_with_sigsys(who: Who) -> anyhow:
             ));
         }
         fx.remove_pids_group_of(&plan, locked.pid);
+    }
+    Ok(verdict(problems))
+}
+
+/// Catalogue #29 and #49: thousands of small-stack threads stop at the thread cap (a pids
+/// cgroup's `pids.max` for a root worker, RLIMIT_NPROC for any other), and without the lockdown
+/// the same child goes past it.
+fn a_locked_down_childs_threads_stop_at_the_thread_cap(who: Who) -> anyhow::Result<Verdict> {
+    if let Some(why) = kernel_lacks() {
+        return Ok(Verdict::Skip(why));
+    }
+    let fx = Fixture::new(who)?;
+    let plan = plan_for(who, &fx.scratch, None)?;
+    let by_cgroup = plan.pids_cgroup_parent.is_some();
+    if !by_cgroup && who.uid() == 0 {
+        return Ok(Verdict::Skip(
+            "a root worker without a writable pids cgroup has no thread cap (an accepted \
+             residual risk in docs/SECURITY.md; `doctor` says `thread cap NONE`)"
+                .into(),
+        ));
+    }
+    const TRIES: u64 = 100_000;
+    let locked = child::spawn(who, Some(&plan), |r| {
+        r.line("nproc", &attacks::nproc_limit().to_string());
+        let (started, refused) = attacks::start_threads(TRIES);
+        r.line("started", &started.to_string());
+        r.line("refused", &refused.unwrap_or(0).to_string());
+    })?
+    .run_to_end()?;
+    fx.remove_pids_group_of(&plan, locked.pid);
+    let mut problems = Vec::new();
+    if let Some(setup) = locked.value("setup") {
+        problems.push(format!("the child could not set up: {setup}"));
+        return Ok(verdict(problems));
+    }
+    let number = |key: &str| locked.value(key).and_then(|v| v.parse::<u64>().ok());
+    let (Some(nproc), Some(started), Some(refused)) =
+        (number("nproc"), number("started"), number("refused"))
+    else {
+        problems.push(format!(
+            "the child did not report its threads (ended as {:?})",
+            locked.status
+        ));
+        return Ok(verdict(problems));
+    };
+    // pids.max counts the main thread; RLIMIT_NPROC counts every task of the uid.
+    let (cap, layer) = if by_cgroup {
+        (plan.limits.threads, "pids.max")
+    } else {
+        (nproc, "RLIMIT_NPROC")
+    };
+    if std::env::var_os("IRONCELL_LOCKDOWN_VERBOSE").is_some() {
+        println!(
+            "    [{}] threads: {started} started, then errno {refused}; {layer} cap {cap}",
+            who.label()
+        );
+    }
+    if !by_cgroup && nproc == libc::RLIM_INFINITY {
+        problems.push("a non-root locked-down child has no RLIMIT_NPROC".into());
+    }
+    if refused != libc::EAGAIN as u64 || started >= cap {
+        problems.push(format!(
+            "wanted EAGAIN below the {layer} cap of {cap}; {started} threads started, \
+             then errno {refused}"
+        ));
+    }
+    // Control: the same child without the lockdown starts more threads than the cap allows.
+    let want = started + 64;
+    let control = child::spawn(who, None, |r| {
+        let (started, refused) = attacks::start_threads(want);
+        r.line("started", &started.to_string());
+        r.line("refused", &refused.unwrap_or(0).to_string());
+    })?
+    .run_to_end()?;
+    if control.value("started") != Some(want.to_string().as_str()) {
+        problems.push(format!(
+            "without the lockdown wanted {want} threads, got {:?} (errno {:?})",
+            control.value("started"),
+            control.value("refused")
+        ));
     }
     Ok(verdict(problems))
 }
