@@ -106,6 +106,15 @@ pub fn spawn(
     plan: Option<&SandboxPlan>,
     body: impl FnOnce(&mut Reporter),
 ) -> anyhow::Result<Child> {
+    let threads = std::fs::read_dir("/proc/self/task")
+        .context("listing /proc/self/task")?
+        .count();
+    if threads != 1 {
+        bail!(
+            "the test process has {threads} threads; the lockdown must be applied in a child \
+             forked from a single-threaded process, as the zygote is"
+        );
+    }
     let (report_r, report_w) = pipe().context("pipe")?;
     let (go_r, go_w) = pipe().context("pipe")?;
     // SAFETY: this process has one thread (no test harness), so the child may do anything.

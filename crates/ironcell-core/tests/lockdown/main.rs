@@ -12,8 +12,10 @@
 //!
 //! This binary has no test harness (`harness = false` in Cargo.toml): `main` is its only
 //! thread, so a forked child is single-threaded like a worker and may allocate freely.
-//! Arguments: an optional substring filter (like libtest's) and `--list`; other flags are
-//! ignored. Skips (a kernel without Landlock or seccomp) are printed with their reason.
+//! Arguments: an optional name filter (a substring, or the whole name with `--exact`, like
+//! libtest's), `--list` and `--ignored`; other flags are ignored. Skips are printed with their
+//! reason: a kernel without Landlock or seccomp, and (thread cap only) a root invoker without a
+//! writable pids cgroup, where docs/SECURITY.md accepts that no cap exists.
 //! `IRONCELL_LOCKDOWN_VERBOSE=1` prints every attack's verdict.
 
 mod attacks;
@@ -35,7 +37,7 @@ use attacks::{ATTACKS, Expect, KILLERS, Outcome};
 use child::Who;
 use fixture::Fixture;
 
-/// One named test: `Ok(())`, a skip with its reason, or the list of what did not hold.
+/// One named test's end: passed, skipped (with the reason), or the list of what did not hold.
 enum Verdict {
     Pass,
     Skip(String),
@@ -69,7 +71,23 @@ const TESTS: &[(&str, Test)] = &[
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let filter = args.iter().find(|a| !a.starts_with('-')).cloned();
+    // libtest flags that take a separate value; that value is not a filter.
+    const WITH_VALUE: &[&str] = &[
+        "--test-threads",
+        "--skip",
+        "--format",
+        "--color",
+        "--logfile",
+        "-Z",
+    ];
+    let filter = args
+        .iter()
+        .enumerate()
+        .find(|(i, a)| {
+            !a.starts_with('-') && (*i == 0 || !WITH_VALUE.contains(&args[i - 1].as_str()))
+        })
+        .map(|(_, a)| a.clone());
+    let exact = args.iter().any(|a| a == "--exact");
     let who_list: Vec<Who> = if Uid::current().is_root() {
         vec![Who::Invoker, Who::Nobody]
     } else {
@@ -79,7 +97,12 @@ fn main() -> ExitCode {
     for (name, test) in TESTS {
         for &who in &who_list {
             let full = format!("{name}[{}]", who.label());
-            if filter.as_ref().is_none_or(|f| full.contains(f.as_str())) {
+            let wanted = match &filter {
+                None => true,
+                Some(f) if exact => full == *f,
+                Some(f) => full.contains(f.as_str()),
+            };
+            if wanted {
                 selected.push((full, *test, who));
             }
         }
