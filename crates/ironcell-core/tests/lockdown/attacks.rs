@@ -1,0 +1,916 @@
+//! The attacks a locked-down child makes, each one raw syscall (or a few) through libc, and
+//! what must come of it. Numbers are docs/SECURITY.md's attack catalogue.
+//!
+//! Each attack also has a *control*: what it does in the same child without the lockdown. The
+//! control proves that the refusal comes from the sandbox, not from file modes or the
+//! environment (a world-writable target dir, a world-readable-and-writable target file, a
+//! listener anyone can reach).
+
+use std::ffi::{CStr, CString};
+
+/// What an attack came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The forbidden thing happened (or, for a positive control, the allowed thing worked).
+    Done,
+    /// The decisive call failed with this errno.
+    Refused(i32),
+    /// Something else went wrong (a setup step failed, data read back differs, ...).
+    Broken(String),
+}
+
+impl Outcome {
+    pub fn encode(&self) -> String {
+        match self {
+            Outcome::Done => "done".into(),
+            Outcome::Refused(e) => format!("errno {e}"),
+            Outcome::Broken(why) => format!("broken {}", why.replace(['\t', '\n'], " ")),
+        }
+    }
+
+    pub fn decode(s: &str) -> Outcome {
+        if s == "done" {
+            Outcome::Done
+        } else if let Some(n) = s.strip_prefix("errno ").and_then(|n| n.parse().ok()) {
+            Outcome::Refused(n)
+        } else {
+            Outcome::Broken(s.strip_prefix("broken ").unwrap_or(s).to_string())
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Outcome::Done => "it succeeded".into(),
+            Outcome::Refused(e) => format!("{} ({e})", nix::errno::Errno::from_raw(*e)),
+            Outcome::Broken(why) => format!("broken: {why}"),
+        }
+    }
+}
+
+/// What must come of an attack.
+#[derive(Debug, Clone, Copy)]
+pub enum Expect {
+    Done,
+    /// Refused with one of these errnos.
+    Refused(&'static [i32]),
+    /// Not run (e.g. a successful `execve` would replace the reporting child).
+    NotRun,
+    /// Done when the child runs as uid 0, otherwise not asserted (file modes decide).
+    DoneAsRoot,
+    /// Done when the child has the parent's uid, otherwise not asserted.
+    DoneAsParentsUser,
+    /// Done when the child is root holding this capability (containers often withhold some),
+    /// otherwise not asserted.
+    DoneAsRootWithCapability(u32),
+}
+
+/// Paths, names and limits the attacks aim at, made by the parent before the fork.
+pub struct Targets {
+    /// A world-readable-and-writable host file outside every grant; holds [`VICTIM_TEXT`].
+    pub victim: CString,
+    /// A file the attack tries to create in a world-writable host dir outside every grant.
+    pub new_host_file: CString,
+    pub scratch: CString,
+    pub scratch_file: CString,
+    pub scratch_link: CString,
+    pub scratch_hard_link: CString,
+    pub scratch_script: CString,
+    pub scratch_big: CString,
+    /// A pathname unix socket the parent listens on (mode 0777).
+    pub unix_path: CString,
+    /// An abstract unix socket name the parent listens on (without the leading NUL).
+    pub abstract_name: Vec<u8>,
+    pub tcp_port: u16,
+    pub udp_port: u16,
+    /// RLIMIT_FSIZE of the plan.
+    pub file_size_bytes: u64,
+    /// RLIMIT_NOFILE of the plan.
+    pub open_files: u64,
+    /// RLIMIT_DATA of the plan.
+    pub memory_bytes: u64,
+    /// RLIMIT_AS of the plan.
+    pub address_space_bytes: u64,
+}
+
+pub const VICTIM_TEXT: &str = "secret";
+pub const VICTIM_MODE: u32 = 0o666;
+
+pub struct Attack {
+    /// Starts with the catalogue number it implements.
+    pub name: &'static str,
+    pub run: fn(&Targets) -> Outcome,
+    /// Under the lockdown.
+    pub locked: Expect,
+    /// Without the lockdown, in an otherwise identical child.
+    pub control: Expect,
+}
+
+const CAP_SYS_RESOURCE: u32 = 24;
+const EACCES: &[i32] = &[libc::EACCES];
+const EPERM: &[i32] = &[libc::EPERM];
+
+/// Every attack run in one locked-down child, in order. The `execve` attacks are last: if one
+/// succeeded, the child's program would be gone and the parent would see the report end early.
+pub const ATTACKS: &[Attack] = &[
+    Attack {
+        name: "01_read_etc_passwd",
+        run: |_| open_and_close(c"/etc/passwd", libc::O_RDONLY),
+        locked: Expect::Refused(EACCES),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "03_list_the_root_directory",
+        run: |_| open_and_close(c"/", libc::O_RDONLY | libc::O_DIRECTORY),
+        locked: Expect::Refused(EACCES),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "04_read_a_host_file_through_a_symlink_in_the_scratch_dir",
+        run: |t| {
+            // SAFETY: valid C strings.
+            if unsafe { libc::symlink(t.victim.as_ptr(), t.scratch_link.as_ptr()) } != 0 {
+                return broken("symlink in the scratch dir");
+            }
+            open_and_close(&t.scratch_link, libc::O_RDONLY)
+        },
+        locked: Expect::Refused(EACCES),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "05_hard_link_a_host_file_into_the_scratch_dir",
+        // SAFETY: valid C strings.
+        run: |t| check(unsafe { libc::link(t.victim.as_ptr(), t.scratch_hard_link.as_ptr()) }),
+        locked: Expect::Refused(&[libc::EXDEV, libc::EACCES]),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "06_read_proc_self_environ",
+        run: |_| open_and_close(c"/proc/self/environ", libc::O_RDONLY),
+        locked: Expect::Refused(EACCES),
+        // A child that changed its uid is not dumpable, so its /proc files belong to root.
+        control: Expect::DoneAsParentsUser,
+    },
+    Attack {
+        name: "06_read_the_parents_environ",
+        run: |_| {
+            // SAFETY: getppid cannot fail.
+            let path = format!("/proc/{}/environ", unsafe { libc::getppid() });
+            match CString::new(path) {
+                Ok(p) => open_and_close(&p, libc::O_RDONLY),
+                Err(e) => broken(&e.to_string()),
+            }
+        },
+        locked: Expect::Refused(EACCES),
+        control: Expect::DoneAsParentsUser,
+    },
+    Attack {
+        name: "07_read_a_world_readable_host_file_outside_the_grants",
+        run: |t| open_and_close(&t.victim, libc::O_RDONLY),
+        locked: Expect::Refused(EACCES),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "08_open_a_world_writable_host_file_for_writing",
+        run: |t| open_and_close(&t.victim, libc::O_WRONLY),
+        locked: Expect::Refused(EACCES),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "08_create_a_file_in_a_world_writable_host_dir",
+        run: |t| {
+            open_and_close(
+                &t.new_host_file,
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+            )
+        },
+        locked: Expect::Refused(EACCES),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "08_open_etc_passwd_for_writing",
+        run: |_| open_and_close(c"/etc/passwd", libc::O_WRONLY),
+        locked: Expect::Refused(EACCES),
+        control: Expect::DoneAsRoot,
+    },
+    Attack {
+        name: "08_open_a_read_only_grant_for_writing",
+        run: |_| open_and_close(c"/etc/ld.so.cache", libc::O_WRONLY),
+        locked: Expect::Refused(EACCES),
+        control: Expect::DoneAsRoot,
+    },
+    Attack {
+        name: "09_positive_read_a_read_only_grant",
+        run: |_| {
+            let fd = match open(c"/etc/ld.so.cache", libc::O_RDONLY) {
+                Ok(fd) => fd,
+                Err(e) => return Outcome::Refused(e),
+            };
+            let mut byte = [0u8; 1];
+            // SAFETY: reading one byte into a valid buffer from our own fd.
+            let n = unsafe { libc::read(fd, byte.as_mut_ptr().cast(), 1) };
+            close(fd);
+            if n == 1 {
+                Outcome::Done
+            } else {
+                broken("read of /etc/ld.so.cache")
+            }
+        },
+        locked: Expect::Done,
+        control: Expect::Done,
+    },
+    Attack {
+        name: "09_positive_write_read_back_list_and_remove_in_the_scratch_dir",
+        run: write_read_list_remove_in_scratch,
+        locked: Expect::Done,
+        control: Expect::Done,
+    },
+    Attack {
+        name: "11_a_file_past_the_size_limit_is_efbig_not_a_death",
+        run: |t| {
+            let fd = match open(&t.scratch_big, libc::O_WRONLY | libc::O_CREAT) {
+                Ok(fd) => fd,
+                Err(e) => return broken(&format!("creating the file: errno {e}")),
+            };
+            // One byte just past RLIMIT_FSIZE (a sparse file: nothing is really written).
+            let offset = t.file_size_bytes as libc::off_t;
+            // SAFETY: writing one byte from a valid buffer to our own fd.
+            let rc = unsafe { libc::pwrite(fd, b"x".as_ptr().cast(), 1, offset) };
+            let outcome = if rc == 1 {
+                Outcome::Done
+            } else {
+                Outcome::Refused(errno())
+            };
+            close(fd);
+            // SAFETY: valid C string.
+            unsafe { libc::unlink(t.scratch_big.as_ptr()) };
+            outcome
+        },
+        locked: Expect::Refused(&[libc::EFBIG]),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "12_tcp_connect_to_a_loopback_listener",
+        run: |t| connect_inet(libc::SOCK_STREAM, t.tcp_port),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "13_udp_sendto_a_loopback_port",
+        run: |t| connect_inet(libc::SOCK_DGRAM, t.udp_port),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "14_connect_to_a_pathname_unix_socket",
+        run: |t| connect_unix(t.unix_path.as_bytes(), false),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "15_connect_to_an_abstract_unix_socket",
+        run: |t| connect_unix(&t.abstract_name, true),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "16_open_a_netlink_socket",
+        run: |_| new_socket(libc::AF_NETLINK, libc::SOCK_RAW, libc::NETLINK_ROUTE),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "16_open_a_packet_socket",
+        run: |_| new_socket(libc::AF_PACKET, libc::SOCK_RAW, 0),
+        locked: Expect::Refused(EPERM),
+        control: Expect::DoneAsRoot,
+    },
+    Attack {
+        name: "19_fork",
+        run: |_| {
+            // SAFETY: the grandchild (if any) only calls _exit.
+            match unsafe { libc::fork() } {
+                0 => unsafe { libc::_exit(0) },
+                -1 => Outcome::Refused(errno()),
+                pid => {
+                    let mut status = 0;
+                    // SAFETY: waiting for our own child.
+                    unsafe { libc::waitpid(pid, &mut status, 0) };
+                    Outcome::Done
+                }
+            }
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "20_signal_the_parent",
+        // SAFETY: signal 0 only checks permission.
+        run: |_| check(unsafe { libc::kill(libc::getppid(), 0) }),
+        locked: Expect::Refused(EPERM),
+        control: Expect::DoneAsParentsUser,
+    },
+    Attack {
+        name: "20_signal_every_process",
+        // SAFETY: signal 0 only checks permission.
+        run: |_| check(unsafe { libc::kill(-1, 0) }),
+        locked: Expect::Refused(EPERM),
+        control: Expect::DoneAsRoot,
+    },
+    Attack {
+        name: "21_prlimit_on_the_parent",
+        run: |_| {
+            let mut old = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: reads the parent's limit into a valid struct; sets nothing.
+            check(unsafe {
+                libc::prlimit(
+                    libc::getppid(),
+                    libc::RLIMIT_NOFILE,
+                    std::ptr::null(),
+                    &mut old,
+                )
+            })
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::DoneAsParentsUser,
+    },
+    Attack {
+        name: "21_raise_its_own_hard_limit",
+        run: |_| {
+            // Lower the hard limit by one (anyone may), then raise it back (needs
+            // CAP_SYS_RESOURCE): works whatever the starting limit, even at `nr_open`.
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: valid struct pointers.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+                return broken("getrlimit");
+            }
+            let high = lim.rlim_max;
+            lim.rlim_max = high - 1;
+            lim.rlim_cur = lim.rlim_cur.min(lim.rlim_max);
+            // SAFETY: valid struct pointer.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+                return broken("lowering the hard limit");
+            }
+            lim.rlim_max = high;
+            // SAFETY: valid struct pointer.
+            check(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) })
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::DoneAsRootWithCapability(CAP_SYS_RESOURCE),
+    },
+    Attack {
+        name: "23_change_identity",
+        // SAFETY: setuid to one's own uid changes nothing when allowed.
+        run: |_| check(unsafe { libc::setuid(libc::getuid()) }),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "24_ioctl_tiocsti",
+        run: |_| {
+            // A pipe, never a terminal: without the sandbox this is ENOTTY, never an injection.
+            let mut fds = [0; 2];
+            // SAFETY: valid array of two ints.
+            if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+                return broken("pipe");
+            }
+            let c = b'x';
+            // SAFETY: TIOCSTI reads one byte from a valid pointer.
+            let rc = unsafe { libc::ioctl(fds[0], libc::TIOCSTI, &c) };
+            let outcome = if rc == 0 {
+                Outcome::Done
+            } else {
+                Outcome::Refused(errno())
+            };
+            close(fds[0]);
+            close(fds[1]);
+            outcome
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::Refused(&[libc::ENOTTY]),
+    },
+    Attack {
+        name: "46_chmod_a_host_file_setuid",
+        // SAFETY: valid C string.
+        run: |t| check(unsafe { libc::chmod(t.victim.as_ptr(), 0o4777) }),
+        locked: Expect::Refused(EPERM),
+        control: Expect::DoneAsRoot,
+    },
+    Attack {
+        name: "46_fchmod_a_scratch_file",
+        run: |t| {
+            let fd = match open(&t.scratch_file, libc::O_WRONLY | libc::O_CREAT) {
+                Ok(fd) => fd,
+                Err(e) => return broken(&format!("creating a scratch file: errno {e}")),
+            };
+            // SAFETY: our own fd.
+            let outcome = check(unsafe { libc::fchmod(fd, 0o4755) });
+            close(fd);
+            outcome
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "46_fchmod_through_a_read_only_fd_of_a_granted_file",
+        run: |_| {
+            let fd = match open(c"/etc/ld.so.cache", libc::O_RDONLY) {
+                Ok(fd) => fd,
+                Err(e) => return broken(&format!("opening a read-only grant: errno {e}")),
+            };
+            let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+            // SAFETY: fstat fills a valid stat buffer.
+            if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+                close(fd);
+                return broken("fstat");
+            }
+            // SAFETY: fstat succeeded, so the buffer is initialised.
+            let mode = unsafe { st.assume_init() }.st_mode & 0o7777;
+            // The same mode it has: the call is what is refused, not the change.
+            // SAFETY: our own fd.
+            let outcome = check(unsafe { libc::fchmod(fd, mode) });
+            close(fd);
+            outcome
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::NotRun,
+    },
+    Attack {
+        name: "46_set_the_times_of_a_host_file",
+        // SAFETY: valid C string; NULL times means "now".
+        run: |t| {
+            check(unsafe {
+                libc::utimensat(libc::AT_FDCWD, t.victim.as_ptr(), std::ptr::null(), 0)
+            })
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        // A write to a host file by path (#8); seccomp refuses `truncate` on every Landlock ABI
+        // (ABI 3 is the first to mediate it).
+        name: "08_truncate_a_world_writable_host_file_by_path",
+        run: |t| {
+            // SAFETY: valid C string; the victim's own length, so nothing changes even if allowed.
+            check(unsafe { libc::truncate(t.victim.as_ptr(), VICTIM_TEXT.len() as libc::off_t) })
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "47_fcntl_f_setown_to_the_parent",
+        // SAFETY (these three): fcntl on a pipe fd we own, integer arguments only.
+        run: |_| on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETOWN, libc::getppid()) }),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "47_fcntl_set_o_async",
+        run: |_| on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_ASYNC) }),
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "47_positive_fcntl_set_o_nonblock",
+        run: |_| on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK) }),
+        locked: Expect::Done,
+        control: Expect::Done,
+    },
+    Attack {
+        name: "48_memfd_create",
+        run: |_| {
+            // SAFETY: valid C string.
+            let fd = unsafe { libc::memfd_create(c"x".as_ptr(), 0) };
+            if fd < 0 {
+                return Outcome::Refused(errno());
+            }
+            close(fd);
+            Outcome::Done
+        },
+        locked: Expect::Refused(EPERM),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "48_map_shared_anonymous_memory_past_the_address_space_limit",
+        run: |t| map_untouched(t.address_space_bytes + (64 << 20), libc::MAP_SHARED),
+        locked: Expect::Refused(&[libc::ENOMEM]),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "28_map_private_memory_past_the_data_limit",
+        run: |t| map_untouched(t.memory_bytes + (64 << 20), libc::MAP_PRIVATE),
+        locked: Expect::Refused(&[libc::ENOMEM]),
+        control: Expect::Done,
+    },
+    Attack {
+        name: "30_open_files_until_emfile_within_the_limit",
+        run: |t| {
+            let mut opened = Vec::new();
+            let outcome = loop {
+                // SAFETY: duplicating stdin; failures are the point.
+                let fd = unsafe { libc::dup(0) };
+                if fd < 0 {
+                    break Outcome::Refused(errno());
+                }
+                opened.push(fd);
+                if opened.len() as u64 > t.open_files {
+                    break Outcome::Done;
+                }
+            };
+            for fd in opened {
+                close(fd);
+            }
+            outcome
+        },
+        locked: Expect::Refused(&[libc::EMFILE]),
+        control: Expect::NotRun,
+    },
+    Attack {
+        name: "10_exec_a_script_written_in_the_scratch_dir",
+        run: |t| {
+            let fd = match open(&t.scratch_script, libc::O_WRONLY | libc::O_CREAT) {
+                Ok(fd) => fd,
+                Err(e) => return broken(&format!("writing the script: errno {e}")),
+            };
+            let text = b"#!/bin/sh\nexit 42\n";
+            // SAFETY: writing from a valid buffer to our own fd.
+            let n = unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) };
+            close(fd);
+            if n != text.len() as isize {
+                return broken("writing the script");
+            }
+            exec(&t.scratch_script)
+        },
+        locked: Expect::Refused(&[libc::EPERM, libc::EACCES]),
+        control: Expect::NotRun,
+    },
+    Attack {
+        name: "19_execve_bin_sh",
+        run: |_| exec(c"/bin/sh"),
+        locked: Expect::Refused(EPERM),
+        control: Expect::NotRun,
+    },
+];
+
+/// A syscall that seccomp's kill-list answers by ending the process (SIGSYS). The arguments
+/// are harmless (a pid that does not exist, a null pointer, no flags), so the control child
+/// shows the call returns normally without the filter: the death comes from the filter.
+pub struct Killer {
+    pub name: &'static str,
+    pub run: fn(),
+}
+
+/// `syscall(2)` with up to six arguments.
+fn raw(nr: libc::c_long, args: [libc::c_long; 6]) {
+    // SAFETY: every caller passes harmless arguments (null pointers, invalid ids, zero flags).
+    unsafe { libc::syscall(nr, args[0], args[1], args[2], args[3], args[4], args[5]) };
+}
+
+/// A pid that no process has (above `pid_max`'s ceiling of 2^22).
+const NO_SUCH_PID: libc::c_long = (1 << 22) + 7;
+
+pub const KILLERS: &[Killer] = &[
+    Killer {
+        name: "22_ptrace_attach",
+        run: || {
+            raw(
+                libc::SYS_ptrace,
+                [libc::PTRACE_ATTACH as _, NO_SUCH_PID, 0, 0, 0, 0],
+            )
+        },
+    },
+    Killer {
+        name: "22_process_vm_readv",
+        run: || raw(libc::SYS_process_vm_readv, [NO_SUCH_PID, 0, 0, 0, 0, 0]),
+    },
+    Killer {
+        name: "23_unshare",
+        run: || raw(libc::SYS_unshare, [0; 6]),
+    },
+    Killer {
+        name: "23_keyctl",
+        run: || raw(libc::SYS_keyctl, [-1, 0, 0, 0, 0, 0]),
+    },
+    Killer {
+        name: "23_bpf",
+        run: || raw(libc::SYS_bpf, [-1, 0, 0, 0, 0, 0]),
+    },
+    Killer {
+        name: "23_perf_event_open",
+        run: || raw(libc::SYS_perf_event_open, [0, -1, -1, -1, 0, 0]),
+    },
+    Killer {
+        name: "23_userfaultfd",
+        run: || raw(libc::SYS_userfaultfd, [-1, 0, 0, 0, 0, 0]),
+    },
+    Killer {
+        name: "23_io_uring_setup",
+        run: || raw(libc::SYS_io_uring_setup, [0; 6]),
+    },
+    Killer {
+        name: "23_mount",
+        run: || raw(libc::SYS_mount, [0; 6]),
+    },
+    Killer {
+        name: "56_umount2",
+        run: || raw(libc::SYS_umount2, [0; 6]),
+    },
+    Killer {
+        name: "23_pidfd_open",
+        run: || raw(libc::SYS_pidfd_open, [NO_SUCH_PID, 0, 0, 0, 0, 0]),
+    },
+];
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn broken(why: &str) -> Outcome {
+    Outcome::Broken(format!("{why} (errno {})", errno()))
+}
+
+fn check(rc: libc::c_int) -> Outcome {
+    if rc == 0 {
+        Outcome::Done
+    } else {
+        Outcome::Refused(errno())
+    }
+}
+
+fn open(path: &CStr, flags: libc::c_int) -> Result<libc::c_int, i32> {
+    // SAFETY: valid C string; the mode is used only with O_CREAT.
+    let fd = unsafe {
+        libc::open(
+            path.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            0o755 as libc::c_uint,
+        )
+    };
+    if fd < 0 { Err(errno()) } else { Ok(fd) }
+}
+
+fn close(fd: libc::c_int) {
+    // SAFETY: closing our own fd.
+    unsafe { libc::close(fd) };
+}
+
+fn open_and_close(path: &CStr, flags: libc::c_int) -> Outcome {
+    match open(path, flags) {
+        Ok(fd) => {
+            close(fd);
+            Outcome::Done
+        }
+        Err(e) => Outcome::Refused(e),
+    }
+}
+
+fn on_a_pipe(op: impl FnOnce(libc::c_int) -> libc::c_int) -> Outcome {
+    let mut fds = [0; 2];
+    // SAFETY: valid array of two ints.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return broken("pipe");
+    }
+    let rc = op(fds[0]);
+    let outcome = if rc >= 0 {
+        Outcome::Done
+    } else {
+        Outcome::Refused(errno())
+    };
+    close(fds[0]);
+    close(fds[1]);
+    outcome
+}
+
+fn new_socket(domain: libc::c_int, ty: libc::c_int, protocol: libc::c_int) -> Outcome {
+    // SAFETY: integer arguments only.
+    let fd = unsafe { libc::socket(domain, ty | libc::SOCK_CLOEXEC, protocol) };
+    if fd < 0 {
+        return Outcome::Refused(errno());
+    }
+    close(fd);
+    Outcome::Done
+}
+
+/// socket() then connect() to 127.0.0.1:`port` (and, for UDP, one datagram).
+fn connect_inet(ty: libc::c_int, port: u16) -> Outcome {
+    // SAFETY: integer arguments only.
+    let fd = unsafe { libc::socket(libc::AF_INET, ty | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Outcome::Refused(errno());
+    }
+    let addr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a valid sockaddr_in and its size.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            (&addr as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    let mut outcome = if rc == 0 {
+        Outcome::Done
+    } else {
+        Outcome::Refused(errno())
+    };
+    if outcome == Outcome::Done && ty == libc::SOCK_DGRAM {
+        // SAFETY: sending from a valid buffer on a connected socket.
+        if unsafe { libc::send(fd, b"x".as_ptr().cast(), 1, 0) } != 1 {
+            outcome = Outcome::Refused(errno());
+        }
+    }
+    close(fd);
+    outcome
+}
+
+/// socket(AF_UNIX) then connect() to a path, or to an abstract name.
+fn connect_unix(name: &[u8], is_abstract: bool) -> Outcome {
+    // SAFETY: integer arguments only.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Outcome::Refused(errno());
+    }
+    // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let start = usize::from(is_abstract);
+    if start + name.len() >= addr.sun_path.len() {
+        close(fd);
+        return Outcome::Broken("socket name too long".into());
+    }
+    for (i, b) in name.iter().enumerate() {
+        addr.sun_path[start + i] = *b as libc::c_char;
+    }
+    let len =
+        std::mem::size_of::<libc::sa_family_t>() + start + name.len() + usize::from(!is_abstract);
+    // SAFETY: a valid sockaddr_un and the length of its used part.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    let outcome = if rc == 0 {
+        Outcome::Done
+    } else {
+        Outcome::Refused(errno())
+    };
+    close(fd);
+    outcome
+}
+
+/// Maps `bytes` of anonymous memory without touching it (the limit is checked at mmap time).
+fn map_untouched(bytes: u64, sharing: libc::c_int) -> Outcome {
+    // SAFETY: a fresh anonymous mapping, unmapped at once, never accessed.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            sharing | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Outcome::Refused(errno());
+    }
+    // SAFETY: unmapping exactly what was mapped.
+    unsafe { libc::munmap(p, bytes as usize) };
+    Outcome::Done
+}
+
+fn exec(path: &CStr) -> Outcome {
+    let argv = [
+        path.as_ptr(),
+        c"-c".as_ptr(),
+        c"exit 42".as_ptr(),
+        std::ptr::null(),
+    ];
+    let envp = [std::ptr::null()];
+    // SAFETY: null-terminated argv and envp of valid C strings. On success this process
+    // becomes the program, which exits 42 (the parent sees the report end early).
+    unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+    Outcome::Refused(errno())
+}
+
+/// The positive control of catalogue #9: ordinary file work inside the session dir.
+fn write_read_list_remove_in_scratch(t: &Targets) -> Outcome {
+    let text = b"hello from the sandbox";
+    let fd = match open(
+        &t.scratch_file,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
+    ) {
+        Ok(fd) => fd,
+        Err(e) => return Outcome::Refused(e),
+    };
+    // SAFETY: writing from a valid buffer to our own fd.
+    let n = unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) };
+    close(fd);
+    if n != text.len() as isize {
+        return broken("writing the scratch file");
+    }
+    let fd = match open(&t.scratch_file, libc::O_RDONLY) {
+        Ok(fd) => fd,
+        Err(e) => return Outcome::Refused(e),
+    };
+    let mut back = [0u8; 64];
+    // SAFETY: reading into a valid buffer from our own fd.
+    let n = unsafe { libc::read(fd, back.as_mut_ptr().cast(), back.len()) };
+    close(fd);
+    if n < 0 || back[..n as usize] != text[..] {
+        return broken("reading the scratch file back");
+    }
+    // List the scratch dir and find the file.
+    // SAFETY: valid C string.
+    let dir = unsafe { libc::opendir(t.scratch.as_ptr()) };
+    if dir.is_null() {
+        return Outcome::Refused(errno());
+    }
+    let wanted = t
+        .scratch_file
+        .as_bytes()
+        .rsplit(|b| *b == b'/')
+        .next()
+        .unwrap_or(b"");
+    let mut found = false;
+    loop {
+        // SAFETY: dir is an open DIR stream.
+        let entry = unsafe { libc::readdir(dir) };
+        if entry.is_null() {
+            break;
+        }
+        // SAFETY: readdir returned a valid dirent whose d_name is NUL-terminated.
+        let name = unsafe { CStr::from_ptr((*entry).d_name.as_ptr()) };
+        found |= name.to_bytes() == wanted;
+    }
+    // SAFETY: closing the stream we opened.
+    unsafe { libc::closedir(dir) };
+    if !found {
+        return Outcome::Broken("the new file is missing from the listing".into());
+    }
+    // SAFETY: valid C string.
+    if unsafe { libc::unlink(t.scratch_file.as_ptr()) } != 0 {
+        return Outcome::Refused(errno());
+    }
+    Outcome::Done
+}
+
+extern "C" fn park_forever(_: *mut libc::c_void) -> *mut libc::c_void {
+    loop {
+        // SAFETY: pause only waits for a signal; the child's _exit ends every thread.
+        unsafe { libc::pause() };
+    }
+}
+
+/// Catalogue #29/#49: starts threads with small (64 KiB) stacks, each parked for good, until
+/// one is refused or `max` run. Returns how many started and the refusal's errno.
+pub fn start_threads(max: u64) -> (u64, Option<i32>) {
+    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
+    // SAFETY: initialising an attribute object we own.
+    let rc = unsafe { libc::pthread_attr_init(attr.as_mut_ptr()) };
+    if rc != 0 {
+        return (0, Some(rc));
+    }
+    // SAFETY: pthread_attr_init succeeded; 64 KiB is above PTHREAD_STACK_MIN.
+    unsafe { libc::pthread_attr_setstacksize(attr.as_mut_ptr(), 64 << 10) };
+    for started in 0..max {
+        let mut thread: libc::pthread_t = 0;
+        // SAFETY: a valid attribute object and a thread function that never returns.
+        let rc = unsafe {
+            libc::pthread_create(
+                &mut thread,
+                attr.as_ptr(),
+                park_forever,
+                std::ptr::null_mut(),
+            )
+        };
+        if rc != 0 {
+            return (started, Some(rc));
+        }
+    }
+    (max, None)
+}
+
+/// RLIMIT_NPROC of this process (`RLIM_INFINITY` when there is none).
+pub fn nproc_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid struct pointer.
+    unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut lim) };
+    lim.rlim_cur
+}
