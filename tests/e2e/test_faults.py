@@ -73,6 +73,12 @@ class Host:
         r = self.srv.request("resources/read", {"uri": "system://info"})
         return json.loads(r["result"]["contents"][0]["text"])["sessions"]["live_workers"]
 
+    def workers_incl_spares(self) -> int:
+        """Session workers plus the pool's waiting spares: every worker the host supervises."""
+        r = self.srv.request("resources/read", {"uri": "system://info"})
+        info = json.loads(r["result"]["contents"][0]["text"])
+        return info["sessions"]["live_workers"] + info["spare_workers"]["waiting"]
+
     def zygote_pid(self) -> int:
         return eval(self.run("import os\nos.getppid()", session="probe")["result"])
 
@@ -120,11 +126,11 @@ def test_51_a_forged_frame_kills_the_worker_and_the_next_run_is_fresh(host, name
     assert not rec.get("images") and rec.get("result") is None
     assert wait_until(lambda: not pid_alive(pid), 5), "the violating worker still runs"
     assert_fresh_after_loss(host, session, pid, "protocol violation")
-    # Each violating worker gave its session slot back: the slots held are the live workers.
-    # (Polled: a background worker such as the font-cache builder may come and go meanwhile; a
-    # leaked slot never converges.)
-    assert wait_until(lambda: host.live_workers() == len(host.worker_pids()), 30), \
-        (host.live_workers(), host.worker_pids())
+    # Each violating worker gave its session slot back: the slots held, plus the waiting spares,
+    # are the live workers. (Polled: a background worker such as the font-cache builder or a
+    # spare being started may come and go meanwhile; a leaked slot never converges.)
+    assert wait_until(lambda: host.workers_incl_spares() == len(host.worker_pids()), 30), \
+        (host.workers_incl_spares(), host.worker_pids())
 
 
 def test_51_the_server_keeps_serving_other_sessions_after_forgeries(host):
