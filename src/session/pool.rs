@@ -16,6 +16,7 @@
 
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
+use super::cell::Cell;
 use super::quota::remove_scratch;
 use super::*;
 
@@ -148,11 +149,40 @@ impl SessionManager {
         }
     }
 
+    /// Runs one empty cell in a fresh spare, so the session that takes it does not pay for a
+    /// worker's first cell (the runner's first compile and exec, the pages a run touches).
+    async fn warm_up(&self, scratch: &Path, worker: LiveWorker) -> Result<LiveWorker, RunRefusal> {
+        let spare = Session::new("@spare".into(), scratch.to_path_buf());
+        let mut state = spare.state.lock().await;
+        state.worker = Some(worker);
+        let outcome = self
+            .drive_cell(
+                &spare,
+                &mut state,
+                Cell {
+                    run_no: 0,
+                    code: "None",
+                    timeout: Duration::from_secs(10),
+                    cancel: self.stop.child_token(),
+                    progress: None,
+                },
+            )
+            .await;
+        match state.worker.take() {
+            Some(worker) if outcome.record.status == RunStatus::Ok => Ok(worker),
+            _ => Err(RunRefusal::WorkerStart(format!(
+                "a spare's warm-up cell ended {:?}",
+                outcome.record.status
+            ))),
+        }
+    }
+
     async fn start_spare(&self, place: OwnedSemaphorePermit) -> Result<(), RunRefusal> {
         let n = self.pool.next_id.fetch_add(1, Ordering::Relaxed);
         let scratch = self.root.join(format!("@spare-{n}"));
         let font_cache = lock(&self.font_cache).clone();
         let worker = self.spawn_worker_in_slot(None, &scratch, place).await?;
+        let worker = self.warm_up(&scratch, worker).await?;
         lock(&self.pool.spares).push(Spare {
             worker,
             scratch,
