@@ -1,33 +1,36 @@
 //! One cell's run: feeding the code to the worker and collecting what comes back until it is
 //! done, dead or killed, then linking the outputs it left.
+//!
+//! The run is a small state machine, [`CellRun`]. Its loop waits for the next [`CellEvent`]
+//! and hands it to one method per event; each method says whether the cell goes on
+//! ([`ControlFlow::Continue`]) or how it ended ([`ControlFlow::Break`] with an [`Ending`]).
+//! A cell's life, as [`Phase`] and [`Ending`] spell it:
+//!
+//! ```text
+//!   Running ──timeout / cancel / output cap: SIGINT──▶ Interrupted ──grace over: SIGKILL──▶ killed
+//!      │                                                   │
+//!      └──────── `done` frame ──▶ done ◀──── `done` frame ──┘
+//!   (from either phase: the worker's death, a protocol violation or the quota ends it too)
+//! ```
+//!
+//! Threat note: the worker is the attacker. Every frame it sends is hostile input, decoded
+//! under caps; the loop never blocks on the worker and never awaits a write to it (the code
+//! and the bridge answers are queued for a writer task; a worker that stops reading is
+//! killed, not waited for).
+
+use std::ops::ControlFlow;
 
 use super::quota::removal_outcome;
 use super::*;
 
 impl SessionManager {
-    /// [`Self::drive_cell_inner`], with the proxied calls the cell made added to its record.
+    /// Feeds one cell to the session's worker and collects everything until it is done, dead,
+    /// or killed; the proxied calls the cell made are added to its record.
     pub(super) async fn drive_cell(
         &self,
         session: &Session,
         state: &mut SessionState,
         cell: Cell<'_>,
-    ) -> CellOutcome {
-        let mut calls = Vec::new();
-        let mut outcome = self
-            .drive_cell_inner(session, state, cell, &mut calls)
-            .await;
-        outcome.record.upstream_calls = calls;
-        outcome
-    }
-
-    /// Feeds one cell to the session's worker and collects everything until it is done, dead,
-    /// or killed.
-    pub(super) async fn drive_cell_inner(
-        &self,
-        session: &Session,
-        state: &mut SessionState,
-        cell: Cell<'_>,
-        calls: &mut Vec<CallSummary>,
     ) -> CellOutcome {
         let Cell {
             run_no,
@@ -36,310 +39,600 @@ impl SessionManager {
             cancel,
             progress,
         } = cell;
-        let s = &self.settings;
-        let (p, d) = spill_location(&session.scratch, run_no, "stdout");
-        let mut stdout = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
-        let (p, d) = spill_location(&session.scratch, run_no, "stderr");
-        let mut stderr = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
-        let Some(worker) = state.worker.as_mut() else {
-            return CellOutcome::lost(stdout, stderr, RunStatus::Crashed, "no worker".into(), None);
+        let mut run = CellRun::new(self, session, run_no, timeout, cancel, progress);
+        let ending = match run.send_code(state, code).await {
+            ControlFlow::Continue(()) => run.run_to_end(state).await,
+            ControlFlow::Break(ending) => ending,
         };
-
-        let run = ToWorker::Run {
-            id: run_no,
-            code: code.to_string(),
-            bind: worker.bind.take(),
-        };
-        match frame::json_body(&run).map(|body| worker.send(body)) {
-            Ok(Ok(())) | Ok(Err(SendError::Gone)) => {} // a gone worker shows as the socket's end
-            Ok(Err(SendError::NotReading)) => {
-                if let Some(w) = state.worker.take() {
-                    w.kill().await;
-                }
-                let why = "the worker stopped reading its session socket and was killed";
-                return CellOutcome::lost(
-                    stdout,
-                    stderr,
-                    RunStatus::Crashed,
-                    why.into(),
-                    Some(why.into()),
-                );
-            }
-            Err(e) => {
-                let why = format!("the cell could not be encoded: {e}");
-                return CellOutcome::lost(stdout, stderr, RunStatus::Crashed, why, None);
-            }
-        }
-
-        let deadline = tokio::time::Instant::now() + timeout;
-        let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
-        // Summaries of the proxied calls this cell made; their answers go straight to the
-        // worker's writer, so the loop below never waits on the worker's socket.
-        let (summaries_tx, mut summaries_rx) =
-            tokio::sync::mpsc::unbounded_channel::<CallSummary>();
-        // The quota is measured in the background; its verdict wakes this loop.
-        let mut quota_verdict_rx = session.over_quota.subscribe();
-        quota_verdict_rx.mark_changed();
-        let cell_started = tokio::time::Instant::now();
-        let mut progress_tick =
-            tokio::time::interval_at(cell_started + PROGRESS_EVERY, PROGRESS_EVERY);
-        while let Some(worker) = state.worker.as_mut() {
-            let wake_at = stopping.map(|(_, kill_at)| kill_at).unwrap_or(deadline);
-            let event = tokio::select! {
-                next = worker.frames.next() => CellEvent::Frame(next),
-                _ = tokio::time::sleep_until(wake_at) => CellEvent::Wake,
-                Some(call) = summaries_rx.recv() => CellEvent::Call(call),
-                _ = progress_tick.tick(), if progress.is_some() => CellEvent::Progress,
-                Ok(()) = quota_verdict_rx.changed() => CellEvent::QuotaCheck,
-                _ = cancel.cancelled(), if stopping.is_none() => CellEvent::Cancel,
-            };
-            match event {
-                CellEvent::Frame(Some(Ok(f))) => {
-                    let message = match frame::decode_worker_frame(&f, worker.image_budget_bytes) {
-                        Ok(WorkerFrame::Stdout(b)) => {
-                            stdout.push(b);
-                            None
-                        }
-                        Ok(WorkerFrame::Stderr(b)) => {
-                            stderr.push(b);
-                            None
-                        }
-                        Ok(WorkerFrame::Message(m)) => Some(m),
-                        Err(v) => return end_for_violation(state, stdout, stderr, v).await,
-                    };
-                    match message {
-                        None => {}
-                        Some(FromWorker::Request { id, method, params }) => {
-                            let Some(slot) = worker.request_slot() else {
-                                let v = Violation(format!(
-                                    "more than {} bridge requests open at once",
-                                    frame::MAX_INFLIGHT_REQUESTS
-                                ));
-                                return end_for_violation(state, stdout, stderr, v).await;
-                            };
-                            // Proxied calls run concurrently; an answer may outlive this cell.
-                            let proxy = self.proxy.clone();
-                            let session_name = session.name.clone();
-                            let memory = self.memory.clone();
-                            let local_tools = self.local_tools.get().cloned();
-                            let from = session.name.clone();
-                            let summaries = summaries_tx.clone();
-                            let answers = worker.answers();
-                            tokio::spawn(async move {
-                                let (payload, summary) = match method.strip_prefix("memory.") {
-                                    // The host does the file I/O, off the async runtime.
-                                    Some(op) => {
-                                        let op = op.to_string();
-                                        let answer = tokio::task::spawn_blocking(move || {
-                                            memory.handle(&op, &params)
-                                        })
-                                        .await
-                                        .unwrap_or_else(|e| {
-                                            serde_json::json!({"error": {"kind": "unavailable", "message": e.to_string()}})
-                                        });
-                                        (answer, None)
-                                    }
-                                    None => match method.strip_prefix("tools.") {
-                                        Some(op) => {
-                                            let answer = crate::local_tools::handle_request(
-                                                local_tools,
-                                                from,
-                                                op.to_string(),
-                                                params,
-                                            );
-                                            (answer.await, None)
-                                        }
-                                        None => proxy.handle(&session_name, &method, &params).await,
-                                    },
-                                };
-                                if let Some(call) = summary {
-                                    let _ = summaries.send(call);
-                                }
-                                match frame::json_body(&ToWorker::Response { id, payload }) {
-                                    Ok(body) => {
-                                        let _ = answers
-                                            .send(Outgoing {
-                                                body,
-                                                _slot: Some(slot),
-                                            })
-                                            .await;
-                                    }
-                                    Err(e) => {
-                                        tracing::warn!(error = %e, "encoding an answer failed")
-                                    }
-                                }
-                            });
-                        }
-                        Some(FromWorker::Done { id, .. }) if id != run_no => {
-                            let v = Violation(format!(
-                                "a `done` frame for run {id} while run {run_no} is running"
-                            ));
-                            return end_for_violation(state, stdout, stderr, v).await;
-                        }
-                        Some(FromWorker::Done {
-                            status,
-                            result,
-                            error,
-                            exit_code,
-                            images,
-                            ..
-                        }) => {
-                            // Calls answered before `done` were summarized before their answer.
-                            while let Ok(call) = summaries_rx.try_recv() {
-                                calls.push(call);
-                            }
-                            let status = match (stopping, status) {
-                                (Some((RunStatus::OutputLimit, _)), _) => RunStatus::OutputLimit,
-                                (Some((reason, _)), CellStatus::Interrupted) => reason,
-                                (_, CellStatus::Ok) => RunStatus::Ok,
-                                (_, CellStatus::Error) | (_, CellStatus::Interrupted) => {
-                                    RunStatus::Error
-                                }
-                                (_, CellStatus::Exit) => RunStatus::Exit,
-                            };
-                            let error = if matches!(
-                                status,
-                                RunStatus::Timeout | RunStatus::Cancelled | RunStatus::OutputLimit
-                            ) {
-                                None
-                            } else {
-                                error
-                            };
-                            let mut done = CellOutcome::finished(
-                                stdout, stderr, status, result, error, exit_code,
-                            );
-                            // Only images that really are files in the session are linked.
-                            done.images = images
-                                .into_iter()
-                                .filter(|img| is_regular_file_beneath(&session.scratch, &img.path))
-                                .collect();
-                            return done;
-                        }
-                        Some(other) => {
-                            let what = match other {
-                                FromWorker::Ready { .. } => "ready",
-                                _ => "fatal",
-                            };
-                            let v = Violation(format!("a `{what}` message in the middle of a run"));
-                            return end_for_violation(state, stdout, stderr, v).await;
-                        }
-                    }
-                    if stopping.is_none() && stdout.total() + stderr.total() > s.max_output_bytes {
-                        worker.signal(Signal::SIGINT);
-                        stopping = Some((
-                            RunStatus::OutputLimit,
-                            tokio::time::Instant::now() + s.interrupt_grace,
-                        ));
-                    }
-                }
-                CellEvent::Frame(Some(Err(e))) if oversized_frame(&e).is_some() => {
-                    let v = oversized_frame(&e).unwrap_or_else(|| Violation(e.to_string()));
-                    return end_for_violation(state, stdout, stderr, v).await;
-                }
-                CellEvent::Frame(_) => {
-                    // The worker is gone mid-cell.
-                    let Some(w) = state.worker.take() else { break };
-                    let exit = w.wait_exit().await;
-                    let why = exit.map(|e| e.to_string()).unwrap_or_else(|| {
-                        "ended (its exit status is unknown: the zygote that reports it is gone)"
-                            .into()
-                    });
-                    let status = match stopping {
-                        Some((reason, _)) => reason,
-                        None => RunStatus::Crashed,
-                    };
-                    let reason = crash_reason(exit);
-                    return CellOutcome::lost(
-                        stdout,
-                        stderr,
-                        status,
-                        format!("the worker process {why}{reason}"),
-                        Some(why),
-                    );
-                }
-                CellEvent::Wake => match stopping {
-                    None => {
-                        worker.signal(Signal::SIGINT);
-                        stopping = Some((
-                            RunStatus::Timeout,
-                            tokio::time::Instant::now() + s.interrupt_grace,
-                        ));
-                    }
-                    Some((reason, _)) => {
-                        let Some(w) = state.worker.take() else { break };
-                        w.kill().await;
-                        let why = format!(
-                            "did not stop within {:.1} s of an interrupt and was killed",
-                            s.interrupt_grace.as_secs_f64()
-                        );
-                        return CellOutcome::lost(
-                            stdout,
-                            stderr,
-                            reason,
-                            format!("the worker {why}"),
-                            Some(why),
-                        );
-                    }
-                },
-                CellEvent::Call(call) => calls.push(call),
-                CellEvent::Progress => {
-                    if let Some(p) = progress {
-                        let recent = [stdout.recent_lines(5), stderr.recent_lines(3)]
-                            .into_iter()
-                            .filter(|t| !t.is_empty())
-                            .collect::<Vec<_>>()
-                            .join("\n[stderr] ");
-                        p.send_replace(Progress {
-                            elapsed_s: cell_started.elapsed().as_secs_f64(),
-                            stdout_bytes: stdout.total(),
-                            stderr_bytes: stderr.total(),
-                            recent_output: recent,
-                        });
-                    }
-                }
-                CellEvent::QuotaCheck => {
-                    let verdict = quota_verdict_rx.borrow_and_update().clone();
-                    if let Some(over) = verdict {
-                        let Some(w) = state.worker.take() else { break };
-                        w.kill().await;
-                        let removal = self.empty_scratch(session).await;
-                        let why = format!("killed: {over}; {}", removal_outcome(&removal));
-                        return CellOutcome::lost(
-                            stdout,
-                            stderr,
-                            RunStatus::ScratchQuota,
-                            why.clone(),
-                            Some(why),
-                        );
-                    }
-                }
-                CellEvent::Cancel => {
-                    worker.signal(Signal::SIGINT);
-                    stopping = Some((
-                        RunStatus::Cancelled,
-                        tokio::time::Instant::now() + s.interrupt_grace,
-                    ));
-                }
-            }
-        }
-        CellOutcome::lost(
-            stdout,
-            stderr,
-            RunStatus::Crashed,
-            "the worker vanished".into(),
-            None,
-        )
+        run.into_outcome(ending)
     }
+}
+
+/// Where a cell that has not ended yet stands. The ends themselves (done, or lost: killed,
+/// dead, broke the protocol) are [`Ending`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// The code runs; at `deadline` it is interrupted for [`RunStatus::Timeout`].
+    Running { deadline: tokio::time::Instant },
+    /// SIGINT was sent for `reason` (timeout, cancellation, output cap). The worker has until
+    /// `kill_at` to answer `done`; then it is killed. Further reasons to stop change nothing:
+    /// the first one is the cell's status.
+    Interrupted {
+        reason: RunStatus,
+        kill_at: tokio::time::Instant,
+    },
+}
+
+/// What the timer asks of the loop when it fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WakeAction {
+    /// The deadline passed: send SIGINT (the phase is now [`Phase::Interrupted`]).
+    Interrupt,
+    /// The grace after the interrupt is over: kill the worker; the cell ends with `reason`.
+    Kill { reason: RunStatus },
+}
+
+impl Phase {
+    /// When the loop must wake on its own: the deadline, or the end of the grace.
+    pub(super) fn wake_at(self) -> tokio::time::Instant {
+        match self {
+            Phase::Running { deadline } => deadline,
+            Phase::Interrupted { kill_at, .. } => kill_at,
+        }
+    }
+
+    pub(super) fn is_running(self) -> bool {
+        matches!(self, Phase::Running { .. })
+    }
+
+    /// Asks a running cell to stop for `reason`, giving it `grace` from `now`. Returns whether
+    /// the caller must send SIGINT (false if the cell was interrupted already).
+    pub(super) fn interrupt(
+        &mut self,
+        reason: RunStatus,
+        now: tokio::time::Instant,
+        grace: Duration,
+    ) -> bool {
+        if !self.is_running() {
+            return false;
+        }
+        *self = Phase::Interrupted {
+            reason,
+            kill_at: now + grace,
+        };
+        true
+    }
+
+    /// The timer fired at `now`.
+    pub(super) fn on_wake(&mut self, now: tokio::time::Instant, grace: Duration) -> WakeAction {
+        match *self {
+            Phase::Running { .. } => {
+                self.interrupt(RunStatus::Timeout, now, grace);
+                WakeAction::Interrupt
+            }
+            Phase::Interrupted { reason, .. } => WakeAction::Kill { reason },
+        }
+    }
+
+    /// The run's status when the worker answered `done` with `reported`: an interrupted
+    /// cell keeps the reason it was interrupted for (the output cap even if the code caught
+    /// the interrupt); otherwise the worker's own verdict.
+    pub(super) fn status_when_done(self, reported: CellStatus) -> RunStatus {
+        match (self, reported) {
+            (
+                Phase::Interrupted {
+                    reason: RunStatus::OutputLimit,
+                    ..
+                },
+                _,
+            ) => RunStatus::OutputLimit,
+            (Phase::Interrupted { reason, .. }, CellStatus::Interrupted) => reason,
+            (_, CellStatus::Ok) => RunStatus::Ok,
+            (_, CellStatus::Error) | (_, CellStatus::Interrupted) => RunStatus::Error,
+            (_, CellStatus::Exit) => RunStatus::Exit,
+        }
+    }
+
+    /// The run's status when the worker died: the reason it was being stopped for, if any.
+    pub(super) fn status_when_lost(self) -> RunStatus {
+        match self {
+            Phase::Running { .. } => RunStatus::Crashed,
+            Phase::Interrupted { reason, .. } => reason,
+        }
+    }
+}
+
+/// Whether a run that ended with `status` reports the worker's Python error (the
+/// `KeyboardInterrupt` of a cell the host interrupted is not the user's error).
+pub(super) fn keeps_python_error(status: RunStatus) -> bool {
+    !matches!(
+        status,
+        RunStatus::Timeout | RunStatus::Cancelled | RunStatus::OutputLimit
+    )
 }
 
 /// What woke a running cell's loop.
 pub(super) enum CellEvent {
+    /// The worker's socket yielded a frame, a read error (an oversized frame is
+    /// `InvalidData`), or its end (`None`: the worker is gone).
     Frame(Option<std::io::Result<bytes::BytesMut>>),
+    /// [`Phase::wake_at`] passed: the deadline, or the end of the interrupt's grace.
     Wake,
+    /// A proxied call this cell made was answered; its summary goes into the record.
     Call(CallSummary),
+    /// Time to report progress to whoever listens.
     Progress,
+    /// The background quota measurement published a verdict.
     QuotaCheck,
+    /// The client cancelled the call (only listened for while [`Phase::Running`]).
     Cancel,
+}
+
+/// How a cell ended.
+pub(super) enum Ending {
+    /// The worker answered `done`; it lives on with the session's state.
+    Done {
+        status: RunStatus,
+        result: Option<String>,
+        error: Option<PyErrorInfo>,
+        exit_code: Option<i64>,
+        images: Vec<crate::frame::CellImage>,
+    },
+    /// The worker is gone: it died, or the host killed it. `message` goes to the record (as
+    /// the error of a crash, else as a notice); `reason` is told in the session's next run.
+    Lost {
+        status: RunStatus,
+        message: String,
+        reason: Option<String>,
+    },
+    /// The worker broke the session protocol and was killed.
+    Violation { message: String, reason: String },
+}
+
+/// Everything one running cell's loop reads and changes.
+pub(super) struct CellRun<'a> {
+    manager: &'a SessionManager,
+    session: &'a Session,
+    run_no: u64,
+    phase: Phase,
+    stdout: StreamCollector,
+    stderr: StreamCollector,
+    /// Summaries of the proxied calls this cell made, in the order they were answered.
+    calls: Vec<CallSummary>,
+    /// Where the tasks answering proxied calls send their summaries. The answers themselves
+    /// go straight to the worker's writer, so the loop never waits on the worker's socket.
+    summaries_tx: tokio::sync::mpsc::UnboundedSender<CallSummary>,
+    summaries_rx: tokio::sync::mpsc::UnboundedReceiver<CallSummary>,
+    /// The quota is measured in the background; its verdict wakes the loop.
+    quota_verdict: tokio::sync::watch::Receiver<Option<String>>,
+    cancel: CancellationToken,
+    progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
+    progress_tick: tokio::time::Interval,
+    started: tokio::time::Instant,
+}
+
+impl<'a> CellRun<'a> {
+    fn new(
+        manager: &'a SessionManager,
+        session: &'a Session,
+        run_no: u64,
+        timeout: Duration,
+        cancel: CancellationToken,
+        progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
+    ) -> CellRun<'a> {
+        let s = &manager.settings;
+        let (p, d) = spill_location(&session.scratch, run_no, "stdout");
+        let stdout = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
+        let (p, d) = spill_location(&session.scratch, run_no, "stderr");
+        let stderr = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
+        let (summaries_tx, summaries_rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut quota_verdict = session.over_quota.subscribe();
+        // A verdict published before the cell started is acted on at once.
+        quota_verdict.mark_changed();
+        let started = tokio::time::Instant::now();
+        CellRun {
+            manager,
+            session,
+            run_no,
+            phase: Phase::Running {
+                deadline: started + timeout,
+            },
+            stdout,
+            stderr,
+            calls: Vec::new(),
+            summaries_tx,
+            summaries_rx,
+            quota_verdict,
+            cancel,
+            progress,
+            progress_tick: tokio::time::interval_at(started + PROGRESS_EVERY, PROGRESS_EVERY),
+            started,
+        }
+    }
+
+    fn grace(&self) -> Duration {
+        self.manager.settings.interrupt_grace
+    }
+
+    /// Queues the code for the worker, without waiting for it to read.
+    async fn send_code(&mut self, state: &mut SessionState, code: &str) -> ControlFlow<Ending> {
+        let Some(worker) = state.worker.as_mut() else {
+            return ControlFlow::Break(Ending::Lost {
+                status: RunStatus::Crashed,
+                message: "no worker".into(),
+                reason: None,
+            });
+        };
+        let run = ToWorker::Run {
+            id: self.run_no,
+            code: code.to_string(),
+            bind: worker.bind.take(),
+        };
+        match frame::json_body(&run).map(|body| worker.send(body)) {
+            // A gone worker shows as the socket's end, in the loop.
+            Ok(Ok(())) | Ok(Err(SendError::Gone)) => ControlFlow::Continue(()),
+            Ok(Err(SendError::NotReading)) => {
+                kill_worker(state).await;
+                let why = "the worker stopped reading its session socket and was killed";
+                ControlFlow::Break(Ending::Lost {
+                    status: RunStatus::Crashed,
+                    message: why.into(),
+                    reason: Some(why.into()),
+                })
+            }
+            Err(e) => ControlFlow::Break(Ending::Lost {
+                status: RunStatus::Crashed,
+                message: format!("the cell could not be encoded: {e}"),
+                reason: None,
+            }),
+        }
+    }
+
+    /// The loop: wait for the next event, dispatch it, until the cell ends.
+    async fn run_to_end(&mut self, state: &mut SessionState) -> Ending {
+        loop {
+            let Some(worker) = state.worker.as_mut() else {
+                return vanished();
+            };
+            let event = self.next_event(worker).await;
+            let flow = match event {
+                CellEvent::Frame(Some(Ok(f))) => self.on_frame(state, f).await,
+                CellEvent::Frame(Some(Err(e))) => match oversized_frame(&e) {
+                    Some(v) => ControlFlow::Break(end_for_violation(state, v).await),
+                    None => ControlFlow::Break(self.on_worker_gone(state).await),
+                },
+                CellEvent::Frame(None) => ControlFlow::Break(self.on_worker_gone(state).await),
+                CellEvent::Wake => self.on_wake(state).await,
+                CellEvent::Call(call) => self.on_call(call),
+                CellEvent::Progress => self.on_progress(),
+                CellEvent::QuotaCheck => self.on_quota_check(state).await,
+                CellEvent::Cancel => self.on_cancel(state),
+            };
+            if let ControlFlow::Break(ending) = flow {
+                return ending;
+            }
+        }
+    }
+
+    /// Waits for whatever happens first.
+    async fn next_event(&mut self, worker: &mut LiveWorker) -> CellEvent {
+        let listen_for_cancel = self.phase.is_running();
+        tokio::select! {
+            next = worker.frames.next() => CellEvent::Frame(next),
+            _ = tokio::time::sleep_until(self.phase.wake_at()) => CellEvent::Wake,
+            Some(call) = self.summaries_rx.recv() => CellEvent::Call(call),
+            _ = self.progress_tick.tick(), if self.progress.is_some() => CellEvent::Progress,
+            Ok(()) = self.quota_verdict.changed() => CellEvent::QuotaCheck,
+            _ = self.cancel.cancelled(), if listen_for_cancel => CellEvent::Cancel,
+        }
+    }
+
+    /// A frame from the worker (hostile: decoded under the caps, any breach ends the cell).
+    async fn on_frame(
+        &mut self,
+        state: &mut SessionState,
+        f: bytes::BytesMut,
+    ) -> ControlFlow<Ending> {
+        let Some(worker) = state.worker.as_ref() else {
+            return ControlFlow::Break(vanished());
+        };
+        let message = match frame::decode_worker_frame(&f, worker.image_budget_bytes) {
+            Ok(WorkerFrame::Stdout(b)) => {
+                self.stdout.push(b);
+                None
+            }
+            Ok(WorkerFrame::Stderr(b)) => {
+                self.stderr.push(b);
+                None
+            }
+            Ok(WorkerFrame::Message(m)) => Some(m),
+            Err(v) => return ControlFlow::Break(end_for_violation(state, v).await),
+        };
+        match message {
+            None => {}
+            Some(FromWorker::Request { id, method, params }) => {
+                if let Err(v) = self.start_request(worker, id, method, params) {
+                    return ControlFlow::Break(end_for_violation(state, v).await);
+                }
+            }
+            Some(FromWorker::Done { id, .. }) if id != self.run_no => {
+                let v = Violation(format!(
+                    "a `done` frame for run {id} while run {} is running",
+                    self.run_no
+                ));
+                return ControlFlow::Break(end_for_violation(state, v).await);
+            }
+            Some(FromWorker::Done {
+                status,
+                result,
+                error,
+                exit_code,
+                images,
+                ..
+            }) => {
+                let status = self.phase.status_when_done(status);
+                let error = error.filter(|_| keeps_python_error(status));
+                // Only images that really are files in the session are linked.
+                let images = images
+                    .into_iter()
+                    .filter(|img| is_regular_file_beneath(&self.session.scratch, &img.path))
+                    .collect();
+                return ControlFlow::Break(Ending::Done {
+                    status,
+                    result,
+                    error,
+                    exit_code,
+                    images,
+                });
+            }
+            Some(other) => {
+                let what = match other {
+                    FromWorker::Ready { .. } => "ready",
+                    _ => "fatal",
+                };
+                let v = Violation(format!("a `{what}` message in the middle of a run"));
+                return ControlFlow::Break(end_for_violation(state, v).await);
+            }
+        }
+        let total = self.stdout.total() + self.stderr.total();
+        if total > self.manager.settings.max_output_bytes
+            && self.phase.interrupt(
+                RunStatus::OutputLimit,
+                tokio::time::Instant::now(),
+                self.grace(),
+            )
+        {
+            worker.signal(Signal::SIGINT);
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// A bridge request: answered by a task of its own (it may outlive this cell), within the
+    /// worker's cap on open requests.
+    fn start_request(
+        &self,
+        worker: &LiveWorker,
+        id: u64,
+        method: String,
+        params: serde_json::Value,
+    ) -> Result<(), Violation> {
+        let Some(slot) = worker.request_slot() else {
+            return Err(Violation(format!(
+                "more than {} bridge requests open at once",
+                frame::MAX_INFLIGHT_REQUESTS
+            )));
+        };
+        let m = self.manager;
+        let (proxy, memory) = (m.proxy.clone(), m.memory.clone());
+        let local_tools = m.local_tools.get().cloned();
+        let session_name = self.session.name.clone();
+        let summaries = self.summaries_tx.clone();
+        let answers = worker.answers();
+        tokio::spawn(async move {
+            let (payload, summary) = match method.strip_prefix("memory.") {
+                // The host does the file I/O, off the async runtime.
+                Some(op) => {
+                    let op = op.to_string();
+                    let answer = tokio::task::spawn_blocking(move || memory.handle(&op, &params))
+                        .await
+                        .unwrap_or_else(|e| {
+                            serde_json::json!({"error": {"kind": "unavailable", "message": e.to_string()}})
+                        });
+                    (answer, None)
+                }
+                None => match method.strip_prefix("tools.") {
+                    Some(op) => {
+                        let answer = crate::local_tools::handle_request(
+                            local_tools,
+                            session_name,
+                            op.to_string(),
+                            params,
+                        );
+                        (answer.await, None)
+                    }
+                    None => proxy.handle(&session_name, &method, &params).await,
+                },
+            };
+            if let Some(call) = summary {
+                let _ = summaries.send(call);
+            }
+            match frame::json_body(&ToWorker::Response { id, payload }) {
+                Ok(body) => {
+                    // The writer task's queue, not the socket: this never waits on the worker
+                    // reading (a full queue waits here, in this task, not in the cell's loop).
+                    let _ = answers
+                        .send(Outgoing {
+                            body,
+                            _slot: Some(slot),
+                        })
+                        .await;
+                }
+                Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
+            }
+        });
+        Ok(())
+    }
+
+    /// The socket ended (or failed) mid-cell: the worker is gone.
+    async fn on_worker_gone(&mut self, state: &mut SessionState) -> Ending {
+        let Some(w) = state.worker.take() else {
+            return vanished();
+        };
+        let exit = w.wait_exit().await;
+        let why = exit.map(|e| e.to_string()).unwrap_or_else(|| {
+            "ended (its exit status is unknown: the zygote that reports it is gone)".into()
+        });
+        Ending::Lost {
+            status: self.phase.status_when_lost(),
+            message: format!("the worker process {why}{}", crash_reason(exit)),
+            reason: Some(why),
+        }
+    }
+
+    /// The deadline passed (interrupt), or the grace after an interrupt did (kill).
+    async fn on_wake(&mut self, state: &mut SessionState) -> ControlFlow<Ending> {
+        let grace = self.grace();
+        match self.phase.on_wake(tokio::time::Instant::now(), grace) {
+            WakeAction::Interrupt => {
+                signal_worker(state, Signal::SIGINT);
+                ControlFlow::Continue(())
+            }
+            WakeAction::Kill { reason } => {
+                kill_worker(state).await;
+                let why = format!(
+                    "did not stop within {:.1} s of an interrupt and was killed",
+                    grace.as_secs_f64()
+                );
+                ControlFlow::Break(Ending::Lost {
+                    status: reason,
+                    message: format!("the worker {why}"),
+                    reason: Some(why),
+                })
+            }
+        }
+    }
+
+    fn on_call(&mut self, call: CallSummary) -> ControlFlow<Ending> {
+        self.calls.push(call);
+        ControlFlow::Continue(())
+    }
+
+    /// Publishes how far the cell got (elapsed time, bytes, newest lines).
+    fn on_progress(&mut self) -> ControlFlow<Ending> {
+        if let Some(p) = self.progress {
+            let recent = [self.stdout.recent_lines(5), self.stderr.recent_lines(3)]
+                .into_iter()
+                .filter(|t| !t.is_empty())
+                .collect::<Vec<_>>()
+                .join("\n[stderr] ");
+            p.send_replace(Progress {
+                elapsed_s: self.started.elapsed().as_secs_f64(),
+                stdout_bytes: self.stdout.total(),
+                stderr_bytes: self.stderr.total(),
+                recent_output: recent,
+            });
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The quota verdict changed: a session over its quota loses its worker and its files.
+    async fn on_quota_check(&mut self, state: &mut SessionState) -> ControlFlow<Ending> {
+        let verdict = self.quota_verdict.borrow_and_update().clone();
+        let Some(over) = verdict else {
+            return ControlFlow::Continue(());
+        };
+        kill_worker(state).await;
+        let removal = self.manager.empty_scratch(self.session).await;
+        let why = format!("killed: {over}; {}", removal_outcome(&removal));
+        ControlFlow::Break(Ending::Lost {
+            status: RunStatus::ScratchQuota,
+            message: why.clone(),
+            reason: Some(why),
+        })
+    }
+
+    /// The client cancelled: interrupt, as for a timeout.
+    fn on_cancel(&mut self, state: &mut SessionState) -> ControlFlow<Ending> {
+        let now = tokio::time::Instant::now();
+        if self
+            .phase
+            .interrupt(RunStatus::Cancelled, now, self.grace())
+        {
+            signal_worker(state, Signal::SIGINT);
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The record of the ended cell.
+    fn into_outcome(mut self, ending: Ending) -> CellOutcome {
+        let mut outcome = match ending {
+            Ending::Done {
+                status,
+                result,
+                error,
+                exit_code,
+                images,
+            } => {
+                // Calls answered before `done` were summarized before their answer was sent.
+                while let Ok(call) = self.summaries_rx.try_recv() {
+                    self.calls.push(call);
+                }
+                let mut done = CellOutcome::finished(
+                    self.stdout,
+                    self.stderr,
+                    status,
+                    result,
+                    error,
+                    exit_code,
+                );
+                done.images = images;
+                done
+            }
+            Ending::Lost {
+                status,
+                message,
+                reason,
+            } => CellOutcome::lost(self.stdout, self.stderr, status, message, reason),
+            Ending::Violation { message, reason } => {
+                let mut lost = CellOutcome::lost(
+                    self.stdout,
+                    self.stderr,
+                    RunStatus::Crashed,
+                    message,
+                    Some(reason),
+                );
+                if let Some(e) = lost.record.error.as_mut() {
+                    e.kind = "ProtocolViolation".into();
+                }
+                lost
+            }
+        };
+        outcome.record.upstream_calls = self.calls;
+        outcome
+    }
+}
+
+/// The ending when the worker handle is missing where the loop expects one.
+fn vanished() -> Ending {
+    Ending::Lost {
+        status: RunStatus::Crashed,
+        message: "the worker vanished".into(),
+        reason: None,
+    }
+}
+
+fn signal_worker(state: &SessionState, sig: Signal) {
+    if let Some(w) = state.worker.as_ref() {
+        w.signal(sig);
+    }
+}
+
+/// Kills the session's worker (if it still has one) and waits briefly for its reaping.
+async fn kill_worker(state: &mut SessionState) -> Option<ExitInfo> {
+    match state.worker.take() {
+        Some(w) => w.kill().await,
+        None => None,
+    }
 }
 
 /// A read error that is the worker's doing: a frame header claiming more than the cap.
@@ -348,30 +641,15 @@ pub(super) fn oversized_frame(e: &std::io::Error) -> Option<Violation> {
         .then(|| Violation(format!("a frame the host cannot accept ({e})")))
 }
 
-/// Kills a worker that broke the session protocol and reports it as this run's outcome.
-pub(super) async fn end_for_violation(
-    state: &mut SessionState,
-    stdout: StreamCollector,
-    stderr: StreamCollector,
-    v: Violation,
-) -> CellOutcome {
+/// Kills a worker that broke the session protocol; the violation is this run's ending.
+async fn end_for_violation(state: &mut SessionState, v: Violation) -> Ending {
     tracing::warn!(error = %v, "killing a worker that broke the session protocol");
-    let exit = match state.worker.take() {
-        Some(w) => w.kill().await,
-        None => None,
-    };
+    let exit = kill_worker(state).await;
     let how = exit.map(|e| format!(" ({e})")).unwrap_or_default();
-    let mut outcome = CellOutcome::lost(
-        stdout,
-        stderr,
-        RunStatus::Crashed,
-        format!("{v}; the worker was killed{how}"),
-        Some(format!("{v}; it was killed")),
-    );
-    if let Some(e) = outcome.record.error.as_mut() {
-        e.kind = "ProtocolViolation".into();
+    Ending::Violation {
+        message: format!("{v}; the worker was killed{how}"),
+        reason: format!("{v}; it was killed"),
     }
-    outcome
 }
 
 /// Whether `rel` names a regular file beneath the session directory `root`, reached without
@@ -557,4 +835,114 @@ pub(super) async fn link_outputs(
         .into_iter()
         .filter(|f| !shown.contains(&f.path))
         .collect();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    const GRACE: Duration = Duration::from_secs(2);
+
+    fn running(now: Instant) -> Phase {
+        Phase::Running {
+            deadline: now + Duration::from_secs(10),
+        }
+    }
+
+    #[test]
+    fn a_cell_past_its_deadline_is_interrupted_then_killed_when_the_grace_is_over() {
+        let t0 = Instant::now();
+        let mut phase = running(t0);
+        assert_eq!(phase.wake_at(), t0 + Duration::from_secs(10));
+
+        let at_deadline = t0 + Duration::from_secs(10);
+        assert_eq!(phase.on_wake(at_deadline, GRACE), WakeAction::Interrupt);
+        assert_eq!(
+            phase,
+            Phase::Interrupted {
+                reason: RunStatus::Timeout,
+                kill_at: at_deadline + GRACE
+            }
+        );
+        assert_eq!(phase.wake_at(), at_deadline + GRACE);
+        assert!(!phase.is_running(), "a cancel is no longer listened for");
+
+        assert_eq!(
+            phase.on_wake(at_deadline + GRACE, GRACE),
+            WakeAction::Kill {
+                reason: RunStatus::Timeout
+            }
+        );
+    }
+
+    #[test]
+    fn the_first_reason_to_stop_a_cell_is_its_status_and_its_grace_is_not_extended() {
+        let t0 = Instant::now();
+        let mut phase = running(t0);
+        assert!(
+            phase.interrupt(RunStatus::Cancelled, t0, GRACE),
+            "SIGINT once"
+        );
+        let later = t0 + Duration::from_secs(1);
+        assert!(
+            !phase.interrupt(RunStatus::OutputLimit, later, GRACE),
+            "not twice"
+        );
+        assert_eq!(phase.wake_at(), t0 + GRACE);
+        assert_eq!(
+            phase.on_wake(t0 + GRACE, GRACE),
+            WakeAction::Kill {
+                reason: RunStatus::Cancelled
+            }
+        );
+        assert_eq!(phase.status_when_lost(), RunStatus::Cancelled);
+    }
+
+    #[test]
+    fn a_running_cell_reports_the_workers_own_verdict() {
+        let phase = running(Instant::now());
+        assert_eq!(phase.status_when_done(CellStatus::Ok), RunStatus::Ok);
+        assert_eq!(phase.status_when_done(CellStatus::Error), RunStatus::Error);
+        assert_eq!(phase.status_when_done(CellStatus::Exit), RunStatus::Exit);
+        // A KeyboardInterrupt the host did not send is the code's own error.
+        assert_eq!(
+            phase.status_when_done(CellStatus::Interrupted),
+            RunStatus::Error
+        );
+        assert_eq!(phase.status_when_lost(), RunStatus::Crashed);
+    }
+
+    #[test]
+    fn an_interrupted_cell_reports_why_it_was_interrupted() {
+        let t0 = Instant::now();
+        for reason in [RunStatus::Timeout, RunStatus::Cancelled] {
+            let mut phase = running(t0);
+            phase.interrupt(reason, t0, GRACE);
+            assert_eq!(phase.status_when_done(CellStatus::Interrupted), reason);
+            // Code that caught the interrupt and finished keeps its own verdict.
+            assert_eq!(phase.status_when_done(CellStatus::Ok), RunStatus::Ok);
+            assert_eq!(phase.status_when_lost(), reason);
+        }
+        // Output past the cap is reported as such whatever the code did next.
+        let mut phase = running(t0);
+        phase.interrupt(RunStatus::OutputLimit, t0, GRACE);
+        for reported in [CellStatus::Ok, CellStatus::Error, CellStatus::Interrupted] {
+            assert_eq!(phase.status_when_done(reported), RunStatus::OutputLimit);
+        }
+    }
+
+    #[test]
+    fn the_hosts_own_interrupt_is_not_reported_as_the_users_python_error() {
+        for status in [
+            RunStatus::Timeout,
+            RunStatus::Cancelled,
+            RunStatus::OutputLimit,
+        ] {
+            assert!(!keeps_python_error(status), "{status:?}");
+        }
+        for status in [RunStatus::Ok, RunStatus::Error, RunStatus::Exit] {
+            assert!(keeps_python_error(status), "{status:?}");
+        }
+    }
 }
