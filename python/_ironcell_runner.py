@@ -35,12 +35,33 @@ _loop = None
 _cell_sources = {}
 
 
+_zygote_prepared = [False]
+
+
+def zygote_prepare():
+    """The part of a worker's setup that no session changes, done once in the zygote before
+    it forks (so no worker pays for it, or copies the pages it writes): warnings filters, the
+    coroutine and figure-save hooks, the lenient `shutil` copies. Idempotent."""
+    if _zygote_prepared[0]:
+        return
+    # A coroutine left un-awaited is reported every time, in the cell that made it.
+    import warnings
+
+    warnings.filterwarnings("always", message="coroutine .* was never awaited", category=RuntimeWarning)
+    _quiet_for_reported_coroutines()
+    _watch_figure_saves()
+    _copy_data_without_modes()
+    _zygote_prepared[0] = True
+
+
 def prepare_worker(env, servers_json="[]", options_json="{}"):
     """Called once in a fresh worker, before the first cell."""
     import json
     import os
 
     import mcp
+
+    zygote_prepare()  # already done by the zygote; a no-op then
 
     os.environ.clear()
     os.environ.update(env)
@@ -51,16 +72,9 @@ def prepare_worker(env, servers_json="[]", options_json="{}"):
     # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
     sys.modules["__main__"] = _main_module
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # A coroutine left un-awaited is reported every time, in the cell that made it.
-    import warnings
-
-    warnings.filterwarnings("always", message="coroutine .* was never awaited", category=RuntimeWarning)
-    _quiet_for_reported_coroutines()
     tmp = _options.get("private_tmp") or {}
     if tmp.get("mechanism") != "namespace":
         _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
-    _watch_figure_saves()
-    _copy_data_without_modes()
     _images_written_since(None)  # files already here are never this run's images
     # Fresh streams over the worker's captured fd 1 and 2 (pipes now; the zygote's streams were
     # made for whatever its fds were). Line-buffered so output streams while a cell runs.

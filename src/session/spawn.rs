@@ -113,7 +113,7 @@ impl SessionManager {
             Ok(Ok(missing_layers)) => {
                 worker.missing_layers = missing_layers;
                 tracing::debug!(
-                    session = name.unwrap_or("(spare)"),
+                    session = %name.unwrap_or("(spare)"),
                     pid = worker.pid,
                     forked_ms,
                     ready_ms = spawn_started.elapsed().as_secs_f64() * 1000.0,

@@ -89,8 +89,27 @@ fn run(py: Python<'_>, preload: &[String]) -> anyhow::Result<()> {
             return Err(e);
         }
     };
+    // The seccomp programs are the same for every worker but for its pid: compile them once
+    // here; each worker writes its pid in and installs them itself, after the fork.
+    match ironcell_core::sandbox::seccomp::CompiledWorkerFilters::compile() {
+        Ok(c) => {
+            let _ = COMPILED_FILTERS.set(c);
+        }
+        Err(e) => tracing::debug!(error = %e, "seccomp filters are compiled by each worker"),
+    }
     send_event(ctl.as_raw_fd(), &ready)?;
     serve_spawn_requests(py, &ctl)
+}
+
+/// The workers' seccomp programs, compiled once by the zygote (a fork inherits them).
+static COMPILED_FILTERS: std::sync::OnceLock<
+    ironcell_core::sandbox::seccomp::CompiledWorkerFilters,
+> = std::sync::OnceLock::new();
+
+/// What [`run`] compiled, if it could (a worker compiles its own otherwise).
+pub(crate) fn compiled_filters()
+-> Option<&'static ironcell_core::sandbox::seccomp::CompiledWorkerFilters> {
+    COMPILED_FILTERS.get()
 }
 
 /// Logs go to stderr (the host's stderr; never the MCP stream), filtered as the host says.
@@ -200,6 +219,10 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
             tracing::debug!(module = name, error = %e, "warm import skipped");
         }
     }
+    // The session-independent part of every worker's setup, once, here.
+    runner
+        .call_method0("zygote_prepare")
+        .map_err(|e| anyhow!("preparing the cell runner: {e}"))?;
     // With matplotlib preloaded, also build its font list here (and select Agg), so a new
     // session's first plot costs what a warm one does. Not by default: it makes the zygote, and
     // so every fork, larger.

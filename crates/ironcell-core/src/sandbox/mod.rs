@@ -313,6 +313,16 @@ impl Sandbox {
 /// Applies `plan` to the calling process, which must have exactly one thread. Returns the
 /// layers that were skipped (best-effort mode only); in enforce mode any failure is an error.
 pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<String>, String> {
+    apply_lockdown_with_compiled_filters(plan, None)
+}
+
+/// [`apply_lockdown_to_current_process`] with the seccomp programs compiled beforehand (by the
+/// zygote, once): the same filters, installed here by the worker itself; `None` compiles them
+/// now.
+pub fn apply_lockdown_with_compiled_filters(
+    plan: &SandboxPlan,
+    compiled: Option<&seccomp::CompiledWorkerFilters>,
+) -> Result<Vec<String>, String> {
     let mut missing = Vec::new();
     let mut step = |name: &str, result: Result<(), String>| -> Result<(), String> {
         match result {
@@ -360,8 +370,13 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
     if plan.seccomp {
         step(
             "seccomp",
-            seccomp::install_syscall_filter_on_current_thread(std::process::id())
-                .map_err(|e| e.to_string()),
+            match compiled {
+                Some(c) => {
+                    seccomp::install_programs_on_current_thread(&c.for_pid(std::process::id()))
+                }
+                None => seccomp::install_syscall_filter_on_current_thread(std::process::id()),
+            }
+            .map_err(|e| e.to_string()),
         )?;
     } else {
         step("seccomp", Err("not available on this kernel".into()))?;
@@ -385,10 +400,12 @@ mod tests {
             None,
         );
         let plan = sandbox.plan_for(scratch, &[]);
+        // Compiled before the fork, installed after it: what the zygote and its workers do.
+        let compiled = seccomp::CompiledWorkerFilters::compile().unwrap();
         // SAFETY: the child only runs the lockdown and the attack, then _exit()s.
         match unsafe { libc::fork() } {
             0 => {
-                let code = match apply_lockdown_to_current_process(&plan) {
+                let code = match apply_lockdown_with_compiled_filters(&plan, Some(&compiled)) {
                     Ok(_) => attack(),
                     Err(_) => 100,
                 };

@@ -35,6 +35,8 @@ pub enum SeccompError {
     Install(#[from] seccompiler::Error),
     #[error("seccomp filters are only built for x86_64 and aarch64")]
     UnsupportedArch,
+    #[error("the compiled seccomp filters depend on the pid in an unexpected way")]
+    PidTemplate,
 }
 
 fn arch() -> Result<TargetArch, SeccompError> {
@@ -375,10 +377,76 @@ pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompErro
 /// Installs the worker's filters on the calling thread (which must be the only thread;
 /// `no_new_privs` must already be set).
 pub fn install_syscall_filter_on_current_thread(own_pid: u32) -> Result<(), SeccompError> {
-    for program in build_worker_filters(own_pid)? {
-        seccompiler::apply_filter(&program)?;
+    install_programs_on_current_thread(&build_worker_filters(own_pid)?)
+}
+
+/// Installs already compiled programs, in order, on the calling thread.
+pub fn install_programs_on_current_thread(programs: &[BpfProgram]) -> Result<(), SeccompError> {
+    for program in programs {
+        seccompiler::apply_filter(program)?;
     }
     Ok(())
+}
+
+/// A pid no process can have (the kernel's PID_MAX_LIMIT is 2^22), compiled where the worker's
+/// own pid goes; [`CompiledWorkerFilters::for_pid`] writes the real one in.
+const PID_PLACEHOLDER: u32 = 0x7e1d_0c3b;
+
+/// The worker's three programs compiled once (by the zygote, before it forks), so a new worker
+/// only writes its pid into them and installs them. The policy is the one of
+/// [`build_worker_filters`]: [`CompiledWorkerFilters::compile`] proves that the programs depend
+/// on the pid only at the instructions it patches, by compiling them for two pids and comparing.
+#[derive(Debug, Clone)]
+pub struct CompiledWorkerFilters {
+    programs: Vec<BpfProgram>,
+    /// (program, instruction) of every comparison with the worker's own pid.
+    pid_sites: Vec<(usize, usize)>,
+}
+
+impl CompiledWorkerFilters {
+    pub fn compile() -> Result<CompiledWorkerFilters, SeccompError> {
+        let programs = build_worker_filters(PID_PLACEHOLDER)?;
+        let other = build_worker_filters(PID_PLACEHOLDER ^ 0x5a5)?;
+        let mut pid_sites = Vec::new();
+        let same_shape = programs.len() == other.len()
+            && programs.iter().zip(&other).all(|(a, b)| a.len() == b.len());
+        if !same_shape {
+            return Err(SeccompError::PidTemplate);
+        }
+        for (p, (a, b)) in programs.iter().zip(&other).enumerate() {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                if x == y {
+                    continue;
+                }
+                let only_the_pid = x.code == y.code
+                    && x.jt == y.jt
+                    && x.jf == y.jf
+                    && x.k == PID_PLACEHOLDER
+                    && y.k == PID_PLACEHOLDER ^ 0x5a5;
+                if !only_the_pid {
+                    return Err(SeccompError::PidTemplate);
+                }
+                pid_sites.push((p, i));
+            }
+        }
+        if pid_sites.is_empty() {
+            return Err(SeccompError::PidTemplate);
+        }
+        Ok(CompiledWorkerFilters {
+            programs,
+            pid_sites,
+        })
+    }
+
+    /// The programs for the process `own_pid`, in installation order; equal to
+    /// `build_worker_filters(own_pid)`.
+    pub fn for_pid(&self, own_pid: u32) -> Vec<BpfProgram> {
+        let mut programs = self.programs.clone();
+        for &(p, i) in &self.pid_sites {
+            programs[p][i].k = own_pid;
+        }
+        programs
+    }
 }
 
 #[cfg(test)]
@@ -391,6 +459,20 @@ mod tests {
         assert_eq!(programs.len(), 3);
         for p in &programs {
             assert!(p.len() < 4096, "{} instructions", p.len());
+        }
+    }
+
+    #[test]
+    fn the_programs_compiled_once_are_the_ones_compiled_for_each_pid() {
+        let compiled = CompiledWorkerFilters::compile().unwrap();
+        // kill, tgkill and prlimit64 compare their first argument with the worker's pid.
+        assert_eq!(compiled.pid_sites.len(), 3, "{:?}", compiled.pid_sites);
+        for pid in [1, 2, 1234, 65_535, 4_194_304] {
+            assert_eq!(
+                compiled.for_pid(pid),
+                build_worker_filters(pid).unwrap(),
+                "pid {pid}"
+            );
         }
     }
 

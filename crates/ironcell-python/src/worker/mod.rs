@@ -14,7 +14,7 @@
 //!    allows ([`ironcell_core::sandbox::private_tmp`]).
 //! 5. Lock down: capabilities, no_new_privs, non-dumpable, rlimits, Landlock, seccomp
 //!    ([`ironcell_core::sandbox::apply_lockdown_to_current_process`] explains the order).
-//! 6. Only now start the output pump thread, say `ready`, and serve `run` frames.
+//! 6. Only now say `ready`, start the output pump and reader threads, and serve `run` frames.
 
 mod output_pump;
 
@@ -119,8 +119,11 @@ fn serve_session(
 
     // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
     let lockdown_started = std::time::Instant::now();
-    let missing_layers = ironcell_core::sandbox::apply_lockdown_to_current_process(&spec.sandbox)
-        .map_err(|e| anyhow!(e))?;
+    let missing_layers = ironcell_core::sandbox::apply_lockdown_with_compiled_filters(
+        &spec.sandbox,
+        crate::zygote::compiled_filters(),
+    )
+    .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
 
     // Step 6: threads and code only from here on.
@@ -128,7 +131,6 @@ fn serve_session(
     let sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
     let reader = sock.try_clone().context("cloning the session socket")?;
     let writer = Arc::new(Mutex::new(sock));
-    let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
     send_json(
         &writer,
         &FromWorker::Ready {
@@ -137,6 +139,9 @@ fn serve_session(
             lockdown_us,
         },
     )?;
+    // The threads start after `ready` (it is not delayed by them); anything written to fd 1 or
+    // 2 before waits in the pipes until the pump forwards it.
+    let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
 
     // The reader thread owns the socket's read half: `run` frames go to this thread, answers
     // to the `mcp` module's requests go straight to whoever waits for them (a blocked call, or
