@@ -18,6 +18,8 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 
 use crate::jobs::{Job, Jobs};
@@ -223,13 +225,15 @@ impl IroncellServer {
         request: &CallToolRequestParams,
         context: &RequestContext<RoleServer>,
     ) -> CallToolResponse {
-        let empty = JsonObject::new();
-        let args = request.arguments.as_ref().unwrap_or(&empty);
-        let Some(id) = args.get("job").and_then(Value::as_str) else {
+        let args: JobArguments = match arguments(request.arguments.as_ref()) {
+            Ok(args) => args,
+            Err(message) => return error_result(message).into(),
+        };
+        let Some(id) = args.job else {
             return error_result("missing required argument `job` (the id a running result named)")
                 .into();
         };
-        let Some(job) = self.jobs.get(id) else {
+        let Some(job) = self.jobs.get(&id) else {
             let known = self.jobs.ids();
             return error_result(format!(
                 "no job {id:?} (finished jobs are kept until read, or an hour); known: {}",
@@ -242,34 +246,24 @@ impl IroncellServer {
             .into();
         };
         let budget = self.sessions.settings().wait_budget;
-        let wait = match args.get("wait_s") {
-            None | Some(Value::Null) => budget,
-            Some(Value::Number(n)) => match n.as_f64() {
-                Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t).min(budget),
-                _ => {
-                    return error_result("`wait_s` must be a non-negative number of seconds")
-                        .into();
-                }
-            },
-            Some(_) => return error_result("`wait_s` must be a number of seconds").into(),
+        let wait = match args.wait_s {
+            None => budget,
+            Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t).min(budget),
+            Some(_) => {
+                return error_result("`wait_s` must be a non-negative number of seconds").into();
+            }
         };
         // A run waiting for approval shows its questions to whoever waits for it.
         let ask = can_answer_input_required(context)
             .then(|| approval::call_digest(&request.name, request.arguments.as_ref()));
         let ask = ask.as_deref();
-        let waited = match args.get("action").and_then(Value::as_str).unwrap_or("wait") {
-            "wait" => self.await_job(&job, wait, context, ask).await,
-            "poll" => self.await_job(&job, Duration::ZERO, context, ask).await,
-            "cancel" => {
+        let waited = match args.action {
+            JobAction::Wait => self.await_job(&job, wait, context, ask).await,
+            JobAction::Poll => self.await_job(&job, Duration::ZERO, context, ask).await,
+            JobAction::Cancel => {
                 job.cancel.cancel();
                 let grace = self.sessions.settings().interrupt_grace + Duration::from_secs(5);
                 self.await_job(&job, grace, context, None).await
-            }
-            other => {
-                return error_result(format!(
-                    "unknown action {other:?}; use \"wait\", \"poll\" or \"cancel\""
-                ))
-                .into();
             }
         };
         match waited {
@@ -519,94 +513,143 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
         .with_raw_output_schema(Arc::new(output_schema()))
 }
 
+/// The arguments `run_python` takes, as listed in its schema.
+const RUN_ARGUMENTS: &[&str] = &["code", "session", "timeout_s", "reset", "servers"];
+
+/// `run_python`'s arguments as the client sent them. Each field's deserializer names the field,
+/// what it must be and what it got; what serde cannot say (a missing `code`, an unknown argument,
+/// ranges, the session-name alphabet) is checked after, in [`parse_run_arguments`] and when the
+/// run starts.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RunArguments {
+    #[serde(deserialize_with = "code")]
+    code: Option<String>,
+    #[serde(deserialize_with = "session")]
+    session: Option<String>,
+    #[serde(deserialize_with = "timeout_s")]
+    timeout_s: Option<f64>,
+    #[serde(deserialize_with = "reset")]
+    reset: Option<bool>,
+    #[serde(deserialize_with = "servers")]
+    servers: Option<Vec<String>>,
+    /// Anything else, refused by name.
+    #[serde(flatten)]
+    unknown: JsonObject,
+}
+
+fn code<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    typed::<D, String>(d, "code", "a string of Python source").map(Some)
+}
+fn session<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    typed(d, "session", "a string")
+}
+fn timeout_s<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    typed(d, "timeout_s", "a number of seconds")
+}
+fn reset<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    typed(d, "reset", "true or false")
+}
+fn servers<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+    typed(d, "servers", "a list of server names")
+}
+
+/// `run_python_job`'s arguments. Other keys are ignored, as they always were.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct JobArguments {
+    #[serde(deserialize_with = "job")]
+    job: Option<String>,
+    #[serde(deserialize_with = "action")]
+    action: JobAction,
+    #[serde(deserialize_with = "wait_s")]
+    wait_s: Option<f64>,
+}
+
+/// What `run_python_job` does with the job.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum JobAction {
+    /// Wait for the outcome, up to `wait_s` (capped by the wait budget).
+    #[default]
+    Wait,
+    /// The outcome if there is one, at once.
+    Poll,
+    /// Interrupt the run, then wait for its outcome.
+    Cancel,
+}
+
+fn job<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    typed(d, "job", "a string (the id a running result named)")
+}
+fn action<'de, D: Deserializer<'de>>(d: D) -> Result<JobAction, D::Error> {
+    let v = Value::deserialize(d)?;
+    match v {
+        Value::Null => Ok(JobAction::Wait),
+        v => JobAction::deserialize(&v).map_err(|_| {
+            serde::de::Error::custom(format!(
+                "unknown action {v}; use \"wait\", \"poll\" or \"cancel\""
+            ))
+        }),
+    }
+}
+fn wait_s<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    typed(d, "wait_s", "a number of seconds")
+}
+
+/// Deserializes a `T`, or fails with a message that names the argument, what it must be and
+/// what it got.
+fn typed<'de, D, T>(d: D, field: &str, must: &str) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: DeserializeOwned,
+{
+    let v = Value::deserialize(d)?;
+    let got = type_name(&v);
+    T::deserialize(v).map_err(|e| {
+        // For a list, serde's own words say which item is wrong.
+        let detail = if got == "an array" {
+            format!(" ({e})")
+        } else {
+            String::new()
+        };
+        serde::de::Error::custom(format!("`{field}` must be {must}, got {got}{detail}"))
+    })
+}
+
+/// Deserializes a tool's arguments (none: `{}`), keeping the message of the first problem.
+fn arguments<T: DeserializeOwned>(args: Option<&JsonObject>) -> Result<T, String> {
+    let args = args.cloned().unwrap_or_default();
+    serde_json::from_value(Value::Object(args)).map_err(|e| e.to_string())
+}
+
 /// Turns `run_python` arguments into a request, or says exactly what is wrong with them.
 pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, String> {
-    let empty = JsonObject::new();
-    let args = args.unwrap_or(&empty);
-    const KNOWN: &[&str] = &["code", "session", "timeout_s", "reset", "servers"];
-    if let Some(unknown) = args.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+    let args: RunArguments = arguments(args)?;
+    if let Some(unknown) = args.unknown.keys().next() {
         return Err(format!(
             "unknown argument {unknown:?}; run_python takes {}",
-            KNOWN.join(", ")
+            RUN_ARGUMENTS.join(", ")
         ));
     }
-    let code = match args.get("code") {
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => {
-            return Err(format!(
-                "`code` must be a string of Python source, got {}",
-                type_name(other)
-            ));
-        }
-        None => return Err("missing required argument `code` (a string of Python source)".into()),
+    let Some(code) = args.code else {
+        return Err("missing required argument `code` (a string of Python source)".into());
     };
-    let session = match args.get("session") {
-        None | Some(Value::Null) => "default".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => {
+    let timeout = match args.timeout_s {
+        None => None,
+        Some(t) if t.is_finite() && t > 0.0 && t <= 1e6 => Some(Duration::from_secs_f64(t)),
+        Some(t) => {
             return Err(format!(
-                "`session` must be a string, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    let timeout = match args.get("timeout_s") {
-        None | Some(Value::Null) => None,
-        Some(Value::Number(n)) => match n.as_f64() {
-            Some(t) if t.is_finite() && t > 0.0 && t <= 1e6 => Some(Duration::from_secs_f64(t)),
-            _ => {
-                return Err(format!(
-                    "`timeout_s` must be a positive number of seconds, got {n}"
-                ));
-            }
-        },
-        Some(other) => {
-            return Err(format!(
-                "`timeout_s` must be a number of seconds, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    let reset = match args.get("reset") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(format!(
-                "`reset` must be true or false, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    let servers = match args.get("servers") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(items)) => {
-            let mut names = Vec::new();
-            for item in items {
-                match item {
-                    Value::String(s) => names.push(s.clone()),
-                    other => {
-                        return Err(format!(
-                            "`servers` must be a list of server names, got an item that is {}",
-                            type_name(other)
-                        ));
-                    }
-                }
-            }
-            names
-        }
-        Some(other) => {
-            return Err(format!(
-                "`servers` must be a list of server names, got {}",
-                type_name(other)
+                "`timeout_s` must be a positive number of seconds (at most 1000000), got {t}"
             ));
         }
     };
     Ok(RunRequest {
         code,
-        session,
+        session: args.session.unwrap_or_else(|| "default".to_string()),
         timeout,
-        reset,
-        servers,
+        reset: args.reset.unwrap_or(false),
+        servers: args.servers.unwrap_or_default(),
         progress: None,
     })
 }
@@ -881,6 +924,9 @@ impl ServerHandler for IroncellServer {
 }
 
 #[cfg(test)]
+mod handler_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -897,6 +943,13 @@ mod tests {
         assert_eq!(r.session, "default");
         assert!(r.timeout.is_none());
         assert!(!r.reset);
+        assert!(r.servers.is_empty());
+        let given = json!({"code": "x", "session": null, "timeout_s": 2.5, "reset": true, "servers": ["a"]});
+        let r = parse_run_arguments(Some(&args(given))).unwrap();
+        assert_eq!(r.session, "default", "null means the default");
+        assert_eq!(r.timeout, Some(Duration::from_millis(2500)));
+        assert!(r.reset);
+        assert_eq!(r.servers, ["a"]);
     }
 
     #[test]
