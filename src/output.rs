@@ -532,6 +532,19 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn session_states_keep_their_wire_names() {
+        let states = [
+            (SessionState::New, "new"),
+            (SessionState::Kept, "kept"),
+            (SessionState::Restarted, "restarted"),
+            (SessionState::Lost, "lost"),
+        ];
+        for (state, wire) in states {
+            assert_eq!(serde_json::to_value(state).unwrap(), json!(wire));
+        }
+    }
+
+    #[test]
     fn toon_quotes_only_what_would_be_ambiguous() {
         let v = json!({
             "status": "ok",

@@ -1,8 +1,18 @@
-//! The MCP surface: one tool, `run_python`, and the `system://info` resource.
+//! The MCP surface: the `run_python` and `run_python_job` tools (plus any local `@tool`
+//! functions), the `system://info` and `ironcell://manual` resources and the session files,
+//! and tasks for runs that outlive the wait budget.
 //!
 //! Kept deliberately small, because every byte of `tools/list` sits in the model's context on
 //! every turn (budget: about 300 tokens at bytes/4). Errors in the user's code, and bad
-//! arguments, are `isError: true` results the model can read and act on, never JSON-RPC errors.
+//! arguments ([`arguments`]), are `isError: true` results the model can read and act on, never
+//! JSON-RPC errors.
+
+mod arguments;
+#[cfg(test)]
+mod handler_tests;
+
+pub use self::arguments::parse_run_arguments;
+use self::arguments::{JobAction, parse_job_arguments};
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -18,13 +28,11 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 
 use crate::jobs::{Job, Jobs};
 use crate::proxy::approval::{self, Asker};
-use crate::session::{RunRequest, SessionManager};
+use crate::session::SessionManager;
 
 pub const TOOL_NAME: &str = "run_python";
 pub const JOB_TOOL_NAME: &str = "run_python_job";
@@ -225,15 +233,12 @@ impl IroncellServer {
         request: &CallToolRequestParams,
         context: &RequestContext<RoleServer>,
     ) -> CallToolResponse {
-        let args: JobArguments = match arguments(request.arguments.as_ref()) {
+        let args = match parse_job_arguments(request.arguments.as_ref()) {
             Ok(args) => args,
             Err(message) => return error_result(message).into(),
         };
-        let Some(id) = args.job else {
-            return error_result("missing required argument `job` (the id a running result named)")
-                .into();
-        };
-        let Some(job) = self.jobs.get(&id) else {
+        let id = &args.job;
+        let Some(job) = self.jobs.get(id) else {
             let known = self.jobs.ids();
             return error_result(format!(
                 "no job {id:?} (finished jobs are kept until read, or an hour); known: {}",
@@ -246,13 +251,7 @@ impl IroncellServer {
             .into();
         };
         let budget = self.sessions.settings().wait_budget;
-        let wait = match args.wait_s {
-            None => budget,
-            Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t).min(budget),
-            Some(_) => {
-                return error_result("`wait_s` must be a non-negative number of seconds").into();
-            }
-        };
+        let wait = args.wait.map_or(budget, |w| w.min(budget));
         // A run waiting for approval shows its questions to whoever waits for it.
         let ask = can_answer_input_required(context)
             .then(|| approval::call_digest(&request.name, request.arguments.as_ref()));
@@ -511,158 +510,6 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
         .with_title("Run Python")
         .with_annotations(annotations)
         .with_raw_output_schema(Arc::new(output_schema()))
-}
-
-/// The arguments `run_python` takes, as listed in its schema.
-const RUN_ARGUMENTS: &[&str] = &["code", "session", "timeout_s", "reset", "servers"];
-
-/// `run_python`'s arguments as the client sent them. Each field's deserializer names the field,
-/// what it must be and what it got; what serde cannot say (a missing `code`, an unknown argument,
-/// ranges, the session-name alphabet) is checked after, in [`parse_run_arguments`] and when the
-/// run starts.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct RunArguments {
-    #[serde(deserialize_with = "code")]
-    code: Option<String>,
-    #[serde(deserialize_with = "session")]
-    session: Option<String>,
-    #[serde(deserialize_with = "timeout_s")]
-    timeout_s: Option<f64>,
-    #[serde(deserialize_with = "reset")]
-    reset: Option<bool>,
-    #[serde(deserialize_with = "servers")]
-    servers: Option<Vec<String>>,
-    /// Anything else, refused by name.
-    #[serde(flatten)]
-    unknown: JsonObject,
-}
-
-fn code<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    typed::<D, String>(d, "code", "a string of Python source").map(Some)
-}
-fn session<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    typed(d, "session", "a string")
-}
-fn timeout_s<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    typed(d, "timeout_s", "a number of seconds")
-}
-fn reset<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
-    typed(d, "reset", "true or false")
-}
-fn servers<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
-    typed(d, "servers", "a list of server names")
-}
-
-/// `run_python_job`'s arguments. Other keys are ignored, as they always were.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct JobArguments {
-    #[serde(deserialize_with = "job")]
-    job: Option<String>,
-    #[serde(deserialize_with = "action")]
-    action: JobAction,
-    #[serde(deserialize_with = "wait_s")]
-    wait_s: Option<f64>,
-}
-
-/// What `run_python_job` does with the job.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum JobAction {
-    /// Wait for the outcome, up to `wait_s` (capped by the wait budget).
-    #[default]
-    Wait,
-    /// The outcome if there is one, at once.
-    Poll,
-    /// Interrupt the run, then wait for its outcome.
-    Cancel,
-}
-
-fn job<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    typed(d, "job", "a string (the id a running result named)")
-}
-fn action<'de, D: Deserializer<'de>>(d: D) -> Result<JobAction, D::Error> {
-    let v = Value::deserialize(d)?;
-    match v {
-        Value::Null => Ok(JobAction::Wait),
-        v => JobAction::deserialize(&v).map_err(|_| {
-            serde::de::Error::custom(format!(
-                "unknown action {v}; use \"wait\", \"poll\" or \"cancel\""
-            ))
-        }),
-    }
-}
-fn wait_s<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    typed(d, "wait_s", "a number of seconds")
-}
-
-/// Deserializes a `T`, or fails with a message that names the argument, what it must be and
-/// what it got.
-fn typed<'de, D, T>(d: D, field: &str, must: &str) -> Result<T, D::Error>
-where
-    D: Deserializer<'de>,
-    T: DeserializeOwned,
-{
-    let v = Value::deserialize(d)?;
-    let got = type_name(&v);
-    T::deserialize(v).map_err(|e| {
-        // For a list, serde's own words say which item is wrong.
-        let detail = if got == "an array" {
-            format!(" ({e})")
-        } else {
-            String::new()
-        };
-        serde::de::Error::custom(format!("`{field}` must be {must}, got {got}{detail}"))
-    })
-}
-
-/// Deserializes a tool's arguments (none: `{}`), keeping the message of the first problem.
-fn arguments<T: DeserializeOwned>(args: Option<&JsonObject>) -> Result<T, String> {
-    let args = args.cloned().unwrap_or_default();
-    serde_json::from_value(Value::Object(args)).map_err(|e| e.to_string())
-}
-
-/// Turns `run_python` arguments into a request, or says exactly what is wrong with them.
-pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, String> {
-    let args: RunArguments = arguments(args)?;
-    if let Some(unknown) = args.unknown.keys().next() {
-        return Err(format!(
-            "unknown argument {unknown:?}; run_python takes {}",
-            RUN_ARGUMENTS.join(", ")
-        ));
-    }
-    let Some(code) = args.code else {
-        return Err("missing required argument `code` (a string of Python source)".into());
-    };
-    let timeout = match args.timeout_s {
-        None => None,
-        Some(t) if t.is_finite() && t > 0.0 && t <= 1e6 => Some(Duration::from_secs_f64(t)),
-        Some(t) => {
-            return Err(format!(
-                "`timeout_s` must be a positive number of seconds (at most 1000000), got {t}"
-            ));
-        }
-    };
-    Ok(RunRequest {
-        code,
-        session: args.session.unwrap_or_else(|| "default".to_string()),
-        timeout,
-        reset: args.reset.unwrap_or(false),
-        servers: args.servers.unwrap_or_default(),
-        progress: None,
-    })
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 /// The content blocks of a run's result: the text, then images inline, then links to the
@@ -924,59 +771,8 @@ impl ServerHandler for IroncellServer {
 }
 
 #[cfg(test)]
-mod handler_tests;
-
-#[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(v: Value) -> JsonObject {
-        match v {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn arguments_get_defaults() {
-        let r = parse_run_arguments(Some(&args(json!({"code": "1+1"})))).unwrap();
-        assert_eq!(r.session, "default");
-        assert!(r.timeout.is_none());
-        assert!(!r.reset);
-        assert!(r.servers.is_empty());
-        let given = json!({"code": "x", "session": null, "timeout_s": 2.5, "reset": true, "servers": ["a"]});
-        let r = parse_run_arguments(Some(&args(given))).unwrap();
-        assert_eq!(r.session, "default", "null means the default");
-        assert_eq!(r.timeout, Some(Duration::from_millis(2500)));
-        assert!(r.reset);
-        assert_eq!(r.servers, ["a"]);
-    }
-
-    #[test]
-    fn wrong_argument_types_say_what_was_expected() {
-        let cases = [
-            (json!({}), "missing required argument `code`"),
-            (json!({"code": 5}), "`code` must be a string"),
-            (
-                json!({"code": "x", "session": 3}),
-                "`session` must be a string",
-            ),
-            (
-                json!({"code": "x", "timeout_s": "10"}),
-                "`timeout_s` must be a number",
-            ),
-            (json!({"code": "x", "timeout_s": -1}), "positive number"),
-            (
-                json!({"code": "x", "reset": "yes"}),
-                "`reset` must be true or false",
-            ),
-            (json!({"code": "x", "cod": "y"}), "unknown argument \"cod\""),
-        ];
-        for (input, expected) in cases {
-            let err = parse_run_arguments(Some(&args(input.clone()))).unwrap_err();
-            assert!(err.contains(expected), "{input} -> {err}");
-        }
-    }
 
     #[test]
     fn the_tool_list_fits_the_token_budget() {

@@ -609,3 +609,72 @@ impl Proxy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local_tools::ToolsOp;
+    use crate::memory::MemoryOp;
+
+    #[test]
+    fn bridge_methods_are_read_by_their_wire_names() {
+        let cases = [
+            ("servers", BridgeMethod::Proxy(ProxyMethod::Servers)),
+            ("tools", BridgeMethod::Proxy(ProxyMethod::Tools)),
+            ("search", BridgeMethod::Proxy(ProxyMethod::Search)),
+            ("call", BridgeMethod::Proxy(ProxyMethod::Call)),
+            ("memory.save", BridgeMethod::Memory(MemoryOp::Save)),
+            ("memory.load", BridgeMethod::Memory(MemoryOp::Load)),
+            ("memory.delete", BridgeMethod::Memory(MemoryOp::Delete)),
+            ("memory.list", BridgeMethod::Memory(MemoryOp::List)),
+            ("tools.result", BridgeMethod::Tools(ToolsOp::Result)),
+            ("tools.catalog", BridgeMethod::Tools(ToolsOp::Catalog)),
+            ("tools.list", BridgeMethod::Tools(ToolsOp::List)),
+            ("tools.call", BridgeMethod::Tools(ToolsOp::Call)),
+            ("tools.save", BridgeMethod::Tools(ToolsOp::Save)),
+            ("tools.delete", BridgeMethod::Tools(ToolsOp::Delete)),
+        ];
+        for (wire, method) in cases {
+            assert_eq!(BridgeMethod::parse(wire), Ok(method), "{wire}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_bridge_method_is_a_bad_request_that_names_it() {
+        let cases = [
+            ("memory.wipe", "unknown memory operation \"wipe\""),
+            ("tools.run", "unknown tools operation \"run\""),
+            ("memory", "unknown bridge method \"memory\""),
+            ("Servers", "unknown bridge method \"Servers\""),
+        ];
+        for (wire, message) in cases {
+            let payload = BridgeMethod::parse(wire).unwrap_err();
+            assert_eq!(
+                payload,
+                json!({"error": {"kind": "bad_request", "message": message}})
+            );
+        }
+    }
+
+    /// Every kind the host sends is one the in-sandbox `mcp` module maps to an exception class.
+    #[test]
+    fn every_error_kind_has_its_python_exception() {
+        let module = include_str!("../../python/mcp/__init__.py");
+        let kinds = [
+            ErrorKind::UnknownServer,
+            ErrorKind::UnknownTool,
+            ErrorKind::Unavailable,
+            ErrorKind::BadRequest,
+            ErrorKind::Denied,
+            ErrorKind::Declined,
+            ErrorKind::Refused,
+        ];
+        for kind in kinds {
+            let wire = serde_json::to_string(&kind).unwrap();
+            assert!(
+                module.contains(&format!("{wire}: ")),
+                "{wire} is not in _ERRORS"
+            );
+        }
+    }
+}

@@ -132,7 +132,7 @@ async fn tools_list_over_the_wire_fits_the_token_budget() {
         .keys()
         .map(String::as_str)
         .collect();
-    assert_eq!(advertised, super::RUN_ARGUMENTS);
+    assert_eq!(advertised, super::arguments::RUN_ARGUMENTS);
     assert_eq!(schema["required"], json!(["code"]));
     pair.stop().await;
 }
