@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::lock;
 use crate::output::{RunRecord, RunStatus};
+use crate::proxy::ErrorKind;
 use crate::session::{RunRequest, SessionManager};
 
 /// The reserved session whose worker loads and runs the local tools.
@@ -452,32 +453,35 @@ impl LocalTools {
     }
 
     /// Answers one `tools.<op>` bridge request of the worker of session `from`.
-    pub async fn handle(&self, from: &str, op: &str, params: &Value) -> Value {
+    pub async fn handle(&self, from: &str, op: ToolsOp, params: &Value) -> Value {
         match self.handle_op(from, op, params).await {
             Ok(result) => json!({ "result": result }),
-            Err((kind, message)) => json!({"error": {"kind": kind, "message": message}}),
+            Err((kind, message)) => crate::proxy::error_payload(kind, &message),
         }
     }
 
     async fn handle_op(
         &self,
         from: &str,
-        op: &str,
+        op: ToolsOp,
         params: &Value,
-    ) -> Result<Value, (&'static str, String)> {
+    ) -> Result<Value, (ErrorKind, String)> {
         let from_tools = from == TOOLS_SESSION;
         match op {
-            "result" | "catalog" => {
+            ToolsOp::Result | ToolsOp::Catalog => {
                 if !from_tools {
-                    return Err(("bad_request", "only the tools session answers".into()));
+                    return Err((
+                        ErrorKind::BadRequest,
+                        "only the tools session answers".into(),
+                    ));
                 }
                 self.accept_answer(params).map(|()| Value::Null)
             }
-            "list" | "call" if from_tools => Err((
-                "bad_request",
+            ToolsOp::List | ToolsOp::Call if from_tools => Err((
+                ErrorKind::BadRequest,
                 "inside a tool, call other tools as plain functions".into(),
             )),
-            "list" => {
+            ToolsOp::List => {
                 let catalog = if self.listed.load(Ordering::SeqCst) {
                     self.ensure_catalog().await
                 } else {
@@ -504,11 +508,11 @@ impl LocalTools {
                     .collect();
                 Ok(json!({"tools": tools, "errors": catalog.errors}))
             }
-            "call" => {
+            ToolsOp::Call => {
                 let name = params.get("name").and_then(Value::as_str).unwrap_or("");
                 let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
                 if !arguments.is_object() {
-                    return Err(("bad_request", "the arguments must be a dict".into()));
+                    return Err((ErrorKind::BadRequest, "the arguments must be a dict".into()));
                 }
                 let catalog = if self.listed.load(Ordering::SeqCst) {
                     self.ensure_catalog().await
@@ -518,7 +522,7 @@ impl LocalTools {
                 if !catalog.tools.iter().any(|t| t.name == name) {
                     let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_str()).collect();
                     return Err((
-                        "unknown_tool",
+                        ErrorKind::UnknownTool,
                         format!(
                             "no local tool {name:?}; tools: {}",
                             if names.is_empty() {
@@ -532,9 +536,9 @@ impl LocalTools {
                 let (record, envelope) = self
                     .invoke(name, arguments, CancellationToken::new())
                     .await
-                    .map_err(|why| ("unavailable", why))?;
+                    .map_err(|why| (ErrorKind::Unavailable, why))?;
                 let Some(env) = envelope else {
-                    return Err(("unavailable", record.render(self.output_mode)));
+                    return Err((ErrorKind::Unavailable, record.render(self.output_mode)));
                 };
                 if env.get("ok") == Some(&Value::Bool(true)) {
                     return Ok(env.get("value").cloned().unwrap_or(Value::Null));
@@ -542,51 +546,56 @@ impl LocalTools {
                 let message = env.get("message").and_then(Value::as_str).unwrap_or("");
                 match env.get("kind").and_then(Value::as_str) {
                     Some("validation") => Err((
-                        "bad_request",
+                        ErrorKind::BadRequest,
                         format!("invalid arguments for {name}: {message}"),
                     )),
                     Some("raised") => {
                         let kind = env.get("type").and_then(Value::as_str).unwrap_or("Error");
                         let tb = env.get("traceback").and_then(Value::as_str).unwrap_or("");
-                        Err(("refused", format!("{name} raised {kind}: {message}\n{tb}")))
+                        Err((
+                            ErrorKind::Refused,
+                            format!("{name} raised {kind}: {message}\n{tb}"),
+                        ))
                     }
-                    _ => Err(("unavailable", message.to_string())),
+                    _ => Err((ErrorKind::Unavailable, message.to_string())),
                 }
             }
-            "save" => {
+            ToolsOp::Save => {
                 let message = self.save(params)?;
                 Ok(json!({ "message": message }))
             }
-            "delete" => {
+            ToolsOp::Delete => {
                 let name = params.get("name").and_then(Value::as_str).unwrap_or("");
                 if !valid_tool_name(name) {
-                    return Err(("bad_request", format!("no saved tool {name:?}")));
+                    return Err((ErrorKind::BadRequest, format!("no saved tool {name:?}")));
                 }
                 match std::fs::remove_file(self.saved_dir.join(format!("{name}.py"))) {
                     Ok(()) => {
                         self.list_changed();
                         Ok(json!({"message": format!("Tool {name:?} deleted.")}))
                     }
-                    Err(_) => Err(("bad_request", format!("no saved tool {name:?}"))),
+                    Err(_) => Err((ErrorKind::BadRequest, format!("no saved tool {name:?}"))),
                 }
             }
-            other => Err(("bad_request", format!("unknown tools operation {other:?}"))),
         }
     }
 
     /// Takes an answer of the tools session for a token the host is waiting for.
-    fn accept_answer(&self, params: &Value) -> Result<(), (&'static str, String)> {
+    fn accept_answer(&self, params: &Value) -> Result<(), (ErrorKind, String)> {
         let token = params.get("token").and_then(Value::as_str).unwrap_or("");
         let size = params.to_string().len();
         let mut inbox = lock(&self.inbox);
         let Some(slot) = inbox.get_mut(token) else {
             return Err((
-                "bad_request",
+                ErrorKind::BadRequest,
                 "no answer is expected under that token".into(),
             ));
         };
         if slot.is_some() {
-            return Err(("bad_request", "that token was already answered".into()));
+            return Err((
+                ErrorKind::BadRequest,
+                "that token was already answered".into(),
+            ));
         }
         if size > MAX_ANSWER_BYTES {
             let note = format!(
@@ -596,15 +605,15 @@ impl LocalTools {
             *slot = Some(
                 json!({"envelope": {"ok": false, "kind": "raised", "type": "ValueError", "message": note, "traceback": ""}, "tools": [], "errors": [{"file": "", "reason": note}]}),
             );
-            return Err(("bad_request", note));
+            return Err((ErrorKind::BadRequest, note));
         }
         *slot = Some(params.clone());
         Ok(())
     }
 
     /// Writes a saved tool (`<state dir>/tools/<name>.py`) and announces the new list.
-    fn save(&self, params: &Value) -> Result<String, (&'static str, String)> {
-        let bad = |m: String| ("bad_request", m);
+    fn save(&self, params: &Value) -> Result<String, (ErrorKind, String)> {
+        let bad = |m: String| (ErrorKind::BadRequest, m);
         let name = params
             .get("name")
             .and_then(Value::as_str)
@@ -647,8 +656,12 @@ impl LocalTools {
                 "there are already {existing} saved tools (the limit); delete some first"
             )));
         }
-        write_saved_tool(&self.saved_dir, &target, source.as_bytes())
-            .map_err(|e| ("unavailable", format!("saving the tool failed: {e}")))?;
+        write_saved_tool(&self.saved_dir, &target, source.as_bytes()).map_err(|e| {
+            (
+                ErrorKind::Unavailable,
+                format!("saving the tool failed: {e}"),
+            )
+        })?;
         self.listed.store(true, Ordering::SeqCst);
         self.list_changed();
         Ok(format!(
@@ -680,21 +693,40 @@ impl LocalTools {
     }
 }
 
+/// A `tools.<op>` bridge request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolsOp {
+    /// The tools session answers a call the host made (only it may).
+    Result,
+    /// The tools session answers with the catalog it loaded (only it may).
+    Catalog,
+    /// The tools a session can call.
+    List,
+    /// A call of one tool.
+    Call,
+    /// `save_tool`.
+    Save,
+    /// Deletes a saved tool.
+    Delete,
+}
+
 /// Answers a `tools.<op>` bridge request of the worker of session `from` (an error where no
 /// local tools exist, e.g. `ironcell exec`). Boxed: a call runs a cell in the tools session,
 /// whose run loop is what spawns this future.
 pub fn handle_request(
     tools: Option<Arc<LocalTools>>,
     from: String,
-    op: String,
+    op: ToolsOp,
     params: Value,
 ) -> futures::future::BoxFuture<'static, Value> {
     Box::pin(async move {
         match tools {
-            Some(t) => t.handle(&from, &op, &params).await,
-            None => {
-                json!({"error": {"kind": "unavailable", "message": "local tools are only available under `ironcell serve`"}})
-            }
+            Some(t) => t.handle(&from, op, &params).await,
+            None => crate::proxy::error_payload(
+                ErrorKind::Unavailable,
+                "local tools are only available under `ironcell serve`",
+            ),
         }
     })
 }

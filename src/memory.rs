@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::proxy::ErrorKind;
 use serde_json::{Value, json};
 
 /// Longest key, in bytes of UTF-8.
@@ -28,22 +29,32 @@ pub struct MemoryStore {
     lock: Mutex<()>,
 }
 
+/// A `memory.<op>` bridge request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryOp {
+    Save,
+    Load,
+    Delete,
+    List,
+}
+
 /// A refused request: becomes `ValueError` (bad key/value) or `MCPError` in Python.
 struct Refusal {
-    kind: &'static str,
+    kind: ErrorKind,
     message: String,
 }
 
 fn bad(message: String) -> Refusal {
     Refusal {
-        kind: "bad_request",
+        kind: ErrorKind::BadRequest,
         message,
     }
 }
 
 fn io_failure(what: &str, e: std::io::Error) -> Refusal {
     Refusal {
-        kind: "unavailable",
+        kind: ErrorKind::Unavailable,
         message: format!("memory store: {what}: {e}"),
     }
 }
@@ -57,17 +68,16 @@ impl MemoryStore {
     }
 
     /// Answers one `memory.<op>` request: the payload of the `response` frame.
-    pub fn handle(&self, op: &str, params: &Value) -> Value {
+    pub fn handle(&self, op: MemoryOp, params: &Value) -> Value {
         let outcome = match op {
-            "save" => self.save(params),
-            "load" => self.load(params),
-            "delete" => self.delete(params),
-            "list" => self.list(),
-            other => Err(bad(format!("unknown memory operation {other:?}"))),
+            MemoryOp::Save => self.save(params),
+            MemoryOp::Load => self.load(params),
+            MemoryOp::Delete => self.delete(params),
+            MemoryOp::List => self.list(),
         };
         match outcome {
             Ok(result) => json!({ "result": result }),
-            Err(r) => json!({"error": {"kind": r.kind, "message": r.message}}),
+            Err(r) => crate::proxy::error_payload(r.kind, &r.message),
         }
     }
 
@@ -216,27 +226,27 @@ mod tests {
     fn values_round_trip_and_keys_never_become_paths() {
         let s = store("rt");
         for key in ["../../etc/passwd", "a/b", "ключ", ".."] {
-            let r = s.handle("save", &json!({"key": key, "value": {"n": [1, 2]}}));
+            let r = s.handle(MemoryOp::Save, &json!({"key": key, "value": {"n": [1, 2]}}));
             assert!(r.get("result").is_some(), "{r}");
-            let r = s.handle("load", &json!({"key": key}));
+            let r = s.handle(MemoryOp::Load, &json!({"key": key}));
             assert_eq!(r["result"]["entry"]["value"], json!({"n": [1, 2]}), "{r}");
         }
         for (p, _) in s.entries() {
             assert_eq!(p.parent(), Some(s.dir.as_path()));
         }
         assert_eq!(
-            s.handle("list", &json!({}))["result"]
+            s.handle(MemoryOp::List, &json!({}))["result"]
                 .as_array()
                 .unwrap()
                 .len(),
             4
         );
         assert_eq!(
-            s.handle("delete", &json!({"key": "a/b"}))["result"]["deleted"],
+            s.handle(MemoryOp::Delete, &json!({"key": "a/b"}))["result"]["deleted"],
             true
         );
         assert_eq!(
-            s.handle("load", &json!({"key": "a/b"}))["result"]["found"],
+            s.handle(MemoryOp::Load, &json!({"key": "a/b"}))["result"]["found"],
             false
         );
     }
@@ -245,11 +255,11 @@ mod tests {
     fn bad_keys_and_oversized_values_are_refused() {
         let s = store("bad");
         for key in [json!(""), json!("x".repeat(101)), json!("a\nb"), json!(3)] {
-            let r = s.handle("save", &json!({"key": key, "value": 1}));
+            let r = s.handle(MemoryOp::Save, &json!({"key": key, "value": 1}));
             assert_eq!(r["error"]["kind"], "bad_request", "{r}");
         }
         let big = "x".repeat(MAX_ENTRY_BYTES);
-        let r = s.handle("save", &json!({"key": "big", "value": big}));
+        let r = s.handle(MemoryOp::Save, &json!({"key": "big", "value": big}));
         assert!(
             r["error"]["message"].as_str().unwrap().contains("limit"),
             "{r}"

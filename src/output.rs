@@ -53,6 +53,20 @@ pub struct Truncation {
     pub file_error: Option<String>,
 }
 
+/// What became of the session's Python state in a run (`session_state` of the record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    /// The session's first run: a fresh worker.
+    New,
+    /// Variables and imports of earlier runs survive.
+    Kept,
+    /// A fresh worker started for this run; the earlier state was lost (a notice says why).
+    Restarted,
+    /// The worker is gone; the next run starts fresh.
+    Lost,
+}
+
 /// The full record of one run: `structuredContent` of the tool result.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunRecord {
@@ -65,9 +79,7 @@ pub struct RunRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i64>,
     pub duration_ms: f64,
-    /// "kept" (variables survive), "restarted" (a fresh worker started for this run), or "lost"
-    /// (the worker is gone; the next run starts fresh).
-    pub session_state: &'static str,
+    pub session_state: SessionState,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notices: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -182,9 +194,10 @@ impl RunRecord {
     /// One line that says how a non-ordinary run ended and what became of the session.
     pub fn status_line(&self) -> String {
         let state = match self.session_state {
-            "kept" => "session kept",
-            "lost" => "session lost: the next run starts a fresh worker",
-            other => other,
+            SessionState::Kept => "session kept",
+            SessionState::Lost => "session lost: the next run starts a fresh worker",
+            SessionState::New => "new",
+            SessionState::Restarted => "restarted",
         };
         let what = match self.status {
             RunStatus::Ok => "ok".to_string(),
@@ -517,6 +530,19 @@ fn quote(s: &str) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn session_states_keep_their_wire_names() {
+        let states = [
+            (SessionState::New, "new"),
+            (SessionState::Kept, "kept"),
+            (SessionState::Restarted, "restarted"),
+            (SessionState::Lost, "lost"),
+        ];
+        for (state, wire) in states {
+            assert_eq!(serde_json::to_value(state).unwrap(), json!(wire));
+        }
+    }
 
     #[test]
     fn toon_quotes_only_what_would_be_ambiguous() {

@@ -1,8 +1,18 @@
-//! The MCP surface: one tool, `run_python`, and the `system://info` resource.
+//! The MCP surface: the `run_python` and `run_python_job` tools (plus any local `@tool`
+//! functions), the `system://info` and `ironcell://manual` resources and the session files,
+//! and tasks for runs that outlive the wait budget.
 //!
 //! Kept deliberately small, because every byte of `tools/list` sits in the model's context on
 //! every turn (budget: about 300 tokens at bytes/4). Errors in the user's code, and bad
-//! arguments, are `isError: true` results the model can read and act on, never JSON-RPC errors.
+//! arguments ([`arguments`]), are `isError: true` results the model can read and act on, never
+//! JSON-RPC errors.
+
+mod arguments;
+#[cfg(test)]
+mod handler_tests;
+
+pub use self::arguments::parse_run_arguments;
+use self::arguments::{JobAction, parse_job_arguments};
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -22,7 +32,7 @@ use serde_json::{Value, json};
 
 use crate::jobs::{Job, Jobs};
 use crate::proxy::approval::{self, Asker};
-use crate::session::{RunRequest, SessionManager};
+use crate::session::SessionManager;
 
 pub const TOOL_NAME: &str = "run_python";
 pub const JOB_TOOL_NAME: &str = "run_python_job";
@@ -223,12 +233,11 @@ impl IroncellServer {
         request: &CallToolRequestParams,
         context: &RequestContext<RoleServer>,
     ) -> CallToolResponse {
-        let empty = JsonObject::new();
-        let args = request.arguments.as_ref().unwrap_or(&empty);
-        let Some(id) = args.get("job").and_then(Value::as_str) else {
-            return error_result("missing required argument `job` (the id a running result named)")
-                .into();
+        let args = match parse_job_arguments(request.arguments.as_ref()) {
+            Ok(args) => args,
+            Err(message) => return error_result(message).into(),
         };
+        let id = &args.job;
         let Some(job) = self.jobs.get(id) else {
             let known = self.jobs.ids();
             return error_result(format!(
@@ -242,34 +251,18 @@ impl IroncellServer {
             .into();
         };
         let budget = self.sessions.settings().wait_budget;
-        let wait = match args.get("wait_s") {
-            None | Some(Value::Null) => budget,
-            Some(Value::Number(n)) => match n.as_f64() {
-                Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t).min(budget),
-                _ => {
-                    return error_result("`wait_s` must be a non-negative number of seconds")
-                        .into();
-                }
-            },
-            Some(_) => return error_result("`wait_s` must be a number of seconds").into(),
-        };
+        let wait = args.wait.map_or(budget, |w| w.min(budget));
         // A run waiting for approval shows its questions to whoever waits for it.
         let ask = can_answer_input_required(context)
             .then(|| approval::call_digest(&request.name, request.arguments.as_ref()));
         let ask = ask.as_deref();
-        let waited = match args.get("action").and_then(Value::as_str).unwrap_or("wait") {
-            "wait" => self.await_job(&job, wait, context, ask).await,
-            "poll" => self.await_job(&job, Duration::ZERO, context, ask).await,
-            "cancel" => {
+        let waited = match args.action {
+            JobAction::Wait => self.await_job(&job, wait, context, ask).await,
+            JobAction::Poll => self.await_job(&job, Duration::ZERO, context, ask).await,
+            JobAction::Cancel => {
                 job.cancel.cancel();
                 let grace = self.sessions.settings().interrupt_grace + Duration::from_secs(5);
                 self.await_job(&job, grace, context, None).await
-            }
-            other => {
-                return error_result(format!(
-                    "unknown action {other:?}; use \"wait\", \"poll\" or \"cancel\""
-                ))
-                .into();
             }
         };
         match waited {
@@ -517,109 +510,6 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
         .with_title("Run Python")
         .with_annotations(annotations)
         .with_raw_output_schema(Arc::new(output_schema()))
-}
-
-/// Turns `run_python` arguments into a request, or says exactly what is wrong with them.
-pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, String> {
-    let empty = JsonObject::new();
-    let args = args.unwrap_or(&empty);
-    const KNOWN: &[&str] = &["code", "session", "timeout_s", "reset", "servers"];
-    if let Some(unknown) = args.keys().find(|k| !KNOWN.contains(&k.as_str())) {
-        return Err(format!(
-            "unknown argument {unknown:?}; run_python takes {}",
-            KNOWN.join(", ")
-        ));
-    }
-    let code = match args.get("code") {
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => {
-            return Err(format!(
-                "`code` must be a string of Python source, got {}",
-                type_name(other)
-            ));
-        }
-        None => return Err("missing required argument `code` (a string of Python source)".into()),
-    };
-    let session = match args.get("session") {
-        None | Some(Value::Null) => "default".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => {
-            return Err(format!(
-                "`session` must be a string, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    let timeout = match args.get("timeout_s") {
-        None | Some(Value::Null) => None,
-        Some(Value::Number(n)) => match n.as_f64() {
-            Some(t) if t.is_finite() && t > 0.0 && t <= 1e6 => Some(Duration::from_secs_f64(t)),
-            _ => {
-                return Err(format!(
-                    "`timeout_s` must be a positive number of seconds, got {n}"
-                ));
-            }
-        },
-        Some(other) => {
-            return Err(format!(
-                "`timeout_s` must be a number of seconds, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    let reset = match args.get("reset") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(format!(
-                "`reset` must be true or false, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    let servers = match args.get("servers") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(items)) => {
-            let mut names = Vec::new();
-            for item in items {
-                match item {
-                    Value::String(s) => names.push(s.clone()),
-                    other => {
-                        return Err(format!(
-                            "`servers` must be a list of server names, got an item that is {}",
-                            type_name(other)
-                        ));
-                    }
-                }
-            }
-            names
-        }
-        Some(other) => {
-            return Err(format!(
-                "`servers` must be a list of server names, got {}",
-                type_name(other)
-            ));
-        }
-    };
-    Ok(RunRequest {
-        code,
-        session,
-        timeout,
-        reset,
-        servers,
-        progress: None,
-    })
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 /// The content blocks of a run's result: the text, then images inline, then links to the
@@ -883,47 +773,6 @@ impl ServerHandler for IroncellServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(v: Value) -> JsonObject {
-        match v {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn arguments_get_defaults() {
-        let r = parse_run_arguments(Some(&args(json!({"code": "1+1"})))).unwrap();
-        assert_eq!(r.session, "default");
-        assert!(r.timeout.is_none());
-        assert!(!r.reset);
-    }
-
-    #[test]
-    fn wrong_argument_types_say_what_was_expected() {
-        let cases = [
-            (json!({}), "missing required argument `code`"),
-            (json!({"code": 5}), "`code` must be a string"),
-            (
-                json!({"code": "x", "session": 3}),
-                "`session` must be a string",
-            ),
-            (
-                json!({"code": "x", "timeout_s": "10"}),
-                "`timeout_s` must be a number",
-            ),
-            (json!({"code": "x", "timeout_s": -1}), "positive number"),
-            (
-                json!({"code": "x", "reset": "yes"}),
-                "`reset` must be true or false",
-            ),
-            (json!({"code": "x", "cod": "y"}), "unknown argument \"cod\""),
-        ];
-        for (input, expected) in cases {
-            let err = parse_run_arguments(Some(&args(input.clone()))).unwrap_err();
-            assert!(err.contains(expected), "{input} -> {err}");
-        }
-    }
 
     #[test]
     fn the_tool_list_fits_the_token_budget() {

@@ -28,37 +28,134 @@ use self::upstream::Upstream;
 /// Largest proxied result handed to a worker (a frame must stay well under the frame limit).
 pub const MAX_RESULT_BYTES: usize = 32 * 1024 * 1024;
 
+/// The `kind` of a bridge request's error payload (`{"error": {"kind", "message"}}`), which the
+/// in-sandbox `mcp` module turns into its exception class. Used by the proxy, the memory store
+/// and the local tools alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// No configured server of that name: `ServerNotFoundError`.
+    UnknownServer,
+    /// The server has no tool of that name: `ToolNotFoundError`.
+    UnknownTool,
+    /// The server (or the store) could not be reached or failed: `ServerUnavailableError`.
+    Unavailable,
+    /// The request itself was wrong: a `ValueError`.
+    BadRequest,
+    /// The configuration's rules hide the tool: `ToolError`.
+    Denied,
+    /// The user did not approve the call: `ToolError`.
+    Declined,
+    /// The call needed approval that could not be asked for: `ToolError`.
+    Refused,
+}
+
 /// Why a proxied request failed; `kind` becomes the Python exception class.
 #[derive(Debug, Clone)]
 pub struct ProxyError {
-    /// `unknown_server`, `unknown_tool`, `unavailable`, or `bad_request`.
-    pub kind: &'static str,
+    pub kind: ErrorKind,
     pub message: String,
 }
 
 impl ProxyError {
     pub fn unavailable(message: String) -> Self {
         ProxyError {
-            kind: "unavailable",
+            kind: ErrorKind::Unavailable,
             message,
         }
     }
     pub fn unknown_tool(message: String) -> Self {
         ProxyError {
-            kind: "unknown_tool",
+            kind: ErrorKind::UnknownTool,
             message,
         }
     }
     fn bad_request(message: String) -> Self {
         ProxyError {
-            kind: "bad_request",
+            kind: ErrorKind::BadRequest,
             message,
         }
     }
     /// The configuration's rules hide the tool, or the user declined: raised as `ToolError`.
-    fn refused(kind: &'static str, message: String) -> Self {
+    fn refused(kind: ErrorKind, message: String) -> Self {
         ProxyError { kind, message }
     }
+}
+
+/// How one proxied call ended, as the run record and the audit log show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallOutcome {
+    Ok,
+    /// The tool answered `isError`.
+    ToolError,
+    /// Transport, unknown tool, unavailable server, …
+    Failed,
+    /// The configuration's rules.
+    Denied,
+    /// The user said no.
+    Declined,
+    /// Approval was needed and could not be had.
+    Refused,
+}
+
+/// What a worker's bridge request asks for: its `method` field (`memory.<op>`, `tools.<op>`,
+/// or one of the proxy's), read once where the host dispatches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BridgeMethod {
+    Memory(crate::memory::MemoryOp),
+    Tools(crate::local_tools::ToolsOp),
+    Proxy(ProxyMethod),
+}
+
+/// The proxy's own bridge methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProxyMethod {
+    /// The configured servers and their state.
+    Servers,
+    /// One server's tools.
+    Tools,
+    /// Tools matching a query, across servers.
+    Search,
+    /// A call of one server's tool.
+    Call,
+}
+
+impl BridgeMethod {
+    /// Reads a request's method name (wire names as the `mcp` module sends them); an unknown one
+    /// is the error payload to answer with.
+    pub fn parse(method: &str) -> Result<BridgeMethod, Value> {
+        let unknown = |what: &str, name: &str| {
+            error_payload(ErrorKind::BadRequest, &format!("unknown {what} {name:?}"))
+        };
+        if let Some(op) = method.strip_prefix("memory.") {
+            return wire_name(op)
+                .map(BridgeMethod::Memory)
+                .ok_or_else(|| unknown("memory operation", op));
+        }
+        if let Some(op) = method.strip_prefix("tools.") {
+            return wire_name(op)
+                .map(BridgeMethod::Tools)
+                .ok_or_else(|| unknown("tools operation", op));
+        }
+        wire_name(method)
+            .map(BridgeMethod::Proxy)
+            .ok_or_else(|| unknown("bridge method", method))
+    }
+}
+
+/// The unit variant of `T` whose serde name is `name`, if any.
+fn wire_name<T: serde::de::DeserializeOwned>(name: &str) -> Option<T> {
+    use serde::de::IntoDeserializer;
+    let name: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =
+        name.into_deserializer();
+    T::deserialize(name).ok()
+}
+
+/// A bridge request's error answer: `{"error": {"kind", "message"}}`.
+pub fn error_payload(kind: ErrorKind, message: &str) -> Value {
+    json!({"error": {"kind": kind, "message": message}})
 }
 
 /// One proxied call, for the run record (`upstream_calls`) and the audit log.
@@ -67,10 +164,7 @@ pub struct CallSummary {
     pub server: String,
     pub tool: String,
     pub ok: bool,
-    /// `ok`, `tool_error` (the tool answered `isError`), `failed` (transport, unknown tool, …),
-    /// `denied` (the configuration's rules), `declined` (the user said no), or `refused`
-    /// (approval was needed and could not be had).
-    pub outcome: &'static str,
+    pub outcome: CallOutcome,
     pub duration_ms: f64,
     /// The names of the arguments; their values only where the server's `auditArguments` is on.
     pub argument_keys: Vec<String>,
@@ -244,7 +338,7 @@ impl Proxy {
             )));
         }
         self.upstreams.get(name).ok_or_else(|| ProxyError {
-            kind: "unknown_server",
+            kind: ErrorKind::UnknownServer,
             message: format!(
                 "no MCP server {name:?}; configured: {}",
                 if self.upstreams.is_empty() {
@@ -342,7 +436,7 @@ impl Proxy {
                 Verdict::Allowed => {}
                 Verdict::Denied(why) => {
                     return Err(ProxyError::refused(
-                        "denied",
+                        ErrorKind::Denied,
                         format!("{why} (in {}); code cannot call it", upstream.config.source),
                     ));
                 }
@@ -380,7 +474,7 @@ impl Proxy {
             ApprovalMode::Allow => return Ok(()),
             ApprovalMode::Deny => {
                 return Err(ProxyError::refused(
-                    "refused",
+                    ErrorKind::Refused,
                     format!(
                         "{server}.{tool} needs approval ({why}), and ironcell runs with --approval deny. {how_to_allow}"
                     ),
@@ -391,7 +485,7 @@ impl Proxy {
         let asker = crate::lock(&self.askers).get(session).cloned();
         let Some(asker) = asker else {
             return Err(ProxyError::refused(
-                "refused",
+                ErrorKind::Refused,
                 format!(
                     "{server}.{tool} needs your approval ({why}), but this MCP client cannot ask you (it does not support elicitation). {how_to_allow}"
                 ),
@@ -413,7 +507,7 @@ impl Proxy {
         };
         let declined = |how: &str| {
             Err(ProxyError::refused(
-                "declined",
+                ErrorKind::Declined,
                 format!("declined: the user {how} the call of {server}.{tool}"),
             ))
         };
@@ -423,7 +517,7 @@ impl Proxy {
             Ok(Decision::Declined) => declined("declined"),
             Ok(Decision::Cancelled) => declined("cancelled"),
             Err(e) => Err(ProxyError::refused(
-                "refused",
+                ErrorKind::Refused,
                 format!(
                     "{server}.{tool} needs your approval ({why}), and asking failed: {e}. {how_to_allow}"
                 ),
@@ -437,7 +531,7 @@ impl Proxy {
     pub async fn handle(
         &self,
         session: &str,
-        method: &str,
+        method: ProxyMethod,
         params: &Value,
     ) -> (Value, Option<CallSummary>) {
         let started = std::time::Instant::now();
@@ -450,9 +544,9 @@ impl Proxy {
         };
         let mut summary = None;
         let outcome = match method {
-            "servers" => Ok(json!(self.server_summaries())),
-            "tools" => self.tools_json(&s("server")).await,
-            "search" => {
+            ProxyMethod::Servers => Ok(json!(self.server_summaries())),
+            ProxyMethod::Tools => self.tools_json(&s("server")).await,
+            ProxyMethod::Search => {
                 let limit = params
                     .get("limit")
                     .and_then(Value::as_u64)
@@ -464,7 +558,7 @@ impl Proxy {
                     Err(message) => Err(ProxyError::bad_request(message)),
                 }
             }
-            "call" => {
+            ProxyMethod::Call => {
                 let (server, tool) = (s("server"), s("tool"));
                 let args = params
                     .get("arguments")
@@ -481,15 +575,19 @@ impl Proxy {
                 let arguments = audit_values.then(|| args.clone());
                 let r = self.call(session, &server, &tool, args).await;
                 let outcome = match &r {
-                    Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => "tool_error",
-                    Ok(_) => "ok",
-                    Err(e) if matches!(e.kind, "denied" | "declined" | "refused") => e.kind,
-                    Err(_) => "failed",
+                    Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => CallOutcome::ToolError,
+                    Ok(_) => CallOutcome::Ok,
+                    Err(e) => match e.kind {
+                        ErrorKind::Denied => CallOutcome::Denied,
+                        ErrorKind::Declined => CallOutcome::Declined,
+                        ErrorKind::Refused => CallOutcome::Refused,
+                        _ => CallOutcome::Failed,
+                    },
                 };
                 summary = Some(CallSummary {
                     server,
                     tool,
-                    ok: outcome == "ok",
+                    ok: outcome == CallOutcome::Ok,
                     outcome,
                     duration_ms: (started.elapsed().as_secs_f64() * 1e6).round() / 1000.0,
                     argument_keys,
@@ -497,13 +595,10 @@ impl Proxy {
                 });
                 r
             }
-            other => Err(ProxyError::bad_request(format!(
-                "unknown bridge method {other:?}"
-            ))),
         };
         let payload = match outcome {
             Ok(result) => json!({"result": result}),
-            Err(e) => json!({"error": {"kind": e.kind, "message": e.message}}),
+            Err(e) => error_payload(e.kind, &e.message),
         };
         (payload, summary)
     }
@@ -511,6 +606,75 @@ impl Proxy {
     pub async fn shutdown(&self) {
         for u in self.upstreams.values() {
             u.stop().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local_tools::ToolsOp;
+    use crate::memory::MemoryOp;
+
+    #[test]
+    fn bridge_methods_are_read_by_their_wire_names() {
+        let cases = [
+            ("servers", BridgeMethod::Proxy(ProxyMethod::Servers)),
+            ("tools", BridgeMethod::Proxy(ProxyMethod::Tools)),
+            ("search", BridgeMethod::Proxy(ProxyMethod::Search)),
+            ("call", BridgeMethod::Proxy(ProxyMethod::Call)),
+            ("memory.save", BridgeMethod::Memory(MemoryOp::Save)),
+            ("memory.load", BridgeMethod::Memory(MemoryOp::Load)),
+            ("memory.delete", BridgeMethod::Memory(MemoryOp::Delete)),
+            ("memory.list", BridgeMethod::Memory(MemoryOp::List)),
+            ("tools.result", BridgeMethod::Tools(ToolsOp::Result)),
+            ("tools.catalog", BridgeMethod::Tools(ToolsOp::Catalog)),
+            ("tools.list", BridgeMethod::Tools(ToolsOp::List)),
+            ("tools.call", BridgeMethod::Tools(ToolsOp::Call)),
+            ("tools.save", BridgeMethod::Tools(ToolsOp::Save)),
+            ("tools.delete", BridgeMethod::Tools(ToolsOp::Delete)),
+        ];
+        for (wire, method) in cases {
+            assert_eq!(BridgeMethod::parse(wire), Ok(method), "{wire}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_bridge_method_is_a_bad_request_that_names_it() {
+        let cases = [
+            ("memory.wipe", "unknown memory operation \"wipe\""),
+            ("tools.run", "unknown tools operation \"run\""),
+            ("memory", "unknown bridge method \"memory\""),
+            ("Servers", "unknown bridge method \"Servers\""),
+        ];
+        for (wire, message) in cases {
+            let payload = BridgeMethod::parse(wire).unwrap_err();
+            assert_eq!(
+                payload,
+                json!({"error": {"kind": "bad_request", "message": message}})
+            );
+        }
+    }
+
+    /// Every kind the host sends is one the in-sandbox `mcp` module maps to an exception class.
+    #[test]
+    fn every_error_kind_has_its_python_exception() {
+        let module = include_str!("../../python/mcp/__init__.py");
+        let kinds = [
+            ErrorKind::UnknownServer,
+            ErrorKind::UnknownTool,
+            ErrorKind::Unavailable,
+            ErrorKind::BadRequest,
+            ErrorKind::Denied,
+            ErrorKind::Declined,
+            ErrorKind::Refused,
+        ];
+        for kind in kinds {
+            let wire = serde_json::to_string(&kind).unwrap();
+            assert!(
+                module.contains(&format!("{wire}: ")),
+                "{wire} is not in _ERRORS"
+            );
         }
     }
 }

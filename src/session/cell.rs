@@ -429,29 +429,27 @@ impl<'a> CellRun<'a> {
         let summaries = self.summaries_tx.clone();
         let answers = worker.answers();
         tokio::spawn(async move {
-            let (payload, summary) = match method.strip_prefix("memory.") {
+            use crate::proxy::BridgeMethod;
+            let (payload, summary) = match BridgeMethod::parse(&method) {
                 // The host does the file I/O, off the async runtime.
-                Some(op) => {
-                    let op = op.to_string();
-                    let answer = tokio::task::spawn_blocking(move || memory.handle(&op, &params))
+                Ok(BridgeMethod::Memory(op)) => {
+                    let answer = tokio::task::spawn_blocking(move || memory.handle(op, &params))
                         .await
                         .unwrap_or_else(|e| {
-                            serde_json::json!({"error": {"kind": "unavailable", "message": e.to_string()}})
+                            crate::proxy::error_payload(
+                                crate::proxy::ErrorKind::Unavailable,
+                                &e.to_string(),
+                            )
                         });
                     (answer, None)
                 }
-                None => match method.strip_prefix("tools.") {
-                    Some(op) => {
-                        let answer = crate::local_tools::handle_request(
-                            local_tools,
-                            session_name,
-                            op.to_string(),
-                            params,
-                        );
-                        (answer.await, None)
-                    }
-                    None => proxy.handle(&session_name, &method, &params).await,
-                },
+                Ok(BridgeMethod::Tools(op)) => {
+                    let answer =
+                        crate::local_tools::handle_request(local_tools, session_name, op, params);
+                    (answer.await, None)
+                }
+                Ok(BridgeMethod::Proxy(m)) => proxy.handle(&session_name, m, &params).await,
+                Err(unknown) => (unknown, None),
             };
             if let Some(call) = summary {
                 let _ = summaries.send(call);
@@ -719,7 +717,7 @@ impl CellOutcome {
             error: None,
             exit_code: None,
             duration_ms: 0.0,
-            session_state: "kept",
+            session_state: crate::output::SessionState::Kept,
             notices: Vec::new(),
             stdout_truncated: out_cut,
             stderr_truncated: err_cut,

@@ -547,16 +547,16 @@ impl SessionManager {
             }
         }
         session.measure_soon();
-        let mut session_state = "kept";
+        let mut session_state = crate::output::SessionState::Kept;
         if state.worker.is_none() {
             if let Some(n) = state.pending_notice.take() {
                 notices.push(n);
             }
             let w = self.spawn_worker(&session).await?;
             state.worker = Some(w);
-            session_state = "restarted";
+            session_state = crate::output::SessionState::Restarted;
             if notices.is_empty() {
-                session_state = "new";
+                session_state = crate::output::SessionState::New;
             }
         }
         if let Some(w) = state
@@ -600,7 +600,7 @@ impl SessionManager {
         .await;
         record.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
         record.session_state = if outcome.worker_lost {
-            "lost"
+            crate::output::SessionState::Lost
         } else {
             session_state
         };
