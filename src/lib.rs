@@ -43,23 +43,23 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-pub mod audit;
+pub(crate) mod audit;
 pub mod cli;
-pub mod config;
-pub mod demo;
-pub mod doctor;
-pub mod files;
-pub use ironcell_core::{frame, sandbox};
-pub mod host_fs;
-pub mod jobs;
-pub mod local_tools;
-pub mod memory;
-pub mod output;
-pub mod proxy;
-pub mod python;
-pub mod server;
-pub mod session;
-pub mod setup;
-pub mod stdio;
-pub mod system_info;
-pub mod zygote;
+pub(crate) mod config;
+pub(crate) mod demo;
+pub(crate) mod doctor;
+pub(crate) mod files;
+pub(crate) use ironcell_core::{frame, sandbox};
+pub(crate) mod host_fs;
+pub(crate) mod jobs;
+pub(crate) mod local_tools;
+pub(crate) mod memory;
+pub(crate) mod output;
+pub(crate) mod proxy;
+pub(crate) mod python;
+pub(crate) mod server;
+pub(crate) mod session;
+pub(crate) mod setup;
+pub(crate) mod stdio;
+pub(crate) mod system_info;
+pub(crate) mod zygote;

@@ -272,10 +272,6 @@ impl IroncellServer {
         }
     }
 
-    pub fn sessions(&self) -> &Arc<SessionManager> {
-        &self.sessions
-    }
-
     fn task_job(&self, task_id: &str) -> Result<Arc<Job>, McpError> {
         self.jobs.get(task_id).ok_or_else(|| {
             McpError::invalid_params(

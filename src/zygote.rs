@@ -296,10 +296,6 @@ impl Zygote {
         let _ = child.kill();
         let _ = child.wait();
     }
-
-    pub fn pid(&self) -> u32 {
-        lock(&self.child).id()
-    }
 }
 
 impl Drop for Zygote {

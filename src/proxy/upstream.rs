@@ -12,7 +12,6 @@
 //! change (if that stream cannot be had, the list is fetched anew for every use). A 2026-07-28
 //! list also says how long it may be cached (`ttlMs`); ironcell keeps it no longer.
 
-use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -403,16 +402,4 @@ impl Upstream {
             let _ = c.service.cancel().await;
         }
     }
-}
-
-/// For tests and diagnostics: the env a child would get (inherited allow-list + its own).
-pub fn child_environment(config: &ServerConfig) -> BTreeMap<String, String> {
-    let mut env = BTreeMap::new();
-    for var in INHERITED_VARS {
-        if let Ok(v) = std::env::var(var) {
-            env.insert(var.to_string(), v);
-        }
-    }
-    env.extend(config.env.clone());
-    env
 }
