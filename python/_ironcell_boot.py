@@ -1,5 +1,6 @@
-# ironcell's zygote boot script, run by the host as `python -I -c <this> PRELOAD LOG_FILTER`
-# with the control socket on fd 3 and ironcell's extension module (a sealed memfd) on fd 4.
+# ironcell's zygote boot script. The host runs `python -I -c <loader> PRELOAD LOG_FILTER` with
+# the control socket on fd 3, ironcell's extension module (a sealed memfd) on fd 4 and this
+# script (a sealed memfd) on fd 5, which the one-line loader reads, closes and runs.
 # It loads the extension and hands over to it; any failure is reported on the control socket
 # so the host can name the problem instead of seeing a silent exit.
 import json

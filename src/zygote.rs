@@ -28,7 +28,7 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 
 pub use ironcell_core::control::{
-    CONTROL_FD, EXTENSION_FD, ExitInfo, WorkerSpec, ZygoteEvent, ZygoteRequest,
+    BOOT_FD, CONTROL_FD, EXTENSION_FD, ExitInfo, WorkerSpec, ZygoteEvent, ZygoteRequest,
 };
 use ironcell_core::control::{recv_message, send_message};
 
@@ -58,25 +58,31 @@ pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
     ]
 }
 
-/// The extension as a sealed, read-only memfd: what the boot script loads from
-/// `/proc/self/fd/4`. Nothing is written to disk, and nobody can change it after the seal.
-fn extension_memfd() -> anyhow::Result<OwnedFd> {
+/// `bytes` in a sealed memfd (no write, grow, shrink or re-seal), its offset back at the start:
+/// how the extension (loaded from `/proc/self/fd/4`) and the boot script reach the zygote.
+/// Nothing is written to disk, and nobody can change either after the seal.
+fn sealed_memfd(name: &std::ffi::CStr, bytes: &[u8]) -> anyhow::Result<OwnedFd> {
     use nix::sys::memfd::{MFdFlags, memfd_create};
-    let fd = memfd_create(
-        c"ironcell-python",
-        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-    )
-    .context("memfd_create for the Python extension")?;
+    use std::io::Seek;
+    let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+        .with_context(|| format!("memfd_create for {name:?}"))?;
     let mut file = std::fs::File::from(fd);
-    file.write_all(EXTENSION)
-        .context("writing the Python extension to its memfd")?;
+    file.write_all(bytes)
+        .and_then(|()| file.rewind())
+        .with_context(|| format!("writing {name:?} to its memfd"))?;
     let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
     // SAFETY: fcntl on an fd we own, integer arguments only.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("sealing the Python extension memfd");
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("sealing {name:?}"));
     }
     Ok(OwnedFd::from(file))
 }
+
+/// What `python -I -c` runs: read the boot script from [`BOOT_FD`], close it, run it (the
+/// script itself would fill the zygote's command line in `ps`). Valid in any Python, so even a
+/// far too old one gets the boot script's own message.
+const BOOT_LOADER: &str =
+    "import os;_b=os.read(5,1<<20);os.close(5);exec(compile(_b,'ironcell-boot','exec'))";
 
 // ---------------------------------------------------------------------------------------------
 // The host's handle on the zygote
@@ -169,9 +175,11 @@ impl Zygote {
             SockFlag::SOCK_CLOEXEC,
         )
         .context("socketpair for the zygote")?;
-        let extension = extension_memfd()?;
+        let extension = sealed_memfd(c"ironcell-python", EXTENSION)?;
+        let boot = sealed_memfd(c"ironcell-boot", BOOT_SOURCE.as_bytes())?;
         let zygote_raw = zygote_end.as_raw_fd();
         let extension_raw = extension.as_raw_fd();
+        let boot_raw = boot.as_raw_fd();
         // The zygote's stdout must never be ours: ours is the MCP stream.
         let stderr_dup = std::io::stderr().as_raw_fd();
         // SAFETY: dup of our own stderr fd; the result is owned by the OwnedFd below.
@@ -184,7 +192,7 @@ impl Zygote {
         let mut cmd = Command::new(&python.executable);
         cmd.arg("-I")
             .arg("-c")
-            .arg(BOOT_SOURCE)
+            .arg(BOOT_LOADER)
             .arg(preload.join(","))
             .arg(log_filter)
             .env_clear()
@@ -196,14 +204,18 @@ impl Zygote {
         // SAFETY: between fork and exec only async-signal-safe calls (fcntl, dup2, prctl).
         unsafe {
             cmd.pre_exec(move || {
-                // Move both fds out of the way first (either may already sit on 3 or 4), then
-                // onto 3 and 4; dup2 leaves the copies without FD_CLOEXEC, so they survive exec.
+                // Move the fds out of the way first (any may already sit on 3, 4 or 5), then
+                // onto 3, 4 and 5; dup2 leaves the copies without FD_CLOEXEC, so they survive
+                // exec.
                 let ctl = libc::fcntl(zygote_raw, libc::F_DUPFD_CLOEXEC, 10);
                 let ext = libc::fcntl(extension_raw, libc::F_DUPFD_CLOEXEC, 10);
+                let boot = libc::fcntl(boot_raw, libc::F_DUPFD_CLOEXEC, 10);
                 if ctl < 0
                     || ext < 0
+                    || boot < 0
                     || libc::dup2(ctl, CONTROL_FD) < 0
                     || libc::dup2(ext, EXTENSION_FD) < 0
+                    || libc::dup2(boot, BOOT_FD) < 0
                 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -217,6 +229,7 @@ impl Zygote {
             .spawn()
             .with_context(|| format!("starting the zygote ({})", python.executable.display()))?;
         drop(extension);
+        drop(boot);
         drop(zygote_end);
         let shared = Arc::new(Shared {
             pending: Mutex::new(HashMap::new()),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -48,6 +50,13 @@ def test_the_zygote_has_a_clean_environment_and_one_thread(state_dir):
     assert token.encode() not in zenv and b"GITHUB_TOKEN" not in zenv
     with open(f"/proc/{zygote}/status") as f:
         assert "Threads:\t1\n" in f.read()
+    # The boot script is read from a memfd, not passed on the command line (`ps` stays readable),
+    # and the zygote kept no fd beyond the control socket and the extension.
+    with open(f"/proc/{zygote}/cmdline", "rb") as f:
+        assert len(f.read()) < 300
+    for fd in os.listdir(f"/proc/{zygote}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            assert "ironcell-boot" not in os.readlink(f"/proc/{zygote}/fd/{fd}")
     r = srv.call("import os\n(dict(os.environ), os.getcwd())", session="s")
     env, cwd = eval(r["structuredContent"]["result"])
     assert "GITHUB_TOKEN" not in env
@@ -158,6 +167,13 @@ def test_preloaded_modules_are_ready_in_every_session_and_the_zygote_stays_singl
     assert loaded == ["matplotlib.pyplot", "numpy", "pandas"]
     with open(f"/proc/{zygote}/status") as f:
         assert "Threads:\t1\n" in f.read()
+    # The boot script is read from a memfd, not passed on the command line (`ps` stays readable),
+    # and the zygote kept no fd beyond the control socket and the extension.
+    with open(f"/proc/{zygote}/cmdline", "rb") as f:
+        assert len(f.read()) < 300
+    for fd in os.listdir(f"/proc/{zygote}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            assert "ironcell-boot" not in os.readlink(f"/proc/{zygote}/fd/{fd}")
     r = srv.call("import numpy as np\nfloat(np.arange(10).sum())", session="other")
     assert r["structuredContent"]["result"] == "45.0"
     srv.close()

@@ -23,6 +23,10 @@ pub const CONTROL_FD: RawFd = 3;
 /// The fd number the zygote finds ironcell's Python extension on (a sealed memfd).
 pub const EXTENSION_FD: RawFd = 4;
 
+/// The fd number the zygote reads its boot script from (a sealed memfd), so the script is not
+/// on its command line.
+pub const BOOT_FD: RawFd = 5;
+
 /// Largest control message. Specs and events are small JSON objects.
 pub const MAX_CONTROL_MESSAGE: usize = 64 * 1024;
 
