@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, anyhow};
 use ironcell_core::control::{
-    CONTROL_FD, ExitInfo, WorkerSpec, ZygoteEvent, ZygoteRequest, recv_message, send_event,
+    CONTROL_FD, ExitInfo, ZygoteEvent, ZygoteRequest, recv_message, send_event,
 };
 use pyo3::prelude::*;
 
@@ -291,7 +291,7 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                         continue;
                     };
                     drop(fds);
-                    let event = fork_worker(py, id, spec, session_fd, &mask);
+                    let event = crate::worker::fork(py, id, spec, session_fd, &mask);
                     send_event(ctl.as_raw_fd(), &event)?;
                 }
             }
@@ -307,39 +307,6 @@ fn ctl_borrow(fd: &OwnedFd) -> std::os::fd::BorrowedFd<'_> {
 fn sfd_borrow(fd: &nix::sys::signalfd::SignalFd) -> std::os::fd::BorrowedFd<'_> {
     use std::os::fd::AsFd;
     fd.as_fd()
-}
-
-fn fork_worker(
-    py: pyo3::Python<'_>,
-    id: u64,
-    spec: WorkerSpec,
-    session_fd: OwnedFd,
-    blocked: &nix::sys::signal::SigSet,
-) -> ZygoteEvent {
-    // SAFETY: the zygote is single-threaded and holds the GIL, so fork copies a consistent
-    // interpreter; PyOS_BeforeFork/AfterFork_* take and reset CPython's internal locks and run
-    // the `os.register_at_fork` hooks (e.g. `random` reseeds in the child).
-    unsafe { pyo3::ffi::PyOS_BeforeFork() };
-    // Taken before the fork: the child compares its parent with it after asking for the
-    // parent-death signal (if the zygote died in between, the child was already reparented).
-    let zygote = nix::unistd::getpid();
-    // SAFETY: plain fork(2); the child only runs code that is safe after fork of a
-    // single-threaded process.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
-        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
-        let _ = blocked.thread_unblock();
-        crate::worker::run_worker_process(py, spec, session_fd, zygote);
-    }
-    // SAFETY: in the parent, after fork, with the GIL held.
-    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
-    drop(session_fd);
-    if pid < 0 {
-        let message = format!("fork failed: {}", std::io::Error::last_os_error());
-        return ZygoteEvent::SpawnFailed { id, message };
-    }
-    ZygoteEvent::Spawned { id, pid }
 }
 
 fn report_exited_children(ctl: RawFd) -> anyhow::Result<()> {

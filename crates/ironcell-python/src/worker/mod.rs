@@ -4,6 +4,8 @@
 //! Everything up to "serve" happens while the worker has exactly one thread, because the kernel
 //! applies Landlock and seccomp per thread and a thread started earlier would escape them.
 //!
+//! 0. [`fork`], in the zygote (single-threaded, GIL held, CPython's fork hooks run); the
+//!    child remembers the zygote's pid, taken before the fork.
 //! 1. Keep only the session socket (moved to fd 3) and close every other inherited fd.
 //! 2. Point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C extensions all
 //!    land in this session's output and can never reach the host's MCP stream.
@@ -27,7 +29,7 @@ use anyhow::{Context, anyhow};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use ironcell_core::control::WorkerSpec;
+use ironcell_core::control::{WorkerSpec, ZygoteEvent};
 use ironcell_core::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo, ToWorker};
 
 /// The fd the session socket lives on inside a worker.
@@ -35,6 +37,41 @@ const SESSION_FD: RawFd = 3;
 
 /// Exit status of a worker that could not set itself up.
 const EXIT_SETUP_FAILED: i32 = 70;
+
+/// Step 0, in the zygote: forks the worker for one spawn request. The child goes straight to
+/// [`run_worker_process`] and never returns; the parent answers the host with the pid.
+pub fn fork(
+    py: pyo3::Python<'_>,
+    id: u64,
+    spec: WorkerSpec,
+    session_fd: OwnedFd,
+    blocked: &nix::sys::signal::SigSet,
+) -> ZygoteEvent {
+    // SAFETY: the zygote is single-threaded and holds the GIL, so fork copies a consistent
+    // interpreter; PyOS_BeforeFork/AfterFork_* take and reset CPython's internal locks and run
+    // the `os.register_at_fork` hooks (e.g. `random` reseeds in the child).
+    unsafe { pyo3::ffi::PyOS_BeforeFork() };
+    // Taken before the fork: the child compares its parent with it after asking for the
+    // parent-death signal (if the zygote died in between, the child was already reparented).
+    let zygote = nix::unistd::getpid();
+    // SAFETY: plain fork(2); the child only runs code that is safe after fork of a
+    // single-threaded process.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
+        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
+        let _ = blocked.thread_unblock();
+        run_worker_process(py, spec, session_fd, zygote);
+    }
+    // SAFETY: in the parent, after fork, with the GIL held.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
+    drop(session_fd);
+    if pid < 0 {
+        let message = format!("fork failed: {}", std::io::Error::last_os_error());
+        return ZygoteEvent::SpawnFailed { id, message };
+    }
+    ZygoteEvent::Spawned { id, pid }
+}
 
 /// Runs in the freshly forked child with the GIL held. Never returns.
 pub fn run_worker_process(
