@@ -143,7 +143,7 @@ pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, 
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    env.extend([("TERM".to_string(), "dumb".to_string())]);
+    env.push(("TERM".to_string(), "dumb".to_string()));
     env.extend(session_environment(session, scratch));
     env
 }
