@@ -587,9 +587,41 @@ class _ImageScan:
 
     RACY_S = 2.0  # a directory modified this recently is listed again next time
     MAX_DIRS = 20_000
+    # Past this many directories even a stat per directory per run adds up: the host's change
+    # tracker (inotify, outside the sandbox) names what changed instead, when it can.
+    ASK_HOST_ABOVE_DIRS = 64
 
     def __init__(self):
         self.dirs = {}  # path -> (mtime_ns, image names, subdirectory names)
+
+    def _changed_per_host(self):
+        """Image paths among the files the host saw change since its last listing (and in
+        directories created since), or None when it cannot say (the caller then scans)."""
+        import json
+        import os
+
+        try:
+            import _ironcell_bridge
+
+            answer = json.loads(_ironcell_bridge.request("files.changed", "{}"))
+        except Exception:  # noqa: BLE001 - no host, an old host: scan instead
+            return None
+        if not isinstance(answer, dict) or answer.get("complete") is not True:
+            return None
+        out = []
+        for rel in answer.get("files", []):
+            if (isinstance(rel, str) and not rel.startswith(("/", ".ironcell/"))
+                    and os.path.splitext(rel)[1].lower() in IMAGE_SUFFIXES):
+                out.append(os.path.normpath(rel))
+        stack = [d for d in answer.get("dirs", []) if isinstance(d, str) and not d.startswith("/")]
+        seen = 0
+        while stack and seen < self.MAX_DIRS:
+            path = stack.pop()
+            seen += 1
+            images, subdirs = self._list(path)
+            out.extend(os.path.normpath(os.path.join(path, n)) for n in images)
+            stack.extend(os.path.join(path, d) for d in subdirs)
+        return out
 
     def _list(self, path):
         import os
@@ -646,7 +678,12 @@ def _images_written_since(started):  # noqa: F811 - replaces the full walk defin
     import os
 
     found = []
-    for path in _image_scan.images():
+    candidates = None
+    if started is not None and len(_image_scan.dirs) > _image_scan.ASK_HOST_ABOVE_DIRS:
+        candidates = _image_scan._changed_per_host()
+    if candidates is None:
+        candidates = _image_scan.images()
+    for path in candidates:
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError:

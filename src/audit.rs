@@ -126,7 +126,9 @@ fn limits_hit(r: &RunRecord) -> Vec<String> {
 pub struct AuditLog {
     dir: PathBuf,
     max_bytes: u64,
-    write: Mutex<()>,
+    /// The file lines are appended to, kept open between runs (a line then costs one
+    /// `stat` and one `write`), with its inode.
+    open: Mutex<Option<(std::fs::File, u64)>>,
 }
 
 impl AuditLog {
@@ -134,7 +136,7 @@ impl AuditLog {
         AuditLog {
             dir: state_dir.to_path_buf(),
             max_bytes: max_bytes.max(4096),
-            write: Mutex::new(()),
+            open: Mutex::new(None),
         }
     }
 
@@ -143,7 +145,8 @@ impl AuditLog {
     }
 
     /// Appends one line (rotating first if the file would pass the size limit). Failures are
-    /// logged, never fatal: a run's result does not depend on its audit line.
+    /// logged, never fatal: a run's result does not depend on its audit line. Quick enough for
+    /// the async runtime: a line goes to a file kept open, in the host's own state directory.
     pub fn append(&self, entry: &AuditEntry) {
         let line = match serde_json::to_string(entry) {
             Ok(l) => l + "\n",
@@ -152,28 +155,44 @@ impl AuditLog {
                 return;
             }
         };
-        let _guard = crate::lock(&self.write);
-        if let Err(e) = self.append_line(&line) {
+        let mut open = crate::lock(&self.open);
+        if let Err(e) = self.append_line(&mut open, &line) {
+            *open = None;
             tracing::warn!(file = %self.path().display(), error = %e, "audit line could not be written");
         }
     }
 
-    fn append_line(&self, line: &str) -> std::io::Result<()> {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::create_dir_all(&self.dir)?;
+    fn append_line(
+        &self,
+        open: &mut Option<(std::fs::File, u64)>,
+        line: &str,
+    ) -> std::io::Result<()> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let path = self.path();
-        let size = std::fs::symlink_metadata(&path)
-            .map(|m| m.len())
-            .unwrap_or(0);
+        // The path, not the open file, is what rotates (another server sharing this state
+        // directory may have rotated it, or someone removed it).
+        let current = std::fs::symlink_metadata(&path).ok();
+        let size = current.as_ref().map_or(0, |m| m.len());
         if size > 0 && size + line.len() as u64 > self.max_bytes {
             std::fs::rename(&path, self.dir.join(OLD_FILE))?;
+            *open = None;
+        } else if open.as_ref().map(|(_, ino)| *ino) != current.as_ref().map(|m| m.ino()) {
+            *open = None;
         }
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)?;
+        let (f, _) = match open {
+            Some(kept) => kept,
+            None => {
+                std::fs::create_dir_all(&self.dir)?;
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&path)?;
+                let ino = f.metadata()?.ino();
+                open.insert((f, ino))
+            }
+        };
         f.write_all(line.as_bytes())
     }
 
@@ -326,6 +345,27 @@ mod tests {
         assert!(std::fs::metadata(log.path()).map(|m| m.len()).unwrap_or(0) <= 4096);
         assert_eq!(all.last().map(|e| e.session.as_str()), Some("s39"));
         assert!(all.len() < 40, "only one older file is kept");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_log_rotated_or_removed_by_someone_else_is_followed_not_written_behind() {
+        let dir = std::env::temp_dir().join(format!("ironcell-audit-moved-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let log = AuditLog::new(&dir, 1 << 20);
+        log.append(&entry("before", "1"));
+        // Another server sharing the state directory rotated it; then someone removed both.
+        std::fs::rename(log.path(), dir.join(OLD_FILE)).unwrap_or_else(|e| panic!("{e}"));
+        log.append(&entry("after-rotation", "2"));
+        let current = std::fs::read_to_string(log.path()).unwrap_or_default();
+        assert!(
+            current.contains("after-rotation") && !current.contains("before"),
+            "{current}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        log.append(&entry("after-removal", "3"));
+        let current = std::fs::read_to_string(log.path()).unwrap_or_default();
+        assert!(current.contains("after-removal"), "{current}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -107,7 +107,7 @@ impl Jobs {
             let result = sessions.run(req, cancel).await.map_err(|e| e.to_string());
             if let Some((log, session, code)) = audit {
                 let entry = AuditEntry::new(&session, &code, &result);
-                let _ = tokio::task::spawn_blocking(move || log.append(&entry)).await;
+                log.append(&entry);
             }
             *lock(&finished_at) = Some(Instant::now());
             outcome_tx.send_replace(Some(Arc::new(result)));

@@ -63,6 +63,9 @@ struct Tracked {
     rescan: Option<&'static str>,
     /// Why this session is not watched at all any more.
     untracked: Option<String>,
+    /// The host is renaming the session's directory (a spare handed to its session): the
+    /// root's own move event is expected, and harmless (every path here is relative to it).
+    root_moving: bool,
 }
 
 struct Inner {
@@ -182,6 +185,9 @@ impl ChangeTracker {
             return;
         };
         if mask & libc::IN_MOVE_SELF != 0 {
+            if dir.is_empty() && std::mem::take(&mut t.root_moving) {
+                return;
+            }
             t.rescan = Some("a directory was moved");
             return;
         }
@@ -219,6 +225,90 @@ impl ChangeTracker {
                 }
             }
         }
+    }
+
+    /// Moves what is known of `from` to the session `to`, whose directory the host is about to
+    /// rename from `from`'s (a spare handed to its session), so the new session's first listing
+    /// reads events instead of walking. Whatever was known of `to` is dropped.
+    pub fn rename(&self, from: &str, to: &str) {
+        self.forget(to);
+        let mut guard = lock(&self.inner);
+        self.drain_locked(&mut guard);
+        let Inner { dirs, sessions } = &mut *guard;
+        let Some(mut t) = sessions.remove(from) else {
+            return;
+        };
+        for wd in &t.wds {
+            if let Some((session, _)) = dirs.get_mut(wd) {
+                *session = to.to_string();
+            }
+        }
+        t.root_moving = true;
+        sessions.insert(to.to_string(), t);
+    }
+
+    /// The listing of a run that changed nothing the watches saw, if that is known without
+    /// touching the file system: the session is watched, no event named anything since its
+    /// last listing, and nothing asks for a walk. Never blocks: `None` when another listing
+    /// holds the tracker (or anything is pending), and the caller lists the slow way.
+    pub fn unchanged(&self, session: &str) -> Option<Changes> {
+        self.fd.as_ref()?;
+        let mut guard = self.inner.try_lock().ok()?;
+        self.drain_locked(&mut guard);
+        let t = guard.sessions.get(session)?;
+        let quiet = t.rescan.is_none()
+            && t.untracked.is_none()
+            && t.touched.is_empty()
+            && t.new_dirs.is_empty()
+            && !t.wds.is_empty();
+        quiet.then_some(Changes {
+            files: Vec::new(),
+            incomplete: None,
+            method: "events",
+        })
+    }
+
+    /// What the events named since the session's last listing — files, and directories
+    /// created or moved in (their contents unnamed) — if the events are known to be complete
+    /// (the session is watched and nothing asks for a walk); at most `limit` names, else
+    /// `None`. Leaves them pending for the listing. For a worker's image search in a large
+    /// session, so its cost does not grow with the session's size.
+    pub fn pending(&self, session: &str, limit: usize) -> Option<(Vec<String>, Vec<String>)> {
+        self.fd.as_ref()?;
+        let mut guard = lock(&self.inner);
+        self.pending_locked(&mut guard, session, limit)
+    }
+
+    /// [`Self::pending`] if nothing else holds the tracker (never blocks); `Err` if it is held.
+    #[allow(clippy::type_complexity)]
+    pub fn try_pending(
+        &self,
+        session: &str,
+        limit: usize,
+    ) -> Result<Option<(Vec<String>, Vec<String>)>, ()> {
+        if self.fd.is_none() {
+            return Ok(None);
+        }
+        let mut guard = self.inner.try_lock().map_err(|_| ())?;
+        Ok(self.pending_locked(&mut guard, session, limit))
+    }
+
+    fn pending_locked(
+        &self,
+        guard: &mut Inner,
+        session: &str,
+        limit: usize,
+    ) -> Option<(Vec<String>, Vec<String>)> {
+        self.drain_locked(guard);
+        let t = guard.sessions.get(session)?;
+        let complete = t.rescan.is_none() && t.untracked.is_none() && !t.wds.is_empty();
+        if !complete || t.touched.len() + t.new_dirs.len() > limit {
+            return None;
+        }
+        Some((
+            t.touched.iter().cloned().collect(),
+            t.new_dirs.iter().cloned().collect(),
+        ))
     }
 
     /// Regular files beneath `root` (the directory of `session`) created or changed at or after

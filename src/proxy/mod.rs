@@ -106,6 +106,9 @@ pub enum BridgeMethod {
     Memory(crate::memory::MemoryOp),
     Tools(crate::local_tools::ToolsOp),
     Proxy(ProxyMethod),
+    /// `files.changed`: what the change tracker saw this session change since its last
+    /// listing (the runner's image search in a large session).
+    ChangedFiles,
 }
 
 /// The proxy's own bridge methods.
@@ -133,6 +136,9 @@ impl BridgeMethod {
             return wire_name(op)
                 .map(BridgeMethod::Memory)
                 .ok_or_else(|| unknown("memory operation", op));
+        }
+        if method == "files.changed" {
+            return Ok(BridgeMethod::ChangedFiles);
         }
         if let Some(op) = method.strip_prefix("tools.") {
             return wire_name(op)

@@ -23,6 +23,10 @@ use std::ops::ControlFlow;
 use super::quota::removal_outcome;
 use super::*;
 
+/// At most this many changed names go back to a worker asking which files its run changed
+/// (`files.changed`); past it the worker searches its directory itself.
+const CHANGED_FILES_HINT_LIMIT: usize = 2_000;
+
 impl SessionManager {
     /// Feeds one cell to the session's worker and collects everything until it is done, dead,
     /// or killed; the proxied calls the cell made are added to its record.
@@ -426,6 +430,7 @@ impl<'a> CellRun<'a> {
         let (proxy, memory) = (m.proxy.clone(), m.memory.clone());
         let local_tools = m.local_tools.get().cloned();
         let session_name = self.session.name.clone();
+        let changes = m.changes.clone();
         let summaries = self.summaries_tx.clone();
         let answers = worker.answers();
         tokio::spawn(async move {
@@ -449,6 +454,27 @@ impl<'a> CellRun<'a> {
                     (answer.await, None)
                 }
                 Ok(BridgeMethod::Proxy(m)) => proxy.handle(&session_name, m, &params).await,
+                Ok(BridgeMethod::ChangedFiles) => {
+                    // Names only, from the host's own watches: nothing is opened here.
+                    let limit = CHANGED_FILES_HINT_LIMIT;
+                    let pending = match changes.try_pending(&session_name, limit) {
+                        Ok(pending) => pending,
+                        // Another session's listing holds the tracker: wait off the runtime.
+                        Err(()) => tokio::task::spawn_blocking(move || {
+                            changes.pending(&session_name, limit)
+                        })
+                        .await
+                        .ok()
+                        .flatten(),
+                    };
+                    let answer = match pending {
+                        Some((files, dirs)) => {
+                            serde_json::json!({"complete": true, "files": files, "dirs": dirs})
+                        }
+                        None => serde_json::json!({"complete": false}),
+                    };
+                    (answer, None)
+                }
                 Err(unknown) => (unknown, None),
             };
             if let Some(call) = summary {
@@ -815,13 +841,17 @@ pub(super) async fn link_outputs(
         session.name.clone(),
         changes.clone(),
     );
-    let listed = tokio::task::spawn_blocking(move || changes.changed(&name, &dir, since, 50))
-        .await
-        .unwrap_or_else(|e| crate::files::Changes {
-            files: Vec::new(),
-            incomplete: Some(format!("the listing failed: {e}")),
-            method: "none",
-        });
+    // Most runs change no file: the tracker knows that without a thread hop.
+    let listed = match changes.unchanged(&name) {
+        Some(listed) => listed,
+        None => tokio::task::spawn_blocking(move || changes.changed(&name, &dir, since, 50))
+            .await
+            .unwrap_or_else(|e| crate::files::Changes {
+                files: Vec::new(),
+                incomplete: Some(format!("the listing failed: {e}")),
+                method: "none",
+            }),
+    };
     tracing::debug!(session = %session.name, method = listed.method, "listed the run's files");
     let (files, incomplete) = (listed.files, listed.incomplete);
     if let Some(why) = incomplete {

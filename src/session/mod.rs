@@ -612,6 +612,7 @@ impl SessionManager {
                 outcome.loss_reason.unwrap_or_else(|| "it stopped".into())
             ));
         }
+        self.pool.run_answered();
         Ok(record)
     }
 

@@ -22,10 +22,15 @@ use super::*;
 
 /// After a spare failed to start, how long the pool waits before trying again.
 const REFILL_BACKOFF: Duration = Duration::from_secs(2);
+/// After a spare was taken, the refill waits for the session's run to answer, or this long:
+/// forking and locking down the next spare competes for the CPU with that answer.
+const REFILL_DELAY: Duration = Duration::from_millis(50);
 
 /// A locked-down worker waiting for a session.
 pub(super) struct Spare {
     worker: LiveWorker,
+    /// Its directory's name, `@spare-N` (also its name in the change tracker).
+    name: String,
     scratch: PathBuf,
     /// The font cache it was given (`MPLCONFIGDIR`); a spare from before the shared cache was
     /// published is not handed out.
@@ -37,8 +42,13 @@ pub(super) struct Pool {
     spares: Mutex<Vec<Spare>>,
     /// One place per spare, waiting or starting.
     places: Arc<Semaphore>,
-    /// Wakes the refill task after a spare was taken or found dead.
+    /// Wakes the refill task at once: a spare was found dead.
     wanted: Notify,
+    /// Wakes the refill task after a spare was taken: it refills once a run answered
+    /// ([`Pool::run_answered`]) or after [`REFILL_DELAY`].
+    taken: Notify,
+    /// A run ended (see [`Pool::run_answered`]).
+    answered: Notify,
     next_id: AtomicU64,
 }
 
@@ -49,6 +59,8 @@ impl Pool {
             spares: Mutex::new(Vec::new()),
             places: Arc::new(Semaphore::new(size)),
             wanted: Notify::new(),
+            taken: Notify::new(),
+            answered: Notify::new(),
             next_id: AtomicU64::new(0),
         }
     }
@@ -60,6 +72,11 @@ impl Pool {
 
     pub(super) fn size(&self) -> usize {
         self.size
+    }
+
+    /// A run ended: a refill waiting for the CPU to be free of the answer may go ahead.
+    pub(super) fn run_answered(&self) {
+        self.answered.notify_waiters();
     }
 
     /// Kills every waiting spare.
@@ -98,26 +115,34 @@ impl SessionManager {
                 self.pool.wanted.notify_one();
                 return Err(slot);
             };
-            self.pool.wanted.notify_one();
             let alive = matches!(spare.worker.liveness(), Liveness::Alive)
                 && !zygote_dead
                 && !spare.worker.hung_up();
             if !alive || spare.font_cache != font_cache {
                 tracing::debug!(pid = spare.worker.pid, alive, "discarding a spare");
+                self.pool.wanted.notify_one();
                 let Spare {
-                    worker, scratch, ..
+                    worker,
+                    scratch,
+                    name,
+                    ..
                 } = spare;
                 drop(worker); // kills it
+                self.changes.forget(&name);
                 tokio::spawn(remove_scratch(scratch));
                 continue;
             }
             // Renaming a directory within sessions-<pid>: both names are the host's own, and
-            // the spare has run no code, so its directory holds nothing of the worker's.
+            // the spare has run no code, so its directory holds nothing of the worker's. The
+            // change tracker's watches follow the directory (they are on its inode).
+            self.changes.rename(&spare.name, &session.name);
             if let Err(e) = std::fs::rename(&spare.scratch, &session.scratch) {
                 tracing::warn!(from = %spare.scratch.display(), to = %session.scratch.display(), error = %e, "cannot hand a spare its session's directory");
+                self.changes.forget(&session.name);
                 return Err(slot);
             }
             spare.worker.move_to_slot(slot);
+            self.pool.taken.notify_one();
             spare.worker.bind = Some(crate::frame::Binding {
                 env: super::spawn::session_environment(&session.name, &session.scratch),
                 scratch: session.scratch.clone(),
@@ -128,7 +153,8 @@ impl SessionManager {
     }
 
     /// Keeps the pool full until the server shuts down: one spare at a time, again whenever
-    /// one was taken or found dead.
+    /// one was found dead, or soon after one was taken (not while its first answer is on the
+    /// way: on a small machine the fork would delay it).
     pub(super) async fn keep_pool_filled(self: Arc<Self>, stop: CancellationToken) {
         loop {
             let mut pause = Duration::from_secs(3600);
@@ -144,6 +170,13 @@ impl SessionManager {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = self.pool.wanted.notified() => {}
+                _ = self.pool.taken.notified() => {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = self.pool.answered.notified() => {}
+                        _ = tokio::time::sleep(REFILL_DELAY) => {}
+                    }
+                }
                 _ = tokio::time::sleep(pause) => {}
             }
         }
@@ -179,12 +212,20 @@ impl SessionManager {
 
     async fn start_spare(&self, place: OwnedSemaphorePermit) -> Result<(), RunRefusal> {
         let n = self.pool.next_id.fetch_add(1, Ordering::Relaxed);
-        let scratch = self.root.join(format!("@spare-{n}"));
+        let name = format!("@spare-{n}");
+        let scratch = self.root.join(&name);
         let font_cache = lock(&self.font_cache).clone();
         let worker = self.spawn_worker_in_slot(None, &scratch, place).await?;
         let worker = self.warm_up(&scratch, worker).await?;
+        // The session's first listing then reads events instead of walking (and watching).
+        let (changes, watched, dir) = (self.changes.clone(), name.clone(), scratch.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            changes.changed(&watched, &dir, std::time::SystemTime::now(), 0)
+        })
+        .await;
         lock(&self.pool.spares).push(Spare {
             worker,
+            name,
             scratch,
             font_cache,
         });

@@ -145,6 +145,53 @@ def test_a_moved_directory_is_followed_and_symlinks_are_never_listed(box, huge):
     assert "h3.old/f0" in listed(rec), rec
 
 
+TINY_PNG = (
+    "import struct, zlib\n"
+    "def png(path):\n"
+    "    def chunk(kind, data):\n"
+    "        return struct.pack('>I', len(data)) + kind + data + struct.pack('>I', zlib.crc32(kind + data))\n"
+    "    raw = b'\\x00\\xff\\x00\\x00'\n"
+    "    with open(path, 'wb') as f:\n"
+    "        f.write(b'\\x89PNG\\r\\n\\x1a\\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', 1, 1, 8, 2, 0, 0, 0))\n"
+    "                + chunk(b'IDAT', zlib.compress(raw)) + chunk(b'IEND', b''))\n"
+)
+
+
+def images(rec: dict) -> set[str]:
+    return {i["path"] for i in rec.get("images", [])}
+
+
+def test_images_a_run_writes_in_a_session_of_100k_files_come_back_once(box, huge):
+    # In a session this large the worker does not look through its directories for images on
+    # every run; it asks the host which files changed. What it finds must not change.
+    box.run(TINY_PNG + "'ready'", session=huge)
+    rec = box.run(
+        "png('h40/deep.png')\n"
+        "os.makedirs('plots/2026/dec')\n"
+        "png('plots/2026/dec/new.png')\n"
+        "open('h41/notes.txt', 'w').write('not an image')\n"
+        "'drawn'",
+        session=huge,
+    )
+    assert rec["status"] == "ok", rec
+    assert images(rec) == {"h40/deep.png", "plots/2026/dec/new.png"}, rec
+    assert all(i["inline"] for i in rec["images"]), rec
+    assert "h41/notes.txt" in listed(rec), rec
+    # Nothing new: no image again.
+    rec = box.run("x = 1", session=huge)
+    assert rec["status"] == "ok" and images(rec) == set(), rec
+    # Rewritten in place (no directory changes): it is this run's image again.
+    rec = box.run("png('h40/deep.png')\n'again'", session=huge)
+    assert images(rec) == {"h40/deep.png"}, rec
+    # A directory moved in from elsewhere in the session, holding an image.
+    rec = box.run("os.makedirs('staging/x')\npng('staging/x/moved.png')", session=huge)
+    assert images(rec) == {"staging/x/moved.png"}, rec
+    # (An image counts as a run's if written within a second before it started: wait that out.)
+    box.run("import time\ntime.sleep(1.1)", session=huge)
+    rec = box.run("os.rename('staging', 'h42/arrived')\npng('h42/arrived/x/later.png')", session=huge)
+    assert images(rec) == {"h42/arrived/x/later.png"}, rec
+
+
 def test_the_scratch_quota_still_holds_in_a_session_of_100k_files(box, huge):
     rec = long_run(
         box,
