@@ -184,8 +184,8 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let outcome = async {
-        let transport =
-            crate::stdio::StdioTransport::new(tokio::io::stdin(), tokio::io::stdout(), max_line);
+        let (stdin, stdout) = crate::stdio::std_streams();
+        let transport = crate::stdio::StdioTransport::new(stdin, stdout, max_line);
         let running = server.serve(transport).await.context("MCP handshake")?;
         tokio::select! {
             quit = running.waiting() => { tracing::info!(?quit, "client disconnected"); }

@@ -135,6 +135,48 @@ async fn write_line<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
+/// stdin and stdout for `serve`. When they are pipes or sockets (how MCP clients launch
+/// servers) they are made non-blocking and driven by the async runtime itself through epoll:
+/// tokio's own stdin and stdout hand every read and every write to a blocking thread, a thread
+/// hop each way for every message. A terminal or a file keeps tokio's (a terminal's flags are
+/// shared with the shell, and files cannot be polled).
+pub fn std_streams() -> (
+    Box<dyn AsyncRead + Unpin + Send>,
+    Box<dyn AsyncWrite + Unpin + Send>,
+) {
+    use tokio::net::unix::pipe;
+    let reader: Box<dyn AsyncRead + Unpin + Send> = match pollable_stream(libc::STDIN_FILENO)
+        .and_then(|f| pipe::Receiver::from_file_unchecked(f).ok())
+    {
+        Some(r) => Box::new(r),
+        None => Box::new(tokio::io::stdin()),
+    };
+    let writer: Box<dyn AsyncWrite + Unpin + Send> = match pollable_stream(libc::STDOUT_FILENO)
+        .and_then(|f| pipe::Sender::from_file_unchecked(f).ok())
+    {
+        Some(w) => Box::new(w),
+        None => Box::new(tokio::io::stdout()),
+    };
+    (reader, writer)
+}
+
+/// A non-blocking duplicate of `fd` if it is a pipe or a socket.
+fn pollable_stream(fd: std::os::fd::RawFd) -> Option<std::fs::File> {
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
+    use std::os::fd::BorrowedFd;
+    // SAFETY: fds 0 and 1 stay open for the whole life of the process.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let st = nix::sys::stat::fstat(fd).ok()?;
+    let kind = st.st_mode & libc::S_IFMT;
+    if kind != libc::S_IFIFO && kind != libc::S_IFSOCK {
+        return None;
+    }
+    let dup = fd.try_clone_to_owned().ok()?;
+    let flags = OFlag::from_bits_truncate(fcntl(&dup, FcntlArg::F_GETFL).ok()?);
+    fcntl(&dup, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK)).ok()?;
+    Some(std::fs::File::from(dup))
+}
+
 /// What a line that is not a usable message gets.
 #[derive(Debug, PartialEq)]
 pub struct Refusal {
