@@ -139,15 +139,18 @@ impl ToolState {
     /// The last list, if it is good enough for `need`.
     fn cached(&self, need: Need) -> Option<Arc<ToolCatalog>> {
         let last = crate::lock(&self.cache).last.clone()?;
-        let unchanged = last.changes_at == self.changes.load(Ordering::SeqCst);
-        let fresh = || {
-            !self.blind.load(Ordering::SeqCst) && last.expires.is_none_or(|e| Instant::now() < e)
-        };
-        match need {
-            Need::Call if unchanged => Some(last),
-            Need::Fresh if unchanged && fresh() => Some(last),
-            _ => None,
+        if last.changes_at != self.changes.load(Ordering::SeqCst) {
+            return None;
         }
+        match need {
+            Need::Call => Some(last),
+            Need::Fresh => self.is_fresh(&last).then_some(last),
+        }
+    }
+
+    /// Within its `ttlMs` (if it has one), and changes would be heard of.
+    fn is_fresh(&self, catalog: &ToolCatalog) -> bool {
+        !self.blind.load(Ordering::SeqCst) && catalog.expires.is_none_or(|e| Instant::now() < e)
     }
 }
 
@@ -429,18 +432,19 @@ impl Upstream {
 
     /// The entry of `tool` for a call, and the connection to make it on: from the last list
     /// unless a change was announced since (see [`Need::Call`]); a name that list lacks is
-    /// looked up in a new one (the tools may have changed without notice) before it is called
-    /// unknown. At most one `tools/list` per call, shared with every concurrent caller.
+    /// looked up in a new one (the tools may have changed without notice) unless the list is
+    /// still fresh, before it is called unknown. At most one `tools/list` per call, shared
+    /// with every concurrent caller.
     pub async fn resolve(&self, tool: &str) -> Result<Resolved, ProxyError> {
         let live = self.live().await?;
         let catalog = match live.tools.cached(Need::Call) {
-            Some(c) if c.tool(tool).is_some() => c,
+            Some(c) if c.tool(tool).is_some() || live.tools.is_fresh(&c) => c,
             _ => self.fetch(&live).await?,
         };
         let Some(entry) = catalog.tool(tool).cloned() else {
             let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_ref()).collect();
             return Err(ProxyError::unknown_tool(format!(
-                "server {:?} has no tool {tool:?} (its tool list, just fetched, has: {})",
+                "server {:?} has no tool {tool:?}; it has: {}",
                 self.name(),
                 names.join(", ")
             )));
