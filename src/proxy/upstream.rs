@@ -542,8 +542,11 @@ impl Upstream {
             .is_some_and(|c| !c.is_closed())
     }
 
+    /// Forgets the connection and ends it. The lock is released before the (possibly slow)
+    /// shutdown, so other callers start a new server instead of waiting for the old one to go.
     pub async fn stop(&self) {
-        if let Some(c) = self.conn.lock().await.take() {
+        let taken = self.conn.lock().await.take();
+        if let Some(c) = taken {
             let _ = c.service.cancel().await;
         }
     }

@@ -124,3 +124,21 @@ while "announced_tool" not in names() and time.monotonic() < deadline:
 """
         r = await run(s, code)
         assert r["result"] == "(False, 1, True, 'announced_tool')", r.text
+
+
+async def test_a_slow_call_does_not_hold_up_the_calls_after_it(state_dir, tmp_path):
+    # No timing assert: the 20 calls sent after a 20-second call all come back while it is
+    # still running (head-of-line blocking would make them wait for it).
+    async with connect(state_dir, **cache_env(tmp_path)) as s:
+        code = """
+import asyncio
+mcp_modern.pid_sync()
+slow = asyncio.ensure_future(mcp_modern.sleep(seconds=20))
+await asyncio.sleep(0)
+fast = await asyncio.gather(*(mcp_modern.structured(n=i) for i in range(20)))
+still_running = not slow.done()
+slow.cancel()
+(still_running, [r["square"] for r in fast] == [i * i for i in range(20)])
+"""
+        r = await run(s, code)
+        assert r["result"] == "(True, True)", r.text
