@@ -17,8 +17,8 @@
 //! `tools/list` at all. Callers that do need a new list share one fetch in flight.
 
 use std::process::Stdio;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -253,10 +253,16 @@ pub struct Resolved {
 async fn list_tools(
     name: String,
     peer: Peer<RoleClient>,
-    state: Arc<ToolState>,
+    state: Weak<ToolState>,
     changes_at: u64,
 ) -> Result<Arc<ToolCatalog>, ProxyError> {
     let listed = peer.list_all_tools_with_cache_hint().await;
+    // Weak: the state holds this future while it is in flight; the connection may be gone.
+    let state = state.upgrade().ok_or_else(|| {
+        ProxyError::unavailable(format!(
+            "server {name:?} stopped while its tools were listed"
+        ))
+    })?;
     let mut cache = crate::lock(&state.cache);
     if cache
         .fetching
@@ -467,7 +473,7 @@ impl Upstream {
         let listing = list_tools(
             self.name().to_string(),
             live.peer.clone(),
-            state.clone(),
+            Arc::downgrade(state),
             changes,
         )
         .boxed()
