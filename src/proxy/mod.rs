@@ -297,14 +297,26 @@ impl Proxy {
     /// The server's tool catalog, remembering whether it could be had.
     async fn catalog(&self, server: &str) -> Result<Arc<upstream::ToolCatalog>, ProxyError> {
         let upstream = self.upstream(server)?;
-        let result = upstream.tools().await;
+        self.note_failure(server, upstream.tools().await)
+    }
+
+    /// Remembers whether the last use of `server` failed (shown by `servers()` and search).
+    fn note_failure<T>(
+        &self,
+        server: &str,
+        result: Result<T, ProxyError>,
+    ) -> Result<T, ProxyError> {
         let mut failures = crate::lock(&self.failures);
         match &result {
             Ok(_) => {
                 failures.remove(server);
             }
-            Err(e) => {
+            Err(e) if e.kind == ErrorKind::Unavailable => {
                 failures.insert(server.to_string(), e.message.clone());
+            }
+            // An unknown tool: the server answered.
+            Err(_) => {
+                failures.remove(server);
             }
         }
         result
@@ -436,23 +448,25 @@ impl Proxy {
             ));
         };
         let upstream = self.upstream(server)?;
-        let catalog = self.catalog(server).await?;
-        if let Some(t) = catalog.tools.iter().find(|t| t.name == tool) {
-            match upstream.config.rules.verdict(server, tool, Hints::of(t)) {
-                Verdict::Allowed => {}
-                Verdict::Denied(why) => {
-                    return Err(ProxyError::refused(
-                        ErrorKind::Denied,
-                        format!("{why} (in {}); code cannot call it", upstream.config.source),
-                    ));
-                }
-                Verdict::NeedsApproval(why) => {
-                    self.approve(session, server, tool, &args, &why, &upstream.config.source)
-                        .await?
-                }
+        let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
+        match upstream
+            .config
+            .rules
+            .verdict(server, tool, Hints::of(&resolved.entry))
+        {
+            Verdict::Allowed => {}
+            Verdict::Denied(why) => {
+                return Err(ProxyError::refused(
+                    ErrorKind::Denied,
+                    format!("{why} (in {}); code cannot call it", upstream.config.source),
+                ));
+            }
+            Verdict::NeedsApproval(why) => {
+                self.approve(session, server, tool, &args, &why, &upstream.config.source)
+                    .await?
             }
         }
-        let result = upstream.call(tool, args, self.call_timeout).await?;
+        let result = upstream.call(resolved, args, self.call_timeout).await?;
         let size = serde_json::to_string(&result).map(|s| s.len()).unwrap_or(0);
         if size > MAX_RESULT_BYTES {
             return Err(ProxyError::unavailable(format!(

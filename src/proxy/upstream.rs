@@ -9,13 +9,20 @@
 //!
 //! Tool-list changes: an old-era server notifies on its own; a 2026-07-28 server only on a
 //! `subscriptions/listen` stream, which ironcell opens when the server says its tool list can
-//! change (if that stream cannot be had, the list is fetched anew for every use). A 2026-07-28
-//! list also says how long it may be cached (`ttlMs`); ironcell keeps it no longer.
+//! change. A 2026-07-28 list also says how long it may be considered fresh (`ttlMs`).
+//!
+//! What each use needs from the list (see [`Need`]): showing or searching the tools needs a
+//! fresh list (within its `ttlMs`, no change announced since); calling a tool the last list
+//! named needs only that no change was announced since, so a proxied call normally costs no
+//! `tools/list` at all. Callers that do need a new list share one fetch in flight.
 
 use std::process::Stdio;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
 
 use rmcp::model::{
     CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation, ProtocolVersion, Tool,
@@ -38,7 +45,7 @@ const INHERITED_VARS: &[&str] = &[
 
 /// Notices `tools/list_changed` from the server.
 struct Handler {
-    stale: Arc<AtomicBool>,
+    tools: Arc<ToolState>,
 }
 
 impl ClientHandler for Handler {
@@ -53,7 +60,7 @@ impl ClientHandler for Handler {
     }
 
     async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
-        self.stale.store(true, Ordering::SeqCst);
+        self.tools.changed();
     }
 }
 
@@ -62,18 +69,103 @@ pub struct ToolCatalog {
     pub tools: Vec<Tool>,
     pub index: Vec<super::search::Indexed>,
     /// When the server's `ttlMs` runs out (2026-07-28 servers; none for older ones).
-    expires: Option<std::time::Instant>,
+    expires: Option<Instant>,
+    /// [`ToolState::changes`] when the fetch of this list began: a change announced after that
+    /// makes the list out of date.
+    changes_at: u64,
+}
+
+impl ToolCatalog {
+    pub fn tool(&self, name: &str) -> Option<&Tool> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+}
+
+/// What a use of the tool list needs from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Showing or searching the tools: the list must be fresh, i.e. no change announced since
+    /// it was fetched, within its `ttlMs`, and change notices can still arrive.
+    Fresh,
+    /// Calling a tool: the last list's entry for it is enough unless a change was announced
+    /// since. Why the `ttlMs` is not consulted here: the 2026-07-28 spec (server/utilities/
+    /// caching, SEP-2549) makes `ttlMs` a hint of how long "the client MAY consider the result
+    /// fresh"; at 0 the result "SHOULD be considered immediately stale. The client MAY re-fetch
+    /// every time the result is needed" (a permission, not a duty), and "caching is
+    /// complementary to change notifications". A `tools/call` does not need the list: the
+    /// server checks the name itself and answers an unknown one with an error. ironcell reads
+    /// the entry only for the tool's annotations, which its rules already take on the server's
+    /// word (the spec calls annotations untrusted hints), so an entry the server itself sent
+    /// earlier is what a re-fetch would give up to the server's honesty. Re-listing 1,000
+    /// tools per call, as the Python SDK's default `ttlMs: 0` would have it, cost ~100 ms of
+    /// the server's time per call and serialized every call behind those lists.
+    Call,
+}
+
+/// The tool list of one connection: the last one fetched, the fetch in flight, and the count
+/// of change notices (old-era notifications and the `subscriptions/listen` stream alike).
+struct ToolState {
+    changes: AtomicU64,
+    /// Set when no notice of tool-list changes can arrive (a 2026-07-28 server whose
+    /// `subscriptions/listen` stream failed or ended): the list is never fresh for [`Need::Fresh`].
+    blind: AtomicBool,
+    cache: std::sync::Mutex<ToolCache>,
+}
+
+type Listing = Shared<BoxFuture<'static, Result<Arc<ToolCatalog>, ProxyError>>>;
+
+#[derive(Default)]
+struct ToolCache {
+    last: Option<Arc<ToolCatalog>>,
+    /// The one `tools/list` in flight (single-flight: every caller that needs a new list
+    /// awaits this same future), with the change count it began at.
+    fetching: Option<(u64, Listing)>,
+}
+
+impl ToolState {
+    fn new() -> ToolState {
+        ToolState {
+            changes: AtomicU64::new(0),
+            blind: AtomicBool::new(false),
+            cache: std::sync::Mutex::new(ToolCache::default()),
+        }
+    }
+
+    /// The server announced a change (or a call showed the list is out of date).
+    fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The last list, if it is good enough for `need`.
+    fn cached(&self, need: Need) -> Option<Arc<ToolCatalog>> {
+        let last = crate::lock(&self.cache).last.clone()?;
+        if last.changes_at != self.changes.load(Ordering::SeqCst) {
+            return None;
+        }
+        match need {
+            Need::Call => Some(last),
+            Need::Fresh => self.is_fresh(&last).then_some(last),
+        }
+    }
+
+    /// Within its `ttlMs` (if it has one), and changes would be heard of.
+    fn is_fresh(&self, catalog: &ToolCatalog) -> bool {
+        !self.blind.load(Ordering::SeqCst) && catalog.expires.is_none_or(|e| Instant::now() < e)
+    }
 }
 
 struct Connection {
     service: RunningService<RoleClient, Handler>,
-    tools: Option<Arc<ToolCatalog>>,
-    stale: Arc<AtomicBool>,
-    /// Set when no notice of tool-list changes can arrive (a 2026-07-28 server whose
-    /// `subscriptions/listen` stream failed or ended): the list is never cached.
-    blind: Arc<AtomicBool>,
+    tools: Arc<ToolState>,
     /// The `subscriptions/listen` stream of a 2026-07-28 server, ended with the connection.
     _listener: Option<AbortOnDrop>,
+}
+
+/// A running connection as one use sees it (taken under the connection lock, used without it).
+#[derive(Clone)]
+struct Live {
+    peer: Peer<RoleClient>,
+    tools: Arc<ToolState>,
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -86,12 +178,11 @@ impl Drop for AbortOnDrop {
 
 /// For a 2026-07-28 server whose tool list can change: a task that marks the cached list stale
 /// on each `notifications/tools/list_changed` of its `subscriptions/listen` stream. When the
-/// stream cannot be opened, or ends, it sets `blind` (every use lists the tools anew).
+/// stream cannot be opened, or ends, it sets `blind` (every listing fetches the tools anew).
 fn listen_for_tool_changes(
     name: &str,
     peer: Peer<RoleClient>,
-    stale: Arc<AtomicBool>,
-    blind: Arc<AtomicBool>,
+    tools: Arc<ToolState>,
 ) -> Option<AbortOnDrop> {
     use rmcp::model::{ServerNotification, SubscriptionFilter};
     let info = peer.peer_info()?;
@@ -110,26 +201,31 @@ fn listen_for_tool_changes(
         let mut sub = match peer.listen(filter).await {
             Ok(sub) => sub,
             Err(e) => {
-                tracing::info!(server = %name, error = %e, "no subscriptions/listen stream; its tool list is fetched for every use");
-                blind.store(true, Ordering::SeqCst);
+                tracing::info!(server = %name, error = %e, "no subscriptions/listen stream; its tool list is fetched for every listing");
+                tools.blind.store(true, Ordering::SeqCst);
                 return;
             }
         };
         loop {
             match sub.next().await {
-                Ok(Some(ServerNotification::ToolListChangedNotification(_))) => {
-                    stale.store(true, Ordering::SeqCst);
-                }
+                Ok(Some(ServerNotification::ToolListChangedNotification(_))) => tools.changed(),
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => break,
             }
         }
         // Nothing tells us about changes any more.
-        blind.store(true, Ordering::SeqCst);
+        tools.blind.store(true, Ordering::SeqCst);
     })))
 }
 
 impl Connection {
+    fn live(&self) -> Live {
+        Live {
+            peer: self.service.peer().clone(),
+            tools: self.tools.clone(),
+        }
+    }
+
     /// The server exited, or its transport is gone.
     fn is_closed(&self) -> bool {
         self.service.is_closed() || self.service.peer().is_transport_closed()
@@ -144,6 +240,64 @@ fn lifecycle() -> ClientLifecycleMode {
         preferred_versions: vec![ProtocolVersion::V_2026_07_28],
         legacy_version: Some(ProtocolVersion::LATEST_WITH_INITIALIZE),
     }
+}
+
+/// A tool found for a call: its entry (annotations for the rules) and the connection to call it on.
+pub struct Resolved {
+    live: Live,
+    pub entry: Tool,
+}
+
+/// One `tools/list` (all pages), indexed for search and kept as the connection's last list
+/// unless a newer one is already there.
+async fn list_tools(
+    name: String,
+    peer: Peer<RoleClient>,
+    state: Weak<ToolState>,
+    changes_at: u64,
+) -> Result<Arc<ToolCatalog>, ProxyError> {
+    let listed = peer.list_all_tools_with_cache_hint().await;
+    // Weak: the state holds this future while it is in flight; the connection may be gone.
+    let state = state.upgrade().ok_or_else(|| {
+        ProxyError::unavailable(format!(
+            "server {name:?} stopped while its tools were listed"
+        ))
+    })?;
+    let mut cache = crate::lock(&state.cache);
+    if cache
+        .fetching
+        .as_ref()
+        .is_some_and(|(at, _)| *at == changes_at)
+    {
+        cache.fetching = None;
+    }
+    let listed = listed.map_err(|e| {
+        ProxyError::unavailable(format!("listing the tools of {name:?} failed: {e}"))
+    })?;
+    let expires = listed
+        .ttl_ms
+        .map(|ms| Instant::now() + Duration::from_millis(ms));
+    let index = listed
+        .items
+        .iter()
+        .map(|t| {
+            super::search::Indexed::new(&name, &t.name, t.description.as_deref().unwrap_or(""))
+        })
+        .collect();
+    let catalog = Arc::new(ToolCatalog {
+        tools: listed.items,
+        index,
+        expires,
+        changes_at,
+    });
+    if cache
+        .last
+        .as_ref()
+        .is_none_or(|l| l.changes_at <= changes_at)
+    {
+        cache.last = Some(catalog.clone());
+    }
+    Ok(catalog)
 }
 
 pub struct Upstream {
@@ -169,18 +323,19 @@ impl Upstream {
     }
 
     /// Starts the server if it is not running (or has died), and returns a handle for calls.
-    async fn peer(&self) -> Result<Peer<RoleClient>, ProxyError> {
+    /// The lock is held only to look (and, once, across a start): calls run without it.
+    async fn live(&self) -> Result<Live, ProxyError> {
         let mut conn = self.conn.lock().await;
         if let Some(c) = conn.as_ref() {
             if !c.is_closed() {
-                return Ok(c.service.peer().clone());
+                return Ok(c.live());
             }
             tracing::warn!(server = self.name(), "server exited; restarting it");
         }
         let started = self.start().await?;
-        let peer = started.service.peer().clone();
+        let live = started.live();
         *conn = Some(started);
-        Ok(peer)
+        Ok(live)
     }
 
     async fn start(&self) -> Result<Connection, ProxyError> {
@@ -223,9 +378,9 @@ impl Upstream {
                 }
             });
         }
-        let stale = Arc::new(AtomicBool::new(false));
+        let tools = Arc::new(ToolState::new());
         let handler = Handler {
-            stale: stale.clone(),
+            tools: tools.clone(),
         };
         let start = handler.serve_with_lifecycle(transport, lifecycle());
         let service = match tokio::time::timeout(self.startup_timeout, start).await {
@@ -254,18 +409,10 @@ impl Upstream {
             "proxied server started"
         );
         *crate::lock(&self.protocol_version) = version;
-        let blind = Arc::new(AtomicBool::new(false));
-        let listener = listen_for_tool_changes(
-            &c.name,
-            service.peer().clone(),
-            stale.clone(),
-            blind.clone(),
-        );
+        let listener = listen_for_tool_changes(&c.name, service.peer().clone(), tools.clone());
         Ok(Connection {
             service,
-            tools: None,
-            stale,
-            blind,
+            tools,
             _listener: listener,
         })
     }
@@ -274,80 +421,79 @@ impl Upstream {
     pub fn prestart(self: &Arc<Self>) {
         let me = self.clone();
         tokio::spawn(async move {
-            if let Err(e) = me.peer().await {
+            if let Err(e) = me.live().await {
                 tracing::warn!(server = me.name(), error = %e.message, "pre-start failed");
             }
         });
     }
 
-    /// The server's tools, from the cache unless it announced a change.
+    /// The server's tools, from the cache when it is fresh (see [`Need::Fresh`]).
     pub async fn tools(&self) -> Result<Arc<ToolCatalog>, ProxyError> {
-        let peer = self.peer().await?;
-        {
-            let conn = self.conn.lock().await;
-            let fresh = |c: &Connection, t: &ToolCatalog| {
-                !c.stale.load(Ordering::SeqCst)
-                    && !c.blind.load(Ordering::SeqCst)
-                    && t.expires.is_none_or(|e| std::time::Instant::now() < e)
-            };
-            if let Some(c) = conn.as_ref()
-                && let Some(t) = c.tools.as_ref().filter(|t| fresh(c, t))
-            {
-                return Ok(t.clone());
-            }
+        let live = self.live().await?;
+        match live.tools.cached(Need::Fresh) {
+            Some(t) => Ok(t),
+            None => self.fetch(&live).await,
         }
-        let listed = peer.list_all_tools_with_cache_hint().await.map_err(|e| {
-            ProxyError::unavailable(format!(
-                "listing the tools of {:?} failed: {e}",
-                self.name()
-            ))
-        })?;
-        let expires = listed
-            .ttl_ms
-            .map(|ms| std::time::Instant::now() + Duration::from_millis(ms));
-        let tools = listed.items;
-        let index = tools
-            .iter()
-            .map(|t| {
-                super::search::Indexed::new(
-                    self.name(),
-                    &t.name,
-                    t.description.as_deref().unwrap_or(""),
-                )
-            })
-            .collect();
-        let tools = Arc::new(ToolCatalog {
-            tools,
-            index,
-            expires,
-        });
-        let mut conn = self.conn.lock().await;
-        if let Some(c) = conn.as_mut() {
-            c.stale.store(false, Ordering::SeqCst);
-            c.tools = Some(tools.clone());
-        }
-        Ok(tools)
     }
 
-    /// Calls a tool; returns the whole `CallToolResult` as JSON.
-    pub async fn call(
-        &self,
-        tool: &str,
-        arguments: serde_json::Map<String, serde_json::Value>,
-        timeout: Duration,
-    ) -> Result<serde_json::Value, ProxyError> {
-        let catalog = self.tools().await?;
-        if !catalog.tools.iter().any(|t| t.name == tool) {
+    /// The entry of `tool` for a call, and the connection to make it on: from the last list
+    /// unless a change was announced since (see [`Need::Call`]); a name that list lacks is
+    /// looked up in a new one (the tools may have changed without notice) unless the list is
+    /// still fresh, before it is called unknown. At most one `tools/list` per call, shared
+    /// with every concurrent caller.
+    pub async fn resolve(&self, tool: &str) -> Result<Resolved, ProxyError> {
+        let live = self.live().await?;
+        let catalog = match live.tools.cached(Need::Call) {
+            Some(c) if c.tool(tool).is_some() || live.tools.is_fresh(&c) => c,
+            _ => self.fetch(&live).await?,
+        };
+        let Some(entry) = catalog.tool(tool).cloned() else {
             let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_ref()).collect();
             return Err(ProxyError::unknown_tool(format!(
                 "server {:?} has no tool {tool:?}; it has: {}",
                 self.name(),
                 names.join(", ")
             )));
+        };
+        Ok(Resolved { live, entry })
+    }
+
+    /// A new tool list: joins the fetch in flight when it began after the last announced
+    /// change, starts one otherwise. The fetch runs for whoever awaits it; a caller that goes
+    /// away does not cancel it for the others.
+    fn fetch(&self, live: &Live) -> Listing {
+        let state = &live.tools;
+        let mut cache = crate::lock(&state.cache);
+        let changes = state.changes.load(Ordering::SeqCst);
+        if let Some((at, listing)) = &cache.fetching
+            && *at == changes
+        {
+            return listing.clone();
         }
-        let peer = self.peer().await?;
+        let listing = list_tools(
+            self.name().to_string(),
+            live.peer.clone(),
+            Arc::downgrade(state),
+            changes,
+        )
+        .boxed()
+        .shared();
+        cache.fetching = Some((changes, listing.clone()));
+        listing
+    }
+
+    /// Calls a tool (resolved by [`Upstream::resolve`]); returns the whole `CallToolResult` as
+    /// JSON.
+    pub async fn call(
+        &self,
+        resolved: Resolved,
+        arguments: serde_json::Map<String, serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, ProxyError> {
+        let Resolved { live, entry } = resolved;
+        let tool: &str = &entry.name;
         let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
-        match tokio::time::timeout(timeout, peer.call_tool(params)).await {
+        match tokio::time::timeout(timeout, live.peer.call_tool(params)).await {
             Ok(Ok(result)) => serde_json::to_value(result)
                 .map_err(|e| ProxyError::unavailable(format!("unreadable result: {e}"))),
             Ok(Err(e)) => {
@@ -366,6 +512,11 @@ impl Upstream {
                         self.name()
                     )))
                 } else {
+                    if matches!(e, rmcp::service::ServiceError::McpError(_)) {
+                        // The server refused the request itself (e.g. it no longer has the
+                        // tool): the list this call went by may be out of date.
+                        live.tools.changed();
+                    }
                     Err(ProxyError::unavailable(format!(
                         "calling {tool:?} on {:?} failed: {e}",
                         self.name()
@@ -397,8 +548,11 @@ impl Upstream {
             .is_some_and(|c| !c.is_closed())
     }
 
+    /// Forgets the connection and ends it. The lock is released before the (possibly slow)
+    /// shutdown, so other callers start a new server instead of waiting for the old one to go.
     pub async fn stop(&self) {
-        if let Some(c) = self.conn.lock().await.take() {
+        let taken = self.conn.lock().await.take();
+        if let Some(c) = taken {
             let _ = c.service.cancel().await;
         }
     }

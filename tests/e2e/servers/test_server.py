@@ -1,7 +1,10 @@
 """A small MCP server (official Python SDK) with behaviours the reference servers lack:
 reporting its own environment, sleeping, failing, crashing mid-call, and huge answers.
 
-usage: test_server.py [--hang-at-start] [--many-tools N]
+usage: test_server.py [--hang-at-start] [--many-tools N] [--tools-ttl-ms MS] [--legacy]
+
+--tools-ttl-ms  the `ttlMs` its tools/list results carry (default: the SDK's, 0)
+--legacy        speaks only the handshake era (answers `server/discover` with an error)
 """
 
 import asyncio
@@ -13,9 +16,30 @@ if "--hang-at-start" in sys.argv:
     time.sleep(3600)  # never answers initialize: tests the startup timeout
 
 from mcp.server import MCPServer
+from mcp.server.caching import CacheHint
 from mcp.server.mcpserver import Context
 
-server = MCPServer("ironcell-test-server")
+
+class CountingServer(MCPServer):
+    """Counts the tools/list requests it answers (for the proxy's caching tests)."""
+
+    tools_lists = 0
+
+    async def _handle_list_tools(self, ctx, params):
+        CountingServer.tools_lists += 1
+        return await super()._handle_list_tools(ctx, params)
+
+
+_hints = None
+if "--tools-ttl-ms" in sys.argv:
+    _hints = {"tools/list": CacheHint(ttl_ms=int(sys.argv[sys.argv.index("--tools-ttl-ms") + 1]))}
+server = CountingServer("ironcell-test-server", cache_hints=_hints)
+
+
+@server.tool()
+def tools_list_count() -> int:
+    """How many tools/list requests this server has answered."""
+    return CountingServer.tools_lists
 
 
 @server.tool()
@@ -73,6 +97,20 @@ async def add_tool(name: str, ctx: Context) -> str:
     return f"added {name}"
 
 
+@server.tool()
+async def add_tool_announced(name: str, ctx: Context) -> str:
+    """Adds a tool called `name` and announces the change where each era listens: on
+    subscriptions/listen streams (2026-07-28) and as a notification (handshake era)."""
+
+    def added() -> str:
+        return name
+
+    server.tool(name=name, description=f"Added at run time: {name}")(added)
+    await ctx.notify_tools_changed()
+    await ctx.session.send_tool_list_changed()
+    return f"added {name}"
+
+
 def _add_many_tools(n):
     """N more tools with varied names and descriptions (for the search benchmark)."""
     verbs = ["create", "list", "get", "update", "delete", "search", "sync", "export", "import", "archive"]
@@ -94,5 +132,20 @@ if "--many-tools" in sys.argv:
     _add_many_tools(int(sys.argv[sys.argv.index("--many-tools") + 1]))
 
 
+async def _serve_legacy():
+    """The handshake era only: the SDK's loop mode, which has no `server/discover`."""
+    from mcp.server.runner import serve_loop
+    from mcp.server.stdio import stdio_server
+
+    low = server._lowlevel_server
+    async with stdio_server() as (read, write), low.lifespan(low) as state:
+        await serve_loop(low, read, write, lifespan_state=state, init_options=low.create_initialization_options())
+
+
 if __name__ == "__main__":
-    server.run()
+    if "--legacy" in sys.argv:
+        import anyio
+
+        anyio.run(_serve_legacy)
+    else:
+        server.run()
