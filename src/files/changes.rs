@@ -139,7 +139,8 @@ impl ChangeTracker {
 
     fn drain_locked(&self, inner: &mut Inner) {
         let Some(fd) = self.fd.as_ref() else { return };
-        let mut buf = vec![0u8; 64 * 1024];
+        // On the stack: every run's listing drains (an event is at most 272 bytes).
+        let mut buf = [0u8; 8192];
         loop {
             let n = match nix::unistd::read(fd.as_fd(), &mut buf) {
                 Ok(0) | Err(_) => return, // EAGAIN: drained
