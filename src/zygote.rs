@@ -70,11 +70,39 @@ fn sealed_memfd(name: &std::ffi::CStr, bytes: &[u8]) -> anyhow::Result<OwnedFd> 
     file.write_all(bytes)
         .and_then(|()| file.rewind())
         .with_context(|| format!("writing {name:?} to its memfd"))?;
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: fcntl on an fd we own, integer arguments only.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("sealing {name:?}"));
+    // F_SEAL_FUTURE_WRITE (Linux 5.1) first: it forbids every later write and writable mapping,
+    // which is all we need: the memfd was never mapped and nobody else holds it yet.
+    // F_SEAL_WRITE adds a check for pages with extra references, and the kernel gives up with
+    // EBUSY after ~150 ms when page-cache batches or compaction hold one (seen on a loaded CI
+    // machine). Kernels before 5.1 reject the unknown seal with EINVAL: they get F_SEAL_WRITE,
+    // retried a few times on EBUSY.
+    let base = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    let add_seals = |write_seal: libc::c_int| {
+        // SAFETY: fcntl on an fd we own, integer arguments only.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, base | write_seal) } == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    let mut sealed = add_seals(libc::F_SEAL_FUTURE_WRITE);
+    if sealed
+        .as_ref()
+        .is_err_and(|e| e.raw_os_error() == Some(libc::EINVAL))
+    {
+        sealed = add_seals(libc::F_SEAL_WRITE);
+        for _ in 0..4 {
+            if !sealed
+                .as_ref()
+                .is_err_and(|e| e.raw_os_error() == Some(libc::EBUSY))
+            {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            sealed = add_seals(libc::F_SEAL_WRITE);
+        }
     }
+    sealed.with_context(|| format!("sealing {name:?}"))?;
     Ok(OwnedFd::from(file))
 }
 
@@ -407,4 +435,47 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     // Dropping the senders tells every waiter its worker's status is unknowable now.
     lock(&shared.exits).clear();
     drop(fd);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    #[test]
+    fn a_sealed_memfd_holds_its_bytes_and_refuses_every_change() {
+        let fd = sealed_memfd(c"ironcell-test", b"print('hi')\n").unwrap();
+        let mut file = std::fs::File::from(fd);
+        let mut text = String::new();
+        file.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "print('hi')\n");
+        // No write, no growth, no shrink, no new seal, no shared writable mapping.
+        assert!(file.write_all(b"x").is_err());
+        assert!(file.set_len(1).is_err());
+        assert!(file.set_len(100).is_err());
+        // SAFETY: fcntl and mmap on an fd we own; the mapping is unmapped if it was made.
+        unsafe {
+            assert_ne!(libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, 0), 0);
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                12,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            );
+            assert_eq!(
+                map,
+                libc::MAP_FAILED,
+                "a shared writable mapping of a sealed memfd"
+            );
+        }
+        // Through /proc as well: a fresh open for writing gets no write access either.
+        let again = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        if let Ok(mut again) = again {
+            assert!(again.write_all(b"y").is_err());
+        }
+    }
 }
