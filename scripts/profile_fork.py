@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--preload", default="")
     ap.add_argument("--sessions", type=int, default=30)
     ap.add_argument("--bursts", type=int, default=3)
+    ap.add_argument("--pool", help="IRONCELL_POOL_SIZE (default: the binary's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     state = tempfile.mkdtemp(prefix="ironcell-prof-")
@@ -45,6 +46,8 @@ def main() -> int:
            "IRONCELL_PYTHON": a.python, "RUST_LOG": bench.SPAWN_LOG}
     if a.preload:
         env["IRONCELL_PRELOAD"] = a.preload
+    if a.pool is not None:
+        env["IRONCELL_POOL_SIZE"] = a.pool
     log = str(Path(state) / "host.log")
     cmd = [a.binary, "serve", "--python", a.python] if bench.python_flag_supported(a.binary) else None
     c = bench.Client(a.binary, env, cmd=cmd, stderr=log)
@@ -72,7 +75,8 @@ def main() -> int:
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"python {a.python}; preload {out['preload']}; {a.sessions} sessions, {a.bursts} bursts of 20")
+        print(f"python {a.python}; preload {out['preload']}; pool {a.pool or 'default'}; "
+              f"{a.sessions} sessions, {a.bursts} bursts of 20")
         for k, v in out.items():
             if isinstance(v, list) and v:
                 print(f"  {k:<40} median {bench.med(v):7.3f}  p99 {bench.p99(v):7.3f}  (n={len(v)})")
