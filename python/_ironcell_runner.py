@@ -51,37 +51,121 @@ def zygote_prepare():
     _quiet_for_reported_coroutines()
     _watch_figure_saves()
     _copy_data_without_modes()
+    _prepare_worker_template()
     _zygote_prepared[0] = True
 
 
 def prepare_worker(env, servers_json="[]", options_json="{}"):
-    """Called once in a fresh worker, before the first cell."""
+    """Called once in a fresh worker, before the first cell.
+
+    Every page a worker writes is a private copy of the zygote's (copy-on-write), so this does
+    only what depends on the session; `_prepare_worker_template` did the rest in the zygote and
+    ran these same code paths there once, so they are already warm (specialized bytecode, type
+    caches, interned names) in every fork."""
     import json
-    import os
 
     import mcp
 
     zygote_prepare()  # already done by the zygote; a no-op then
 
-    os.environ.clear()
-    os.environ.update(env)
+    _set_environment(env)
     _options.update(json.loads(options_json))
-    # The proxied MCP servers: `runtime`, `mcp_servers` and `mcp_<name>` globals.
-    mcp._configure(json.loads(servers_json))
-    _main_module.__dict__.update(mcp._globals_for_user())
-    # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
-    sys.modules["__main__"] = _main_module
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _configure_servers(mcp, servers_json)
     tmp = _options.get("private_tmp") or {}
     if tmp.get("mechanism") != "namespace":
         _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
     _images_written_since(None)  # files already here are never this run's images
-    # Fresh streams over the worker's captured fd 1 and 2 (pipes now; the zygote's streams were
-    # made for whatever its fds were). Line-buffered so output streams while a cell runs.
+
+
+_configured_servers = [None]  # the servers_json the `mcp` globals were made for
+
+
+def _configure_servers(mcp, servers_json):
+    """The proxied MCP servers: `runtime`, `mcp_servers` and `mcp_<name>` globals. The zygote's
+    template made them for no servers; a worker redoes them only if its list differs."""
+    import json
+
+    if servers_json == _configured_servers[0]:
+        return
+    mcp._configure(json.loads(servers_json))
+    _main_module.__dict__.update(mcp._globals_for_user())
+    _configured_servers[0] = servers_json
+
+
+def _set_environment(env):
+    """Replaces the process environment with `env` (both `os.environ` and the C environment
+    that C extensions and libc read), touching only the entries that change."""
+    import os
+
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def _prepare_worker_template():
+    """The session-independent part of a worker's setup, in the zygote (before `gc.freeze()`),
+    so that no worker pays for it or copies the pages it writes: `__main__`, the SIGINT handler,
+    the captured streams' Python objects, the `mcp` globals for no servers; then one dry run of
+    the per-worker code paths (environment, options, the image scan, a cell) on throwaway values
+    in an empty directory, so they are already warm in every fork. Leaves no trace of the dry
+    run."""
+    import json
+    import linecache
+    import os
+    import shutil
+    import tempfile
+
+    import mcp
+
+    # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
+    sys.modules["__main__"] = _main_module
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Streams over fd 1 and 2, which in a worker are the pipes its output is captured from (the
+    # worker dup2()s them there before any Python runs); line-buffered so output streams while a
+    # cell runs. The zygote's own fd 1 and 2 are the host's stderr, never its MCP stream.
     for fd, name in ((1, "stdout"), (2, "stderr")):
         stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
         setattr(sys, name, stream)
         setattr(sys, "__%s__" % name, stream)
+    _configure_servers(mcp, "[]")
+    # The dry run. It must never stop the zygote, nor change what a worker starts with.
+    saved_env = dict(os.environ)
+    saved_options = dict(_options)
+    saved_tempdir = tempfile.tempdir
+    cwd = os.getcwd()
+    try:
+        scratch = tempfile.mkdtemp(prefix="ironcell-zygote-warm-")
+    except OSError:
+        return
+    finally:
+        tempfile.tempdir = saved_tempdir  # mkdtemp caches the host's temp dir there
+    try:
+        os.chdir(scratch)
+        _set_environment({**saved_env, "HOME": scratch, "TMPDIR": scratch})
+        _options.update(json.loads(json.dumps({"image_budget": 1, "private_tmp": {}})))
+        for code in ("None", "import os\nos.getpid()"):
+            _images_written_since(None)
+            run_cell(code, 0)
+    except Exception:  # noqa: BLE001 - a colder worker, nothing worse
+        pass
+    finally:
+        os.chdir(cwd)
+        shutil.rmtree(scratch, ignore_errors=True)
+        _set_environment(saved_env)
+        tempfile.tempdir = saved_tempdir
+        _options.clear()
+        _options.update(saved_options)
+        _seen_images.clear()
+        scan = globals().get("_image_scan")
+        if scan is not None:
+            scan.dirs.clear()
+        linecache.cache.pop(CELL_FILENAME, None)
+        _current_run[0] = 0
+        for key in ("_", "os"):
+            _main_module.__dict__.pop(key, None)
 
 
 def _copy_data_without_modes():

@@ -1,6 +1,6 @@
 //! The system-call part of the lockdown, with `seccompiler`.
 //!
-//! Three filters are stacked. The kernel runs all of them and the most severe verdict wins;
+//! Three filters, as if stacked: the kernel runs all of them and the most severe verdict wins;
 //! between two errno verdicts, the filter installed last wins. So:
 //!
 //! 1. **allow-list** (installed first): the syscalls ordinary Python needs — taken from an
@@ -15,6 +15,12 @@
 //!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
+//!
+//! The three are installed as **one** program ([`merge_stacked`]): the kill-list's, then the
+//! refusals', then the allow-list's instructions, each earlier program's "allow" turned into a
+//! jump to the next. The kernel converts and JIT-compiles every filter a worker installs, and
+//! runs every installed filter on every system call; one program costs one of each, with
+//! exactly the verdicts of the three stacked (a unit test compares them on every system call).
 //!
 //! These rules do not depend on the kernel's Landlock ABI: they are what provides the
 //! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot,
@@ -37,6 +43,8 @@ pub enum SeccompError {
     UnsupportedArch,
     #[error("the compiled seccomp filters depend on the pid in an unexpected way")]
     PidTemplate,
+    #[error("merging the seccomp filters into one program: {0}")]
+    Merge(&'static str),
 }
 
 fn arch() -> Result<TargetArch, SeccompError> {
@@ -100,7 +108,7 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_getgroups, libc::SYS_getpgid, libc::SYS_getsid, libc::SYS_getrandom,
     libc::SYS_uname, libc::SYS_sysinfo, libc::SYS_getpriority, libc::SYS_getrusage,
     libc::SYS_getrlimit, libc::SYS_setrlimit, libc::SYS_times,
-    // More filters can only narrow what is allowed (the lockdown installs three in a row).
+    // More filters can only narrow what is allowed.
     libc::SYS_seccomp,
     // Time.
     libc::SYS_clock_gettime, libc::SYS_clock_getres, libc::SYS_clock_nanosleep,
@@ -258,8 +266,8 @@ const PRCTL_ALLOWED: &[u64] = &[
     libc::PR_CAPBSET_READ as u64,
     libc::PR_GET_PDEATHSIG as u64,
     0x5356_4d41, // PR_SET_VMA: glibc names anonymous mappings
-    // One-way and harmless; seccompiler sets it before each filter it installs, and the lockdown
-    // installs its second and third filter after the first is in force.
+    // One-way and harmless; seccompiler sets it before each filter it installs (code in the
+    // sandbox may install filters of its own, which can only narrow this one).
     libc::PR_SET_NO_NEW_PRIVS as u64,
 ];
 
@@ -352,8 +360,175 @@ fn kill_list() -> Rules {
     rules
 }
 
-/// The three compiled programs, in installation order.
+/// The worker's filter: one program with the verdicts of the three of
+/// [`stacked_worker_filters`] (a unit test compares them on every system call), laid out by
+/// [`searched_program`].
 pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
+    Ok(vec![searched_program(own_pid)?])
+}
+
+/// The answer for a system call number whose verdict does not depend on its arguments, or
+/// `Conditional` for one whose does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ByNumber {
+    Allow,
+    Refuse,
+    Unknown,
+    Kill,
+    Conditional,
+}
+
+/// The three programs as one, laid out for the kernel's cost: seccompiler compares the system
+/// call number with each listed call in turn (about 1,800 instructions for the three), and the
+/// kernel converts and JIT-compiles every instruction of every filter each worker installs, and
+/// runs the filter on every system call. Here a binary search over the call number (runs of
+/// numbers with the same verdict) answers every call whose verdict does not depend on its
+/// arguments; the few that do (ioctl, fcntl, prctl, clone, kill, tgkill, prlimit64,
+/// socketpair) jump to seccompiler's programs for just those calls, merged by
+/// [`merge_stacked`].
+fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
+    let arch = arch()?;
+    let allowed = allow_list()?;
+    let refused = refusals(own_pid)?;
+    let killed = kill_list();
+    let conditional: std::collections::BTreeSet<i64> = allowed
+        .iter()
+        .chain(&refused)
+        .filter(|(_, rules)| !rules.is_empty())
+        .map(|(&nr, _)| nr)
+        .collect();
+    let by_number = |nr: i64| {
+        if killed.contains_key(&nr) {
+            ByNumber::Kill
+        } else if conditional.contains(&nr) {
+            ByNumber::Conditional
+        } else if refused.contains_key(&nr) {
+            ByNumber::Refuse
+        } else if allowed.contains_key(&nr) {
+            ByNumber::Allow
+        } else {
+            ByNumber::Unknown
+        }
+    };
+    let highest = allowed
+        .keys()
+        .chain(refused.keys())
+        .chain(killed.keys())
+        .copied()
+        .max()
+        .unwrap_or(0);
+    if !(0..0x4000_0000).contains(&highest) {
+        return Err(SeccompError::Merge("a system call number out of range"));
+    }
+    // Runs of numbers with the same answer: (first number, answer); the last run reaches
+    // u32::MAX (x32 and unknown numbers: ENOSYS, as the allow-list answers).
+    let mut runs: Vec<(u32, ByNumber)> = Vec::new();
+    for nr in 0..=highest + 1 {
+        let answer = by_number(nr);
+        if runs.last().is_none_or(|&(_, a)| a != answer) {
+            runs.push((nr as u32, answer));
+        }
+    }
+    let only = |rules: &Rules| -> Rules {
+        rules
+            .iter()
+            .filter(|(nr, _)| conditional.contains(nr))
+            .map(|(&nr, r)| (nr, r.clone()))
+            .collect()
+    };
+    let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
+    let eperm = SeccompAction::Errno(libc::EPERM as u32);
+    let conditional_part = merge_stacked(&[
+        BpfProgram::try_from(SeccompFilter::new(
+            only(&allowed),
+            enosys,
+            SeccompAction::Allow,
+            arch,
+        )?)?,
+        BpfProgram::try_from(SeccompFilter::new(
+            only(&refused),
+            SeccompAction::Allow,
+            eperm,
+            arch,
+        )?)?,
+    ])?;
+    // seccompiler's own start: the architecture check, then the call number into A.
+    let mut program: BpfProgram = conditional_part[..ARCH_CHECK_LEN].to_vec();
+    program.push(seccompiler::sock_filter {
+        code: BPF_LD_W_ABS,
+        jt: 0,
+        jf: 0,
+        k: 0,
+    });
+    let mut to_conditional = Vec::new();
+    emit_search(&runs, &mut program, &mut to_conditional)?;
+    let start = program.len();
+    for at in to_conditional {
+        program[at].k =
+            u32::try_from(start - at - 1).map_err(|_| SeccompError::Merge("a jump too long"))?;
+    }
+    program.extend(conditional_part);
+    if program.len() > BPF_MAXINSNS {
+        return Err(SeccompError::Merge(
+            "the program is longer than the kernel allows",
+        ));
+    }
+    Ok(program)
+}
+
+/// Emits a binary search over `runs` (the call number is in A): each inner node jumps to the
+/// upper half when A >= its first number, and falls through to the lower half; each leaf
+/// returns its verdict (or jumps to the conditional part, patched by the caller).
+fn emit_search(
+    runs: &[(u32, ByNumber)],
+    program: &mut BpfProgram,
+    to_conditional: &mut Vec<usize>,
+) -> Result<(), SeccompError> {
+    let ret = |k: u32| seccompiler::sock_filter {
+        code: BPF_RET_K,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    match runs {
+        [] => Err(SeccompError::Merge("an empty search")),
+        [(_, answer)] => {
+            program.push(match answer {
+                ByNumber::Allow => ret(libc::SECCOMP_RET_ALLOW),
+                ByNumber::Refuse => ret(libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
+                ByNumber::Unknown => ret(libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+                ByNumber::Kill => ret(libc::SECCOMP_RET_KILL_PROCESS),
+                ByNumber::Conditional => {
+                    to_conditional.push(program.len());
+                    seccompiler::sock_filter {
+                        code: BPF_JMP_JA,
+                        jt: 0,
+                        jf: 0,
+                        k: 0,
+                    }
+                }
+            });
+            Ok(())
+        }
+        _ => {
+            let mid = runs.len() / 2;
+            let node = program.len();
+            program.push(seccompiler::sock_filter {
+                code: BPF_JMP_JGE_K,
+                jt: 0,
+                jf: 0,
+                k: runs[mid].0,
+            });
+            emit_search(&runs[..mid], program, to_conditional)?;
+            program[node].jt = u8::try_from(program.len() - node - 1)
+                .map_err(|_| SeccompError::Merge("a search branch too long"))?;
+            emit_search(&runs[mid..], program, to_conditional)
+        }
+    }
+}
+
+/// The three compiled programs, in installation order (allow-list, refusals, kill-list).
+pub fn stacked_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
     let arch = arch()?;
     let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
     let eperm = SeccompAction::Errno(libc::EPERM as u32);
@@ -374,6 +549,101 @@ pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompErro
     Ok(programs)
 }
 
+// Classic BPF opcodes (linux/filter.h, the same on every architecture).
+const BPF_JMP_JA: u16 = 0x05;
+const BPF_JMP_JGE_K: u16 = 0x35;
+const BPF_LD_W_ABS: u16 = 0x20;
+const BPF_RET_K: u16 = 0x06;
+const BPF_CLASS_MASK: u16 = 0x07;
+const BPF_RET: u16 = 0x06;
+/// The most instructions the kernel accepts in one filter (BPF_MAXINSNS).
+const BPF_MAXINSNS: usize = 4096;
+
+/// One program with the verdicts of `programs` installed in that order: the kernel runs every
+/// installed filter and takes the most severe verdict, and between two of equal severity (two
+/// errnos) the one of the filter installed last. The merged program runs the programs from the
+/// last installed to the first, each "allow" (but the first-installed program's) becoming a
+/// jump to the start of the next; instructions are replaced one for one, so every jump inside
+/// a program keeps its target. It answers with the verdict of the last-installed program that
+/// does not allow the call, which is the kernel's answer when:
+/// - every program starts with the same architecture check (its kill is then decided by the
+///   first program run, as by all of them), and no other kill is in any program but the last
+///   installed;
+/// - apart from that, each program has one verdict besides "allow", and no program is less
+///   severe than one installed before it.
+///
+/// Both are checked; the worker's programs (ENOSYS allow-list, EPERM refusals, kill-list)
+/// satisfy them.
+pub fn merge_stacked(programs: &[BpfProgram]) -> Result<BpfProgram, SeccompError> {
+    let allow = libc::SECCOMP_RET_ALLOW;
+    let kill = libc::SECCOMP_RET_KILL_PROCESS;
+    let arch_check = programs.first().map(|p| &p[..p.len().min(ARCH_CHECK_LEN)]);
+    let mut earlier_action = None::<u32>;
+    for (n, program) in programs.iter().enumerate() {
+        if program.len() <= ARCH_CHECK_LEN || Some(&program[..ARCH_CHECK_LEN]) != arch_check {
+            return Err(SeccompError::Merge("the programs start differently"));
+        }
+        let installed_last = n + 1 == programs.len();
+        let mut action = None::<u32>;
+        for ins in &program[ARCH_CHECK_LEN..] {
+            if ins.code & BPF_CLASS_MASK != BPF_RET {
+                continue;
+            }
+            if ins.code != BPF_RET_K {
+                return Err(SeccompError::Merge("a program returns a computed verdict"));
+            }
+            if ins.k == allow || (ins.k == kill && installed_last) {
+                continue;
+            }
+            let a = ins.k & libc::SECCOMP_RET_ACTION_FULL;
+            if a == kill || action.is_some_and(|b| b != a) {
+                return Err(SeccompError::Merge(
+                    "a program has a verdict the merge cannot keep",
+                ));
+            }
+            action = Some(a);
+        }
+        if let Some(a) = action {
+            // The kernel compares actions as signed numbers: lower is more severe.
+            if earlier_action.is_some_and(|e| (a as i32) > (e as i32)) {
+                return Err(SeccompError::Merge(
+                    "a program is less severe than an earlier one",
+                ));
+            }
+            earlier_action = Some(a);
+        }
+    }
+    let mut merged = BpfProgram::new();
+    let run_last = programs.len().saturating_sub(1);
+    for (n, program) in programs.iter().rev().enumerate() {
+        let next_start = merged.len() + program.len();
+        for ins in program {
+            if n != run_last && ins.code == BPF_RET_K && ins.k == allow {
+                let skip = u32::try_from(next_start - merged.len() - 1)
+                    .map_err(|_| SeccompError::Merge("a jump too long"))?;
+                merged.push(seccompiler::sock_filter {
+                    code: BPF_JMP_JA,
+                    jt: 0,
+                    jf: 0,
+                    k: skip,
+                });
+            } else {
+                merged.push(ins.clone());
+            }
+        }
+    }
+    if merged.len() > BPF_MAXINSNS {
+        return Err(SeccompError::Merge(
+            "the merged program is longer than the kernel allows",
+        ));
+    }
+    Ok(merged)
+}
+
+/// seccompiler starts every program with: load the architecture, jump over the next if it is
+/// ours, kill.
+const ARCH_CHECK_LEN: usize = 3;
+
 /// Installs the worker's filters on the calling thread (which must be the only thread;
 /// `no_new_privs` must already be set).
 pub fn install_syscall_filter_on_current_thread(own_pid: u32) -> Result<(), SeccompError> {
@@ -392,7 +662,7 @@ pub fn install_programs_on_current_thread(programs: &[BpfProgram]) -> Result<(),
 /// own pid goes; [`CompiledWorkerFilters::for_pid`] writes the real one in.
 const PID_PLACEHOLDER: u32 = 0x7e1d_0c3b;
 
-/// The worker's three programs compiled once (by the zygote, before it forks), so a new worker
+/// The worker's filter program(s) compiled once (by the zygote, before it forks), so a new worker
 /// only writes its pid into them and installs them. The policy is the one of
 /// [`build_worker_filters`]: [`CompiledWorkerFilters::compile`] proves that the programs depend
 /// on the pid only at the instructions it patches, by compiling them for two pids and comparing.
@@ -456,10 +726,178 @@ mod tests {
     #[test]
     fn the_filters_compile_well_under_the_bpf_limit() {
         let programs = build_worker_filters(1234).unwrap();
-        assert_eq!(programs.len(), 3);
+        assert_eq!(programs.len(), 1);
         for p in &programs {
             assert!(p.len() < 4096, "{} instructions", p.len());
         }
+    }
+
+    /// A classic-BPF interpreter for what seccompiler emits, over one `seccomp_data`.
+    fn run(program: &BpfProgram, nr: u32, arch: u32, args: [u64; 6]) -> u32 {
+        let word = |offset: u32| -> u32 {
+            match offset {
+                0 => nr,
+                4 => arch,
+                o if (16..64).contains(&o) && o % 4 == 0 => {
+                    let arg = args[((o - 16) / 8) as usize];
+                    if (o - 16) % 8 == 0 {
+                        arg as u32
+                    } else {
+                        (arg >> 32) as u32
+                    }
+                }
+                o => panic!("load at offset {o}"),
+            }
+        };
+        let (mut acc, mut pc) = (0u32, 0usize);
+        loop {
+            let ins = &program[pc];
+            pc += 1;
+            let jump = |taken: bool| usize::from(if taken { ins.jt } else { ins.jf });
+            match ins.code {
+                0x20 => acc = word(ins.k),
+                0x54 => acc &= ins.k,
+                0x05 => pc += ins.k as usize,
+                0x15 => pc += jump(acc == ins.k),
+                0x25 => pc += jump(acc > ins.k),
+                0x35 => pc += jump(acc >= ins.k),
+                0x45 => pc += jump(acc & ins.k != 0),
+                0x06 => return ins.k,
+                code => panic!("opcode {code:#x}"),
+            }
+        }
+    }
+
+    /// What the kernel answers with `programs` installed in order.
+    fn stacked(programs: &[BpfProgram], nr: u32, arch: u32, args: [u64; 6]) -> u32 {
+        let mut verdict = libc::SECCOMP_RET_ALLOW;
+        for p in programs {
+            let v = run(p, nr, arch, args);
+            let rank = |v: u32| (v & libc::SECCOMP_RET_ACTION_FULL) as i32;
+            if rank(v) <= rank(verdict) {
+                verdict = v;
+            }
+        }
+        verdict
+    }
+
+    #[test]
+    #[allow(clippy::unnecessary_cast)]
+    fn the_merged_filter_answers_every_call_as_the_three_stacked_do() {
+        let pid = 4321u32;
+        let three = stacked_worker_filters(pid).unwrap();
+        let merged = build_worker_filters(pid).unwrap();
+        assert_eq!(merged.len(), 1);
+        let merged = &merged[0];
+        assert!(
+            merged.len() * 2 < three.iter().map(Vec::len).sum::<usize>(),
+            "{} instructions",
+            merged.len()
+        );
+        let arch = run(&three[0], 0, 0, [0; 6]); // wrong arch: killed
+        assert_eq!(arch, libc::SECCOMP_RET_KILL_PROCESS);
+        let native = three[0][1].k;
+        // Every value a rule compares with, its neighbours, and the same with high bits set.
+        let mut values: Vec<u64> = vec![0, 1, 2, u64::from(pid), u64::from(pid) + 1, 0xffff_ffff];
+        values.extend(IOCTL_ALLOWED.iter().copied());
+        values.extend(FCNTL_ALLOWED.iter().copied());
+        values.extend(FCNTL_REFUSED.iter().copied());
+        values.extend(PRCTL_ALLOWED.iter().copied());
+        values.extend([
+            libc::TIOCSTI as u64,
+            libc::F_SETFL as u64,
+            libc::O_ASYNC as u64,
+            (libc::O_ASYNC | libc::O_NONBLOCK) as u64,
+            libc::O_NONBLOCK as u64,
+            libc::CLONE_THREAD as u64,
+            (libc::CLONE_THREAD | libc::CLONE_VM) as u64,
+            libc::CLONE_VM as u64,
+            libc::AF_UNIX as u64,
+            libc::AF_INET as u64,
+        ]);
+        let more: Vec<u64> = values
+            .iter()
+            .flat_map(|&v| [v.wrapping_add(1), v | (1 << 32)])
+            .collect();
+        values.extend(more);
+        values.sort_unstable();
+        values.dedup();
+        let conditional: Vec<i64> = allow_list()
+            .unwrap()
+            .into_iter()
+            .chain(refusals(pid).unwrap())
+            .filter(|(_, rules)| !rules.is_empty())
+            .map(|(nr, _)| nr)
+            .collect();
+        let mut checked = 0u64;
+        for nr in (0..1024u32).chain([0x4000_0000, 0x4000_0001, 0x4000_0000 | 59, u32::MAX]) {
+            for a in [native, native ^ 1] {
+                if conditional.contains(&i64::from(nr)) {
+                    for &x in &values {
+                        for &y in &values {
+                            for &z in &[0, libc::O_ASYNC as u64, libc::O_NONBLOCK as u64] {
+                                let args = [x, y, z, 0, 0, 0];
+                                assert_eq!(
+                                    run(merged, nr, a, args),
+                                    stacked(&three, nr, a, args),
+                                    "nr {nr} arch {a:#x} args {args:?}"
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                } else {
+                    for args in [[0; 6], [u64::from(pid), 1, 2, 3, 4, 5], [u64::MAX; 6]] {
+                        assert_eq!(
+                            run(merged, nr, a, args),
+                            stacked(&three, nr, a, args),
+                            "nr {nr} arch {a:#x} args {args:?}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 100_000, "{checked}");
+        // And the verdicts are the policy's, not merely equal.
+        let ok = libc::SECCOMP_RET_ALLOW;
+        let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
+        let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
+        let nr = |n: libc::c_long| n as u32;
+        assert_eq!(run(merged, nr(libc::SYS_read), native, [0; 6]), ok);
+        assert_eq!(
+            run(merged, nr(libc::SYS_socket), native, [2, 1, 0, 0, 0, 0]),
+            eperm
+        );
+        assert_eq!(
+            run(
+                merged,
+                nr(libc::SYS_kill),
+                native,
+                [u64::from(pid), 9, 0, 0, 0, 0]
+            ),
+            ok
+        );
+        assert_eq!(
+            run(merged, nr(libc::SYS_kill), native, [1, 9, 0, 0, 0, 0]),
+            eperm
+        );
+        assert_eq!(
+            run(merged, nr(libc::SYS_ptrace), native, [0; 6]),
+            libc::SECCOMP_RET_KILL_PROCESS
+        );
+        assert_eq!(run(merged, 1000, native, [0; 6]), enosys);
+    }
+
+    #[test]
+    fn a_merge_that_would_change_a_verdict_is_refused() {
+        let three = stacked_worker_filters(1).unwrap();
+        // Kill-list installed first, then the ENOSYS allow-list: the kill-list's kills would be
+        // answered ENOSYS by a merge; it must refuse.
+        let wrong = vec![three[2].clone(), three[0].clone()];
+        assert!(merge_stacked(&wrong).is_err());
+        // EPERM refusals before an allow-list whose verdict is as severe: fine (later wins).
+        assert!(merge_stacked(&three).is_ok());
     }
 
     #[test]
