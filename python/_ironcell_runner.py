@@ -540,7 +540,7 @@ def zygote_warm_up(font_cache_dir=None):
     matplotlib, and between two forks when the host sends `warm_plots` once the shared font cache
     is built. It runs there with the zygote's rights, never in a worker. With matplotlib
     installed, imports `matplotlib`, its font manager (loading the font list) and
-    `matplotlib.pyplot` with the Agg backend, then draws one tiny figure into memory (fonts,
+    `matplotlib.pyplot` with the Agg backend, then draws one small figure into memory (fonts,
     text layout, the Agg renderer and the PNG writer are loaded lazily on the first draw) and
     closes it, so workers inherit all of it: a new session's first `plt.plot` then costs what a
     warm one does. `font_cache_dir`, if given, is `MPLCONFIGDIR` while matplotlib is imported
@@ -567,7 +567,9 @@ def zygote_warm_up(font_cache_dir=None):
         import matplotlib.font_manager  # noqa: F401 - builds or loads the font list
         import matplotlib.pyplot as plt
 
-        fig = plt.figure(figsize=(1, 1), dpi=20)
+        # The default size and resolution, like a user's first figure: the same glyphs, sizes
+        # and buffers get loaded (a smaller test figure leaves more for the first real plot).
+        fig = plt.figure()
         try:
             fig.gca().plot([0, 1], [0, 1])
             fig.savefig(io.BytesIO(), format="png")

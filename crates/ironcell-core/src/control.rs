@@ -56,7 +56,7 @@ pub enum ZygoteRequest {
         spec: Box<WorkerSpec>,
     },
     /// Import matplotlib, pyplot (Agg) and the font manager with `MPLCONFIGDIR` set to the
-    /// shared font cache, draw one tiny figure, and `gc.freeze()` again: every worker forked
+    /// shared font cache, draw one figure, and `gc.freeze()` again: every worker forked
     /// afterwards starts with all of it, so its first plot costs what a warm one does.
     WarmPlots {
         font_cache_dir: PathBuf,
