@@ -620,14 +620,16 @@ def run_cell(code, run_id=0):
 def zygote_warm_up(font_cache_dir=None):
     """Warm what a new session's first plot would otherwise pay for, once, in the zygote.
 
-    For the zygote to call after its warm imports and before `gc.freeze()` (it runs there with
-    the host's rights, before any worker exists). With matplotlib installed, imports
-    `matplotlib.pyplot` (backend Agg) so workers inherit the module and its built font list: a
-    new session's first `plt.plot` then costs what a warm one does. `font_cache_dir`, if given,
-    is where matplotlib reads and (re)writes its font cache during this call (e.g. the state
-    dir's `font-cache`, which the host also keeps), so the font scan happens once per
-    matplotlib version instead of once per zygote. Does nothing without matplotlib; never
-    raises. Returns what it did, for the zygote's log.
+    For the zygote to call before `gc.freeze()`: at boot when `IRONCELL_PRELOAD` names
+    matplotlib, and between two forks when the host sends `warm_plots` once the shared font cache
+    is built. It runs there with the zygote's rights, never in a worker. With matplotlib
+    installed, imports `matplotlib`, its font manager (loading the font list) and
+    `matplotlib.pyplot` with the Agg backend, then draws one small figure into memory (fonts,
+    text layout, the Agg renderer and the PNG writer are loaded lazily on the first draw) and
+    closes it, so workers inherit all of it: a new session's first `plt.plot` then costs what a
+    warm one does. `font_cache_dir`, if given, is `MPLCONFIGDIR` while matplotlib is imported
+    (matplotlib remembers it): the shared font cache, which every worker is also given.
+    Does nothing without matplotlib; never raises. Returns what it did, for the zygote's log.
     """
     import importlib.util
     import os
@@ -640,13 +642,23 @@ def zygote_warm_up(font_cache_dir=None):
     saved = os.environ.get("MPLCONFIGDIR")
     try:
         if font_cache_dir:
-            os.makedirs(font_cache_dir, mode=0o700, exist_ok=True)
             os.environ["MPLCONFIGDIR"] = font_cache_dir
+        import io
+
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.font_manager  # noqa: F401 - builds or loads the font list
-        import matplotlib.pyplot  # noqa: F401
+        import matplotlib.pyplot as plt
+
+        # The default size and resolution, like a user's first figure: the same glyphs, sizes
+        # and buffers get loaded (a smaller test figure leaves more for the first real plot).
+        fig = plt.figure()
+        try:
+            fig.gca().plot([0, 1], [0, 1])
+            fig.savefig(io.BytesIO(), format="png")
+        finally:
+            plt.close(fig)
         return f"matplotlib {matplotlib.__version__} warmed (font cache: {matplotlib.get_cachedir()})"
     except BaseException as exc:  # noqa: BLE001 - a warm-up never stops the zygote
         return f"matplotlib warm-up skipped: {type(exc).__name__}: {exc}"

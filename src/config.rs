@@ -125,6 +125,20 @@ pub struct Settings {
     #[arg(long, global = true, env = "IRONCELL_PRELOAD", value_delimiter = ',')]
     pub preload: Vec<String>,
 
+    /// Once matplotlib's shared font cache is built, import matplotlib and pyplot (Agg) into
+    /// the zygote, so a new session's first plot costs what a warm one does (`off`: a smaller
+    /// zygote, and each session imports matplotlib itself). Nothing happens without matplotlib.
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_WARM_PLOTS",
+        default_value = "on",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::Set,
+        value_name = "on|off"
+    )]
+    pub warm_plots: bool,
+
     /// How long a proxied MCP server may take to start and answer `initialize`.
     #[arg(long, global = true, env = "MCP_BRIDGE_STARTUP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub startup_timeout: Duration,

@@ -138,9 +138,21 @@ pub struct SpawnedWorker {
 
 type SpawnReply = anyhow::Result<(i32, oneshot::Receiver<ExitInfo>)>;
 
+/// What the zygote reported after a [`ZygoteRequest::WarmPlots`].
+#[derive(Debug, Clone)]
+pub struct PlotWarmUp {
+    /// Whether `matplotlib.pyplot` is imported in the zygote now (so in every later worker).
+    pub pyplot: bool,
+    pub message: String,
+    /// How long the zygote spent on it, spawn requests waiting.
+    pub ms: f64,
+}
+
 struct Shared {
     pending: Mutex<HashMap<u64, oneshot::Sender<SpawnReply>>>,
     exits: Mutex<HashMap<i32, oneshot::Sender<ExitInfo>>>,
+    /// Who waits for the answers to `warm_plots` requests, in the order they were sent.
+    plot_warm_ups: Mutex<std::collections::VecDeque<oneshot::Sender<PlotWarmUp>>>,
     info: Mutex<Option<Result<ZygoteInfo, String>>>,
     ready: tokio::sync::Notify,
     dead: AtomicBool,
@@ -262,6 +274,7 @@ impl Zygote {
         let shared = Arc::new(Shared {
             pending: Mutex::new(HashMap::new()),
             exits: Mutex::new(HashMap::new()),
+            plot_warm_ups: Mutex::new(std::collections::VecDeque::new()),
             info: Mutex::new(None),
             ready: tokio::sync::Notify::new(),
             dead: AtomicBool::new(false),
@@ -314,7 +327,10 @@ impl Zygote {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         lock(&self.shared.pending).insert(id, tx);
-        let body = serde_json::to_vec(&ZygoteRequest::Spawn { id, spec })?;
+        let body = serde_json::to_vec(&ZygoteRequest::Spawn {
+            id,
+            spec: Box::new(spec),
+        })?;
         let sent = send_message(self.ctl.as_raw_fd(), &body, Some(worker_sock.as_raw_fd()));
         drop(worker_sock);
         if let Err(e) = sent {
@@ -329,6 +345,32 @@ impl Zygote {
             socket: host_sock,
             exit,
         })
+    }
+
+    /// Asks the zygote to import matplotlib and pyplot with `font_cache_dir` (the shared font
+    /// cache) as `MPLCONFIGDIR` and freeze them, so every worker forked after it starts with
+    /// them. Returns once the request is sent; the receiver yields the zygote's report (an error
+    /// if the zygote dies first). The zygote handles requests in order, so spawn requests sent
+    /// after this one are forked from the warmed interpreter; they wait while it warms up.
+    pub fn warm_plots(
+        &self,
+        font_cache_dir: &std::path::Path,
+    ) -> anyhow::Result<oneshot::Receiver<PlotWarmUp>> {
+        if self.is_dead() {
+            bail!("the zygote process is not running");
+        }
+        let body = serde_json::to_vec(&ZygoteRequest::WarmPlots {
+            font_cache_dir: font_cache_dir.to_path_buf(),
+        })?;
+        let (tx, rx) = oneshot::channel();
+        // Queued before the send: the reader thread may see the answer before send returns.
+        let mut waiting = lock(&self.shared.plot_warm_ups);
+        waiting.push_back(tx);
+        if let Err(e) = send_message(self.ctl.as_raw_fd(), &body, None) {
+            waiting.pop_back();
+            return Err(e);
+        }
+        Ok(rx)
     }
 
     /// Kills the zygote (and, through their parent-death signal, all of its workers).
@@ -412,6 +454,20 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                     let _ = tx.send(status);
                 }
             }
+            ZygoteEvent::PlotsWarmed {
+                pyplot,
+                message,
+                ms,
+            } => {
+                let report = PlotWarmUp {
+                    pyplot,
+                    message,
+                    ms,
+                };
+                if let Some(waiter) = lock(&shared.plot_warm_ups).pop_front() {
+                    let _ = waiter.send(report);
+                }
+            }
         }
     }
     shared.dead.store(true, Ordering::SeqCst);
@@ -434,6 +490,7 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     }
     // Dropping the senders tells every waiter its worker's status is unknowable now.
     lock(&shared.exits).clear();
+    lock(&shared.plot_warm_ups).clear();
     drop(fd);
 }
 

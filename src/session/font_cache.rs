@@ -101,7 +101,41 @@ impl SessionManager {
                 ms = started.elapsed().as_millis() as u64,
                 "matplotlib's font cache is shared by new sessions"
             );
+            if self.settings.warm_plots {
+                self.warm_zygote_for_plots(&dir).await;
+            }
+            // Only now: a worker given the shared cache also finds pyplot imported (and the
+            // spare pool, which waits for this, is filled from the warmed zygote).
             *lock(&self.font_cache) = Some(dir);
+        }
+    }
+
+    /// Has the zygote import matplotlib and pyplot with the shared font cache (see
+    /// [`crate::zygote::Zygote::warm_plots`]) and waits for it. Spawn requests wait in the
+    /// zygote meanwhile (a few hundred milliseconds, once per server; the first session is
+    /// usually forked before the font cache is built). A failure only means sessions import
+    /// matplotlib themselves.
+    async fn warm_zygote_for_plots(&self, font_cache: &Path) {
+        let asked = self.current_zygote().and_then(|z| z.warm_plots(font_cache));
+        let answer = match asked {
+            Ok(rx) => tokio::time::timeout(Duration::from_secs(120), rx).await,
+            Err(e) => {
+                tracing::warn!("matplotlib is not preloaded for new sessions: {e:#}");
+                return;
+            }
+        };
+        match answer {
+            Ok(Ok(w)) if w.pyplot => tracing::info!(
+                ms = w.ms,
+                message = %w.message,
+                "new sessions start with matplotlib.pyplot imported"
+            ),
+            Ok(Ok(w)) => tracing::warn!(
+                message = %w.message,
+                "matplotlib is not preloaded for new sessions"
+            ),
+            Ok(Err(_)) => tracing::warn!("the zygote exited while it imported matplotlib"),
+            Err(_) => tracing::warn!("the zygote took over 120 s to import matplotlib"),
         }
     }
 }

@@ -432,6 +432,14 @@ impl SessionManager {
                     &self.settings.preload,
                     &crate::cli::log_filter(),
                 )?);
+                // Workers given the shared font cache expect pyplot imported: ask again before
+                // any spawn request reaches the new zygote (its report is only logged).
+                if let Some(dir) = lock(&self.font_cache)
+                    .as_ref()
+                    .filter(|_| self.settings.warm_plots)
+                {
+                    let _ = fresh.warm_plots(dir);
+                }
                 *z = Some(fresh.clone());
                 Ok(fresh)
             }

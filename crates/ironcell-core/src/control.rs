@@ -6,7 +6,9 @@
 //! socketpair attached by `SCM_RIGHTS`; the zygote forks, and answers
 //! [`ZygoteEvent::Spawned`] with the pid (or [`ZygoteEvent::SpawnFailed`]). The zygote reaps
 //! its children and reports each exit ([`ZygoteEvent::Exited`]), because the host is not their
-//! parent and cannot `waitpid` them.
+//! parent and cannot `waitpid` them. Once matplotlib's shared font cache is built, the host may
+//! send [`ZygoteRequest::WarmPlots`]: the zygote imports matplotlib between two forks and answers
+//! [`ZygoteEvent::PlotsWarmed`]; spawn requests sent after it wait until it is done.
 
 use std::fmt;
 use std::io::{IoSlice, IoSliceMut};
@@ -49,7 +51,16 @@ pub struct WorkerSpec {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ZygoteRequest {
-    Spawn { id: u64, spec: WorkerSpec },
+    Spawn {
+        id: u64,
+        spec: Box<WorkerSpec>,
+    },
+    /// Import matplotlib, pyplot (Agg) and the font manager with `MPLCONFIGDIR` set to the
+    /// shared font cache, draw one figure, and `gc.freeze()` again: every worker forked
+    /// afterwards starts with all of it, so its first plot costs what a warm one does.
+    WarmPlots {
+        font_cache_dir: PathBuf,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -87,6 +98,15 @@ pub enum ZygoteEvent {
     Exited {
         pid: i32,
         status: ExitInfo,
+    },
+    /// The answer to [`ZygoteRequest::WarmPlots`].
+    PlotsWarmed {
+        /// Whether `matplotlib.pyplot` is now imported in the zygote.
+        pyplot: bool,
+        /// What the warm-up did, or why it did nothing (no matplotlib, an import error).
+        message: String,
+        /// How long the zygote spent on it (spawn requests waited that long at most).
+        ms: f64,
     },
 }
 

@@ -291,11 +291,57 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                         continue;
                     };
                     drop(fds);
-                    let event = crate::worker::fork(py, id, spec, session_fd, &mask);
+                    let event = crate::worker::fork(py, id, *spec, session_fd, &mask);
+                    send_event(ctl.as_raw_fd(), &event)?;
+                }
+                ZygoteRequest::WarmPlots { font_cache_dir } => {
+                    drop(fds);
+                    let event = warm_plots_between_forks(py, &font_cache_dir);
                     send_event(ctl.as_raw_fd(), &event)?;
                 }
             }
         }
+    }
+}
+
+/// Imports matplotlib and pyplot into the zygote (python/_ironcell_runner.py's
+/// `zygote_warm_up`, with the shared font cache as `MPLCONFIGDIR`), then freezes the new objects
+/// like the boot's own, so later workers share those pages too. Runs on the zygote's only
+/// thread, between two forks: spawn requests wait meanwhile (a few hundred milliseconds, once
+/// per zygote). A failure is reported, never fatal: workers then import matplotlib themselves.
+fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) -> ZygoteEvent {
+    let started = std::time::Instant::now();
+    let outcome = (|| -> PyResult<String> {
+        let runner = py
+            .import("sys")?
+            .getattr("modules")?
+            .get_item("_ironcell_runner")?;
+        let message = runner
+            .call_method1("zygote_warm_up", (font_cache_dir.to_string_lossy(),))?
+            .str()?
+            .to_string();
+        let gc = py.import("gc")?;
+        gc.call_method0("collect")?;
+        gc.call_method0("freeze")?;
+        Ok(message)
+    })();
+    let message = outcome.unwrap_or_else(|e| format!("matplotlib warm-up failed: {e}"));
+    let pyplot = py
+        .import("sys")
+        .and_then(|sys| sys.getattr("modules"))
+        .and_then(|m| m.contains("matplotlib.pyplot"))
+        .unwrap_or(false);
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+    if threads > 1 {
+        // fork copies only this thread; a lock another thread holds would stay held in workers.
+        tracing::error!(threads, "the matplotlib warm-up left threads in the zygote");
+    }
+    tracing::info!(pyplot, ms, %message, "zygote warmed for plots");
+    ZygoteEvent::PlotsWarmed {
+        pyplot,
+        message,
+        ms,
     }
 }
 

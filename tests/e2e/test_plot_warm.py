@@ -1,0 +1,121 @@
+"""A new session's first plot costs what a warm one does (issue 12): once the server has built
+matplotlib's shared font cache, it has the zygote import matplotlib and pyplot (Agg) with that
+cache, so every worker forked afterwards starts with them. Asserted functionally (the timings
+live in scripts/bench.py):
+
+- after the cache is ready, a new session's first cell finds `matplotlib.pyplot` imported, with
+  the Agg backend, the shared cache and no figure left over from the zygote's own test draw; its
+  first plot still comes back as an image; this holds for a spare from the pool and for a worker
+  forked on demand (pool off), as root and as `nobody`;
+- a zygote started again after it died is warmed again before it forks;
+- `IRONCELL_WARM_PLOTS=off` keeps pyplot out of new sessions, and plots still work.
+
+Readiness is polled the way a client sees it (a new session is given `MPLCONFIGDIR`), never by
+sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import itertools
+
+import pytest
+
+from conftest import needs_plotting, pid_alive, wait_until
+from test_sandbox import Sandboxed
+
+pytestmark = needs_plotting
+
+_fresh = itertools.count()
+
+FIRST_CELL = (
+    "import sys\n"
+    "_m = sys.modules\n"
+    "_seen = ('matplotlib.pyplot' in _m, 'matplotlib.font_manager' in _m)\n"
+    "import os, matplotlib, matplotlib.pyplot as plt\n"
+    "(*_seen, matplotlib.get_backend().lower(), matplotlib.get_cachedir() == os.environ.get('MPLCONFIGDIR'),\n"
+    " plt.get_fignums(), os.getppid())"
+)
+
+PLOT = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 2, 8])\nplt.title('first')\n'plotted'"
+
+
+def new_session(box: Sandboxed) -> str:
+    return f"fresh{next(_fresh)}"
+
+
+def first_cell(box: Sandboxed, code: str) -> dict:
+    """Runs `code` as the very first cell of a brand-new session (no prelude before it)."""
+    session = new_session(box)
+    box.sessions.add(session)
+    rec = box.srv.call(code, session=session)["structuredContent"]
+    assert rec["status"] == "ok", rec
+    return rec | {"session": session}
+
+
+def wait_for_shared_font_cache(box: Sandboxed) -> None:
+    seen = []
+
+    def ready() -> bool:
+        rec = first_cell(box, "import os\nos.environ.get('MPLCONFIGDIR')")
+        seen.append(rec["result"])
+        return rec["result"] not in (None, "None")
+
+    assert wait_until(ready, timeout=120, step=0.5), f"no session got the shared font cache: {seen[-3:]}"
+
+
+def assert_first_cell_has_pyplot(box: Sandboxed) -> int:
+    rec = first_cell(box, FIRST_CELL)
+    pyplot, font_manager, backend, shared_cache, figures, zygote = eval(rec["result"])
+    assert (pyplot, font_manager) == (True, True), rec
+    assert backend == "agg", rec
+    assert shared_cache, rec
+    assert figures == [], rec  # the zygote's test draw left nothing behind
+    # The first plot of that same session still comes back as an image.
+    rec = box.run(PLOT, session=rec["session"])
+    assert rec["status"] == "ok" and rec["result"] == "'plotted'", rec
+    assert len(rec["images"]) == 1, rec
+    return zygote
+
+
+@pytest.fixture(scope="module", params=[("root", "2"), ("nobody", "2"), ("root", "0")],
+                ids=["root", "nobody", "root-no-pool"])
+def box(request):
+    user, pool = request.param
+    b = Sandboxed(user, IRONCELL_POOL_SIZE=pool)
+    yield b
+    b.close()
+
+
+def test_a_new_sessions_first_cell_finds_pyplot_imported_and_its_first_plot_comes_back(box):
+    wait_for_shared_font_cache(box)
+    assert_first_cell_has_pyplot(box)
+    # Several new sessions in a row (spares, then refills or on-demand forks): every one of them.
+    for _ in range(3):
+        assert_first_cell_has_pyplot(box)
+
+
+def test_a_zygote_started_again_after_it_died_is_warmed_again_before_it_forks(box):
+    wait_for_shared_font_cache(box)
+    zygote = assert_first_cell_has_pyplot(box)
+    os.kill(zygote, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(zygote), 10)
+    # Spares of the dead zygote died with it; the next sessions come from the new zygote.
+    for _ in range(3):
+        assert assert_first_cell_has_pyplot(box) != zygote
+
+
+def test_with_warm_plots_off_new_sessions_import_matplotlib_themselves():
+    b = Sandboxed("root", IRONCELL_WARM_PLOTS="off")
+    try:
+        wait_for_shared_font_cache(b)
+        for _ in range(2):
+            rec = first_cell(b, FIRST_CELL)
+            pyplot, font_manager, backend, shared_cache, figures, _ = eval(rec["result"])
+            assert (pyplot, font_manager) == (False, False), rec
+            assert backend == "agg" and shared_cache and figures == [], rec
+            rec = b.run(PLOT, session=rec["session"])
+            assert rec["status"] == "ok" and len(rec["images"]) == 1, rec
+    finally:
+        b.close()
