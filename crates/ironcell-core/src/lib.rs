@@ -11,4 +11,5 @@
 
 pub mod control;
 pub mod frame;
+pub mod hugepages;
 pub mod sandbox;

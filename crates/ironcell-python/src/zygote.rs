@@ -237,6 +237,7 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
     let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
+    log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
     let globals = pyo3::types::PyDict::new(py);
     let source = CString::new(PYTHON_FACTS_SOURCE)?;
     py.run(&source, Some(&globals), None)
@@ -323,6 +324,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         let gc = py.import("gc")?;
         gc.call_method0("collect")?;
         gc.call_method0("freeze")?;
+        log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
         Ok(message)
     })();
     let message = outcome.unwrap_or_else(|e| format!("matplotlib warm-up failed: {e}"));
@@ -343,6 +345,16 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         message,
         ms,
     }
+}
+
+/// Logs what [`ironcell_core::hugepages::collapse_anonymous_memory`] did.
+fn log_collapse(done: ironcell_core::hugepages::Collapsed) {
+    tracing::debug!(
+        ranges = done.ranges,
+        huge_mib = done.bytes >> 20,
+        refused = ?done.refused,
+        "the zygote's heap in huge pages (fewer page-table entries per fork)"
+    );
 }
 
 fn ctl_borrow(fd: &OwnedFd) -> std::os::fd::BorrowedFd<'_> {
