@@ -659,6 +659,12 @@ def zygote_warm_up(font_cache_dir=None):
             fig.savefig(io.BytesIO(), format="png")
         finally:
             plt.close(fig)
+        # matplotlib empties its font cache in every forked child (os.register_at_fork), which
+        # frees FreeType's structures all over the heap: a private copy of each of those pages
+        # per worker. Empty it here instead; a worker's first plot opens the font either way.
+        cache_clear = getattr(getattr(matplotlib.font_manager, "_get_font", None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
         return f"matplotlib {matplotlib.__version__} warmed (font cache: {matplotlib.get_cachedir()})"
     except BaseException as exc:  # noqa: BLE001 - a warm-up never stops the zygote
         return f"matplotlib warm-up skipped: {type(exc).__name__}: {exc}"
