@@ -369,11 +369,17 @@ pub(crate) fn fill_malloc_holes() {
         /// Sizes tried, largest first (below the default 128 KiB `mmap` threshold): big holes
         /// are used up by big blocks, the small size classes (and glibc's per-size caches) last.
         const LARGE: [usize; 5] = [64 << 10, 16 << 10, 4 << 10, 2 << 10, 1 << 10];
-        /// At most this many blocks in all (a few thousand holes are usual).
+        /// At most this many blocks in all (a few thousand holes are usual after a warm-up).
         const MAX_BLOCKS: usize = 200_000;
+        fn holes(info: &libc::mallinfo2) -> usize {
+            info.fordblks.saturating_sub(info.keepcost)
+        }
         let started = std::time::Instant::now();
         // SAFETY: mallinfo2 only reads the allocator's statistics.
         let before = unsafe { libc::mallinfo2() };
+        if holes(&before) == 0 {
+            return;
+        }
         let mut blocks = 0usize;
         let sizes = LARGE.iter().copied().chain((16..=1008).rev().step_by(16));
         'sizes: for size in sizes {
@@ -383,7 +389,7 @@ pub(crate) fn fill_malloc_holes() {
                 }
                 // SAFETY: as above.
                 let info = unsafe { libc::mallinfo2() };
-                // SAFETY: a plain allocation, deliberately never freed (it fills a hole).
+                // SAFETY: a plain allocation, never freed if it fills a hole.
                 // `black_box`: an allocation nothing uses may otherwise be optimized away.
                 let p = std::hint::black_box(unsafe { libc::malloc(size) });
                 if p.is_null() {
@@ -392,15 +398,16 @@ pub(crate) fn fill_malloc_holes() {
                 blocks += 1;
                 // SAFETY: as above.
                 let after = unsafe { libc::mallinfo2() };
-                if after.hblks > info.hblks {
-                    // Served by mmap (a raised threshold): not a hole; give it back.
+                if after.hblks > info.hblks || after.keepcost < info.keepcost {
+                    // Served by mmap (a raised threshold) or taken from the top chunk: no hole
+                    // of this size is left. Give it back (so nothing grows fork after fork).
                     // SAFETY: `p` came from malloc above and is not used elsewhere.
                     unsafe { libc::free(p) };
+                    blocks -= 1;
                     continue 'sizes;
                 }
-                if after.keepcost < info.keepcost {
-                    // Taken from the top chunk: no hole of this size is left.
-                    continue 'sizes;
+                if holes(&after) == 0 {
+                    break 'sizes;
                 }
             }
         }
@@ -408,8 +415,8 @@ pub(crate) fn fill_malloc_holes() {
         let after = unsafe { libc::mallinfo2() };
         tracing::debug!(
             blocks,
-            holes_before = before.fordblks.saturating_sub(before.keepcost),
-            holes_after = after.fordblks.saturating_sub(after.keepcost),
+            holes_before = holes(&before),
+            holes_after = holes(&after),
             us = started.elapsed().as_micros() as u64,
             "filled the zygote's malloc holes"
         );
