@@ -109,14 +109,7 @@ def _prepare_worker_template():
     so that no worker pays for it or copies the pages it writes: `__main__`, the SIGINT handler,
     the captured streams' Python objects, the `mcp` globals for no servers; then one dry run of
     the per-worker code paths (environment, options, the image scan, a cell) on throwaway values
-    in an empty directory, so they are already warm in every fork. Leaves no trace of the dry
-    run."""
-    import json
-    import linecache
-    import os
-    import shutil
-    import tempfile
-
+    in an empty directory, so they are already warm in every fork (`_warm_worker_paths`)."""
     import mcp
 
     # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
@@ -131,7 +124,23 @@ def _prepare_worker_template():
         setattr(sys, name, stream)
         setattr(sys, "__%s__" % name, stream)
     _configure_servers(mcp, "[]")
-    # The dry run. It must never stop the zygote, nor change what a worker starts with.
+    _warm_worker_paths()
+
+
+def _warm_worker_paths():
+    """One dry run of the per-worker code paths (environment, options, the image scan, a cell)
+    on throwaway values in an empty directory, in the zygote, so they are already warm in every
+    fork: specialized bytecode, and CPython's type attribute cache filled with what a worker
+    looks up (a worker's cache miss writes the cache and the names' refcounts, copying pages).
+    Run again after the plot warm-up, whose own lookups evict many of those cache entries.
+    Leaves no trace of the dry run."""
+    import json
+    import linecache
+    import os
+    import shutil
+    import tempfile
+
+    # It must never stop the zygote, nor change what a worker starts with.
     saved_env = dict(os.environ)
     saved_options = dict(_options)
     saved_tempdir = tempfile.tempdir
@@ -665,6 +674,8 @@ def zygote_warm_up(font_cache_dir=None):
         cache_clear = getattr(getattr(matplotlib.font_manager, "_get_font", None), "cache_clear", None)
         if cache_clear is not None:
             cache_clear()
+        if _zygote_prepared[0]:
+            _warm_worker_paths()
         return f"matplotlib {matplotlib.__version__} warmed (font cache: {matplotlib.get_cachedir()})"
     except BaseException as exc:  # noqa: BLE001 - a warm-up never stops the zygote
         return f"matplotlib warm-up skipped: {type(exc).__name__}: {exc}"

@@ -219,6 +219,20 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
             tracing::debug!(module = name, error = %e, "warm import skipped");
         }
     }
+    // Before the runner's dry run of a worker's code paths (in `zygote_prepare`), so that is
+    // the last code the zygote runs before it freezes (see `_warm_worker_paths`).
+    let globals = pyo3::types::PyDict::new(py);
+    let source = CString::new(PYTHON_FACTS_SOURCE)?;
+    py.run(&source, Some(&globals), None)
+        .map_err(|e| anyhow!("{e}"))?;
+    let facts: String = globals
+        .get_item("result")
+        .map_err(|e| anyhow!("{e}"))?
+        .ok_or_else(|| anyhow!("the interpreter facts script set no result"))?
+        .extract()
+        .map_err(|e| anyhow!("{e}"))?;
+    let facts: InterpreterFacts =
+        serde_json::from_str(&facts).context("decoding the interpreter facts")?;
     // The session-independent part of every worker's setup, once, here.
     runner
         .call_method0("zygote_prepare")
@@ -238,17 +252,7 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
     gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
     fill_malloc_holes();
-    let globals = pyo3::types::PyDict::new(py);
-    let source = CString::new(PYTHON_FACTS_SOURCE)?;
-    py.run(&source, Some(&globals), None)
-        .map_err(|e| anyhow!("{e}"))?;
-    let facts: String = globals
-        .get_item("result")
-        .map_err(|e| anyhow!("{e}"))?
-        .ok_or_else(|| anyhow!("the interpreter facts script set no result"))?
-        .extract()
-        .map_err(|e| anyhow!("{e}"))?;
-    serde_json::from_str(&facts).context("decoding the interpreter facts")
+    Ok(facts)
 }
 
 fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
