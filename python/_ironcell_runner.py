@@ -55,21 +55,23 @@ def zygote_prepare():
     _zygote_prepared[0] = True
 
 
-def prepare_worker(env, servers_json="[]", options_json="{}"):
-    """Called once in a fresh worker, before the first cell.
+def prepare_worker(env, servers_json="[]", options=None):
+    """Called once in a fresh worker, before the first cell. `options` is a dict (or its JSON).
 
     Every page a worker writes is a private copy of the zygote's (copy-on-write), so this does
     only what depends on the session; `_prepare_worker_template` did the rest in the zygote and
     ran these same code paths there once, so they are already warm (specialized bytecode, type
     caches, interned names) in every fork."""
-    import json
-
     import mcp
 
     zygote_prepare()  # already done by the zygote; a no-op then
 
     _set_environment(env)
-    _options.update(json.loads(options_json))
+    if isinstance(options, str):
+        import json
+
+        options = json.loads(options)
+    _options.update(options or {})
     _configure_servers(mcp, servers_json)
     tmp = _options.get("private_tmp") or {}
     if tmp.get("mechanism") != "namespace":
@@ -92,16 +94,35 @@ def _configure_servers(mcp, servers_json):
     _configured_servers[0] = servers_json
 
 
-def _set_environment(env):
-    """Replaces the process environment with `env` (both `os.environ` and the C environment
-    that C extensions and libc read), touching only the entries that change."""
+def _set_environment(env, replace=True):
+    """Sets the process environment to `env` (both `os.environ` and the C environment that C
+    extensions and libc read), touching only the entries that change; with `replace`, also
+    removes the variables `env` does not name.
+
+    On POSIX it does what `os.environ`'s own methods do (encode, `os.putenv`/`os.unsetenv`,
+    then its bytes mapping), without their Python-level frames: in a worker every page that
+    code touches (its frames, the mapping's machinery) is a private copy."""
     import os
 
-    for key in [k for k in os.environ if k not in env]:
-        del os.environ[key]
-    for key, value in env.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
+    data = getattr(os.environ, "_data", None)
+    if os.name != "posix" or not isinstance(data, dict):
+        if replace:
+            for key in [k for k in os.environ if k not in env]:
+                del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        return
+    enc = sys.getfilesystemencoding()
+    want = {k.encode(enc, "surrogateescape"): v.encode(enc, "surrogateescape") for k, v in env.items()}
+    if replace:
+        for key in [k for k in data if k not in want]:
+            os.unsetenv(key)
+            del data[key]
+    for key, value in want.items():
+        if data.get(key) != value:
+            os.putenv(key, value)
+            data[key] = value
 
 
 def _prepare_worker_template():
@@ -134,7 +155,6 @@ def _warm_worker_paths():
     looks up (a worker's cache miss writes the cache and the names' refcounts, copying pages).
     Run again after the plot warm-up, whose own lookups evict many of those cache entries.
     Leaves no trace of the dry run."""
-    import json
     import linecache
     import os
     import shutil
@@ -154,10 +174,12 @@ def _warm_worker_paths():
     try:
         os.chdir(scratch)
         _set_environment({**saved_env, "HOME": scratch, "TMPDIR": scratch})
-        _options.update(json.loads(json.dumps({"image_budget": 1, "private_tmp": {}})))
-        for code in ("None", "import os\nos.getpid()"):
-            _images_written_since(None)
-            run_cell(code, 0)
+        _options.update({"image_budget": 1, "private_tmp": {}})
+        _images_written_since(None)
+        run_cell("None", 0)
+        bind_session({"HOME": scratch}, scratch)
+        _images_written_since(None)
+        run_cell("import os\nos.getpid()", 0)
     except Exception:  # noqa: BLE001 - a colder worker, nothing worse
         pass
     finally:
@@ -473,7 +495,7 @@ def bind_session(env, scratch):
     if old:  # first, so the /tmp guard (if any) lets the session use its renamed directory
         old = os.path.normpath(old)
         _tmp_allowed[:] = [os.path.normpath(scratch) if a == old else a for a in _tmp_allowed]
-    os.environ.update(env)
+    _set_environment(env, replace=False)
     os.chdir(scratch)
     tempfile.tempdir = None
 
