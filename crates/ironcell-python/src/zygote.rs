@@ -219,6 +219,20 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
             tracing::debug!(module = name, error = %e, "warm import skipped");
         }
     }
+    // Before the runner's dry run of a worker's code paths (in `zygote_prepare`), so that is
+    // the last code the zygote runs before it freezes (see `_warm_worker_paths`).
+    let globals = pyo3::types::PyDict::new(py);
+    let source = CString::new(PYTHON_FACTS_SOURCE)?;
+    py.run(&source, Some(&globals), None)
+        .map_err(|e| anyhow!("{e}"))?;
+    let facts: String = globals
+        .get_item("result")
+        .map_err(|e| anyhow!("{e}"))?
+        .ok_or_else(|| anyhow!("the interpreter facts script set no result"))?
+        .extract()
+        .map_err(|e| anyhow!("{e}"))?;
+    let facts: InterpreterFacts =
+        serde_json::from_str(&facts).context("decoding the interpreter facts")?;
     // The session-independent part of every worker's setup, once, here.
     runner
         .call_method0("zygote_prepare")
@@ -237,18 +251,10 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
     let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
+    fill_malloc_holes();
+    // After the holes are filled, so the filled heap is collapsed too.
     log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
-    let globals = pyo3::types::PyDict::new(py);
-    let source = CString::new(PYTHON_FACTS_SOURCE)?;
-    py.run(&source, Some(&globals), None)
-        .map_err(|e| anyhow!("{e}"))?;
-    let facts: String = globals
-        .get_item("result")
-        .map_err(|e| anyhow!("{e}"))?
-        .ok_or_else(|| anyhow!("the interpreter facts script set no result"))?
-        .extract()
-        .map_err(|e| anyhow!("{e}"))?;
-    serde_json::from_str(&facts).context("decoding the interpreter facts")
+    Ok(facts)
 }
 
 fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
@@ -324,6 +330,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         let gc = py.import("gc")?;
         gc.call_method0("collect")?;
         gc.call_method0("freeze")?;
+        fill_malloc_holes();
         log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
         Ok(message)
     })();
@@ -355,6 +362,82 @@ fn log_collapse(done: ironcell_core::hugepages::Collapsed) {
         refused = ?done.refused,
         "the zygote's heap in huge pages (fewer page-table entries per fork)"
     );
+}
+
+/// Fills the free chunks ("holes") of the zygote's malloc heap with allocations it never frees,
+/// so that a worker's own allocations come from fresh memory at the heap's end instead.
+///
+/// Why: after a fork every page is shared copy-on-write, and a worker's first write to a page
+/// copies it. An allocation served from a hole writes into a page the zygote also uses (the
+/// chunk header and the data), so each small allocation a worker makes (a lock after fork, a
+/// dict's table, a `Vec`) can cost it a whole private 4 KiB page; the plot warm-up leaves
+/// hundreds of such holes scattered over its heap. Filled here, once the zygote's own
+/// warm-up is done, a worker's allocations are packed into new pages instead (measured: an idle
+/// session's private `[heap]` pages ~1 MiB -> ~0.4 MiB with plots warmed). The filled chunks are
+/// memory the zygote already held; only sizes served from the heap are used (never `mmap`ed
+/// ones), and the loop is bounded.
+///
+/// glibc only: `mallinfo2` gives the size of the top chunk (`keepcost`, main arena), which
+/// shrinks exactly when an allocation no longer finds a hole of its size. The zygote is
+/// single-threaded, so the main arena is the only one.
+pub(crate) fn fill_malloc_holes() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        /// Sizes tried, largest first (below the default 128 KiB `mmap` threshold): big holes
+        /// are used up by big blocks, the small size classes (and glibc's per-size caches) last.
+        const LARGE: [usize; 5] = [64 << 10, 16 << 10, 4 << 10, 2 << 10, 1 << 10];
+        /// At most this many blocks in all (a few thousand holes are usual after a warm-up).
+        const MAX_BLOCKS: usize = 200_000;
+        fn holes(info: &libc::mallinfo2) -> usize {
+            info.fordblks.saturating_sub(info.keepcost)
+        }
+        let started = std::time::Instant::now();
+        // SAFETY: mallinfo2 only reads the allocator's statistics.
+        let before = unsafe { libc::mallinfo2() };
+        if holes(&before) == 0 {
+            return;
+        }
+        let mut blocks = 0usize;
+        let sizes = LARGE.iter().copied().chain((16..=1008).rev().step_by(16));
+        'sizes: for size in sizes {
+            loop {
+                if blocks >= MAX_BLOCKS {
+                    break 'sizes;
+                }
+                // SAFETY: as above.
+                let info = unsafe { libc::mallinfo2() };
+                // SAFETY: a plain allocation, never freed if it fills a hole.
+                // `black_box`: an allocation nothing uses may otherwise be optimized away.
+                let p = std::hint::black_box(unsafe { libc::malloc(size) });
+                if p.is_null() {
+                    break 'sizes;
+                }
+                blocks += 1;
+                // SAFETY: as above.
+                let after = unsafe { libc::mallinfo2() };
+                if after.hblks > info.hblks || after.keepcost < info.keepcost {
+                    // Served by mmap (a raised threshold) or taken from the top chunk: no hole
+                    // of this size is left. Give it back (so nothing grows fork after fork).
+                    // SAFETY: `p` came from malloc above and is not used elsewhere.
+                    unsafe { libc::free(p) };
+                    blocks -= 1;
+                    continue 'sizes;
+                }
+                if holes(&after) == 0 {
+                    break 'sizes;
+                }
+            }
+        }
+        // SAFETY: as above.
+        let after = unsafe { libc::mallinfo2() };
+        tracing::debug!(
+            blocks,
+            holes_before = holes(&before),
+            holes_after = holes(&after),
+            us = started.elapsed().as_micros() as u64,
+            "filled the zygote's malloc holes"
+        );
+    }
 }
 
 fn ctl_borrow(fd: &OwnedFd) -> std::os::fd::BorrowedFd<'_> {

@@ -132,9 +132,8 @@ fn serve_session(
     // Step 4: scratch directory and environment.
     std::env::set_current_dir(&spec.scratch)
         .with_context(|| format!("entering scratch dir {}", spec.scratch.display()))?;
-    let runner = py
-        .import("_ironcell_runner")
-        .map_err(|e| anyhow!("the cell runner is missing: {e}"))?;
+    let runner = imported_module(py, "_ironcell_runner")
+        .ok_or_else(|| anyhow!("the cell runner is missing from sys.modules"))?;
     let env = PyDict::new(py);
     for (k, v) in &spec.env {
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
@@ -147,9 +146,15 @@ fn serve_session(
         &spec.sandbox,
     );
     let servers = serde_json::to_string(&spec.mcp_servers)?;
-    let options =
-        serde_json::json!({"image_budget": spec.image_budget_bytes, "private_tmp": private_tmp})
-            .to_string();
+    // A dict, not JSON: decoding it would run the json module's Python code in every worker.
+    let options = PyDict::new(py);
+    options
+        .set_item("image_budget", spec.image_budget_bytes)
+        .and_then(|()| {
+            let tmp = serde_json::to_value(&private_tmp).unwrap_or_default();
+            options.set_item("private_tmp", json_to_python(py, &tmp)?)
+        })
+        .map_err(|e| anyhow!("{e}"))?;
     runner
         .call_method1("prepare_worker", (env, servers, options))
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
@@ -388,11 +393,57 @@ fn send_json(writer: &Mutex<UnixStream>, msg: &FromWorker) -> anyhow::Result<()>
 }
 
 fn flush_python_streams(py: Python<'_>) {
-    if let Ok(sys) = py.import("sys") {
-        for name in ["stdout", "stderr"] {
-            if let Ok(stream) = sys.getattr(name) {
-                let _ = stream.call_method0("flush");
+    for name in [c"stdout", c"stderr"] {
+        // SAFETY: GIL held; PySys_GetObject returns a borrowed reference (or NULL), no error.
+        let stream = unsafe {
+            Bound::from_borrowed_ptr_or_opt(py, pyo3::ffi::PySys_GetObject(name.as_ptr()))
+        };
+        if let Some(stream) = stream {
+            let _ = stream.call_method0("flush");
+        }
+    }
+}
+
+/// A module from `sys.modules`, without the import machinery (`py.import` goes through
+/// `__import__`, whose Python-level lookups copy pages in a fresh worker).
+fn imported_module<'py>(py: Python<'py>, name: &str) -> Option<Bound<'py, PyModule>> {
+    let name = pyo3::types::PyString::new(py, name);
+    // SAFETY: GIL held; PyImport_GetModule returns a new reference, or NULL (with an error set
+    // only if the lookup itself failed, which is cleared).
+    let module =
+        unsafe { Bound::from_owned_ptr_or_opt(py, pyo3::ffi::PyImport_GetModule(name.as_ptr())) };
+    if module.is_none() {
+        let _ = PyErr::take(py);
+    }
+    module.and_then(|m| m.cast_into::<PyModule>().ok())
+}
+
+/// A JSON value as the equivalent Python object (dict, list, str, int, float, bool, None).
+fn json_to_python<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use pyo3::IntoPyObjectExt;
+    use serde_json::Value;
+    match value {
+        Value::Null => Ok(py.None().into_bound(py)),
+        Value::Bool(b) => b.into_bound_py_any(py),
+        Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => i.into_bound_py_any(py),
+            (None, Some(u)) => u.into_bound_py_any(py),
+            _ => n.as_f64().unwrap_or(f64::NAN).into_bound_py_any(py),
+        },
+        Value::String(s) => s.into_bound_py_any(py),
+        Value::Array(items) => {
+            let list = pyo3::types::PyList::empty(py);
+            for item in items {
+                list.append(json_to_python(py, item)?)?;
             }
+            Ok(list.into_any())
+        }
+        Value::Object(map) => {
+            let dict = PyDict::new(py);
+            for (k, v) in map {
+                dict.set_item(k, json_to_python(py, v)?)?;
+            }
+            Ok(dict.into_any())
         }
     }
 }

@@ -21,8 +21,9 @@ pub struct OutputPump {
 }
 
 struct Inner {
-    /// Held while reading-and-forwarding, so the drain at the end of a cell cannot interleave.
-    lock: Mutex<()>,
+    /// Held while reading-and-forwarding, so the drain at the end of a cell cannot interleave;
+    /// it guards the one read buffer of this worker (see [`ReadBuffer`]).
+    lock: Mutex<ReadBuffer>,
     stdout: OwnedFd,
     stderr: OwnedFd,
     writer: Arc<Mutex<UnixStream>>,
@@ -41,7 +42,7 @@ impl OutputPump {
             nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(flags))?;
         }
         let inner = Arc::new(Inner {
-            lock: Mutex::new(()),
+            lock: Mutex::new(ReadBuffer::default()),
             stdout,
             stderr,
             writer,
@@ -57,12 +58,12 @@ impl OutputPump {
     /// Forwards everything still buffered in the pipes, then runs `then` before any newer output
     /// can be forwarded.
     pub fn drain_then<T>(&self, then: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-        let _guard = self
+        let mut buf = self
             .inner
             .lock
             .lock()
             .map_err(|_| anyhow!("output pump lock poisoned"))?;
-        self.inner.forward_available()?;
+        self.inner.forward_available(&mut buf)?;
         then()
     }
 }
@@ -79,26 +80,27 @@ impl Inner {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(_) => return,
             }
-            let Ok(_guard) = self.lock.lock() else { return };
-            if self.forward_available().is_err() {
+            let Ok(mut buf) = self.lock.lock() else {
+                return;
+            };
+            if self.forward_available(&mut buf).is_err() {
                 // The host is gone; the worker's main loop will notice and exit.
                 return;
             }
         }
     }
 
-    fn forward_available(&self) -> anyhow::Result<()> {
-        let mut buf = vec![0u8; CHUNK];
+    fn forward_available(&self, buf: &mut ReadBuffer) -> anyhow::Result<()> {
         for (fd, kind) in [(&self.stdout, KIND_STDOUT), (&self.stderr, KIND_STDERR)] {
             loop {
-                match nix::unistd::read(fd, &mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => {
+                match buf.read(fd) {
+                    Ok([]) => break,
+                    Ok(data) => {
                         let mut w = self
                             .writer
                             .lock()
                             .map_err(|_| anyhow!("socket lock poisoned"))?;
-                        frame::write_frame(&mut *w, kind, &buf[..n])?;
+                        frame::write_frame(&mut *w, kind, data)?;
                     }
                     Err(nix::errno::Errno::EAGAIN) => break,
                     Err(nix::errno::Errno::EINTR) => continue,
@@ -107,5 +109,29 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+/// The worker's one buffer for reading its pipes, allocated on first use and kept: not zeroed
+/// (a read writes only what it returns), so an idle worker's memory holds no 64 KiB of zeros
+/// and a short print touches one page of it, not sixteen.
+#[derive(Default)]
+struct ReadBuffer(Vec<u8>);
+
+impl ReadBuffer {
+    /// One `read(2)` of at most [`CHUNK`] bytes; the bytes read (empty at end of file).
+    fn read(&mut self, fd: &OwnedFd) -> nix::Result<&[u8]> {
+        use std::os::fd::AsRawFd;
+        if self.0.capacity() < CHUNK {
+            self.0 = Vec::with_capacity(CHUNK);
+        }
+        // SAFETY: the kernel writes at most CHUNK bytes into the vector's spare capacity, which
+        // is at least CHUNK bytes long; only the `n` bytes it reports are read back.
+        let n = unsafe { libc::read(fd.as_raw_fd(), self.0.as_mut_ptr().cast(), CHUNK) };
+        if n < 0 {
+            return Err(nix::errno::Errno::last());
+        }
+        // SAFETY: `n <= CHUNK <= capacity`, and read(2) initialized those `n` bytes.
+        Ok(unsafe { std::slice::from_raw_parts(self.0.as_ptr(), n as usize) })
     }
 }
