@@ -667,7 +667,8 @@ def main() -> int:
     if pool_lat:
         table.row(f"new session, burst of {pool_size} (the pool's size) at once (per call)", ms(pool_lat), "")
     f2r, f2r_burst, f2r_pre = (fork_to_ready_ms(log, "s") + fork_to_ready_ms(log, "(spare)"),
-                               fork_to_ready_ms(log, "b"), fork_to_ready_ms(log_pre, "p"))
+                               fork_to_ready_ms(log, "b"),
+                               fork_to_ready_ms(log_pre, "p") + fork_to_ready_ms(log_pre, "(spare)"))
     table.row("fork -> ready per worker (host-timed), one at a time", ms(f2r or None),
               "sessions forked on demand and the pool's spares (forked one at a time)")
     table.row("fork -> ready per worker, burst of 20", ms(f2r_burst or None), "")
