@@ -25,6 +25,9 @@ const REFILL_BACKOFF: Duration = Duration::from_secs(2);
 /// After a spare was taken, the refill waits for the session's run to answer, or this long:
 /// forking and locking down the next spare competes for the CPU with that answer.
 const REFILL_DELAY: Duration = Duration::from_millis(50);
+/// And once it answered, this much more: `run` returns before the server has serialized and
+/// written the answer, and a fork started at that moment takes a CPU from it.
+const AFTER_ANSWER: Duration = Duration::from_millis(3);
 
 /// A locked-down worker waiting for a session.
 pub(super) struct Spare {
@@ -173,7 +176,10 @@ impl SessionManager {
                 _ = self.pool.taken.notified() => {
                     tokio::select! {
                         _ = stop.cancelled() => return,
-                        _ = self.pool.answered.notified() => {}
+                        _ = async {
+                            self.pool.answered.notified().await;
+                            tokio::time::sleep(AFTER_ANSWER).await;
+                        } => {}
                         _ = tokio::time::sleep(REFILL_DELAY) => {}
                     }
                 }
