@@ -201,6 +201,27 @@ class Client:
         self.p.wait(30)
 
 
+def start_profiled_server(binary: str, python: str, prefix: str, rust_log: str, preload: str | None = None,
+                          pool: str | None = None, **extra: str) -> tuple[Client, str]:
+    """A server in a fresh state dir for the profile_*.py scripts: sessions on `python`, up to 500
+    sessions, its log in `<state>/host.log`; initialized, with one run done. Returns the client
+    and the log's path."""
+    state = tempfile.mkdtemp(prefix=prefix)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500",
+           "IRONCELL_PYTHON": python, "RUST_LOG": rust_log, **extra}
+    if preload:
+        env["IRONCELL_PRELOAD"] = preload
+    if pool is not None:
+        env["IRONCELL_POOL_SIZE"] = pool
+    log = str(Path(state) / "host.log")
+    cmd = [binary, "serve", "--python", python] if python_flag_supported(binary) else None
+    c = Client(binary, env, cmd=cmd, stderr=log)
+    c.initialize()
+    c.run("x = 0")
+    return c, log
+
+
 def timed(f) -> float:
     t = time.perf_counter()
     f()

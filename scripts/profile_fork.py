@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,19 +38,8 @@ def main() -> int:
     ap.add_argument("--pool", help="IRONCELL_POOL_SIZE (default: the binary's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    state = tempfile.mkdtemp(prefix="ironcell-prof-")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500",
-           "IRONCELL_PYTHON": a.python, "RUST_LOG": bench.SPAWN_LOG}
-    if a.preload:
-        env["IRONCELL_PRELOAD"] = a.preload
-    if a.pool is not None:
-        env["IRONCELL_POOL_SIZE"] = a.pool
-    log = str(Path(state) / "host.log")
-    cmd = [a.binary, "serve", "--python", a.python] if bench.python_flag_supported(a.binary) else None
-    c = bench.Client(a.binary, env, cmd=cmd, stderr=log)
-    c.initialize()
-    c.run("x = 0")
+    c, log = bench.start_profiled_server(a.binary, a.python, "ironcell-prof-", bench.SPAWN_LOG,
+                                         preload=a.preload, pool=a.pool)
     if a.preload:
         mods = [m.strip() for m in a.preload.split(",") if m.strip()]
         probe = c.run(f"import sys\nall(m in sys.modules for m in {mods!r})")

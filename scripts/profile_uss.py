@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -87,20 +86,8 @@ def main() -> int:
     ap.add_argument("--rust-log", default=bench.SPAWN_LOG, help="RUST_LOG for the server (default: bench.py's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    state = tempfile.mkdtemp(prefix="ironcell-uss-")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500",
-           "IRONCELL_PYTHON": a.python, "IRONCELL_WARM_PLOTS": a.warm_plots,
-           "RUST_LOG": a.rust_log}
-    if a.preload:
-        env["IRONCELL_PRELOAD"] = a.preload
-    if a.pool is not None:
-        env["IRONCELL_POOL_SIZE"] = a.pool
-    log = str(Path(state) / "host.log")
-    cmd = [a.binary, "serve", "--python", a.python] if bench.python_flag_supported(a.binary) else None
-    c = bench.Client(a.binary, env, cmd=cmd, stderr=log)
-    c.initialize()
-    c.run("x = 0")
+    c, log = bench.start_profiled_server(a.binary, a.python, "ironcell-uss-", a.rust_log, preload=a.preload,
+                                         pool=a.pool, IRONCELL_WARM_PLOTS=a.warm_plots)
     warmed = None
     if a.warm_plots == "1":
         warmed = wait_for_log(log, "new sessions start with matplotlib.pyplot imported", 120)
