@@ -252,8 +252,8 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
     gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
     fill_malloc_holes();
-    // After the holes are filled, so the filled heap is collapsed too.
-    log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
+    // No huge-page collapse here: it took ~120 ms, half the zygote's start, on the way to the
+    // first result; the heap is collapsed after the matplotlib warm-up, off that path.
     Ok(facts)
 }
 
