@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from conftest import HARNESS, connect, run
@@ -231,6 +232,35 @@ done = await asyncio.gather(*(mcp_test_server.sleep(seconds=1) for _ in range(10
         r = await run(s, code)
         n, elapsed = eval(r["result"])
         assert n == 10 and elapsed < 5, elapsed  # one after another would take 10 s
+
+
+async def test_an_answer_that_arrives_between_cells_reaches_its_thread(state_dir, tmp_path):
+    """Between cells the worker's main thread reads the session socket itself (a reader thread
+    takes over while a cell runs, see worker/inbox.rs): the answer to a call a thread made
+    during the cell, arriving after the cell ended, must still reach that thread at once."""
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        await run(s, "mcp_test_server.sleep_sync(seconds=0)")  # start the server first
+        code = """
+import threading, time
+answered, sent = [], threading.Event()
+def ask():
+    sent.set()
+    mcp_test_server.sleep_sync(seconds=0.5)
+    answered.append(time.monotonic())
+asker = threading.Thread(target=ask, daemon=True)
+asker.start()
+sent.wait()
+time.sleep(0.1)  # the request is on its way to the host while this cell still runs
+cell_ends = time.monotonic()
+"""
+        await run(s, code)
+        await anyio.sleep(1.5)
+        r = await run(s, "next_cell = time.monotonic()\nasker.join(30)\n(answered, cell_ends, next_cell)")
+        answered, cell_ends, next_cell = eval(r["result"])
+        assert next_cell - cell_ends > 1.0
+        assert len(answered) == 1
+        # It came during the pause, not when the next cell started.
+        assert cell_ends < answered[0] < next_cell - 0.3, (answered, cell_ends, next_cell)
 
 
 async def test_the_upstream_secret_reaches_its_server_and_nothing_else(state_dir, tmp_path):

@@ -329,15 +329,30 @@ pub fn session_relative_path(path: &str) -> Result<&str, Violation> {
     Ok(path)
 }
 
-/// Writes one frame to a blocking writer (the worker side).
+/// Writes one frame to a blocking writer (the worker side), header and payload in one
+/// `writev` where the socket takes it whole: a header sent on its own would wake the host's
+/// reader once for the header and again for the rest.
 pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> io::Result<()> {
     let len = u32::try_from(payload.len() + 1)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
     let mut header = [0u8; 5];
     header[..4].copy_from_slice(&len.to_be_bytes());
     header[4] = kind;
-    w.write_all(&header)?;
-    w.write_all(payload)?;
+    let written = loop {
+        match w.write_vectored(&[io::IoSlice::new(&header), io::IoSlice::new(payload)]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    // A partial write (a full socket buffer) goes on with plain writes.
+    if written < header.len() {
+        w.write_all(&header[written..])?;
+        w.write_all(payload)?;
+    } else {
+        w.write_all(&payload[written - header.len()..])?;
+    }
     w.flush()
 }
 
@@ -404,6 +419,60 @@ mod tests {
         let msg: FromWorker = serde_json::from_slice(&body).unwrap();
         assert!(matches!(msg, FromWorker::Ready { pid: 7, .. }));
         assert_eq!(read_frame(&mut r).unwrap(), None);
+    }
+
+    /// A writer that takes at most `limit` bytes per call, like a full socket.
+    struct Trickle {
+        out: Vec<u8>,
+        limit: usize,
+        calls: usize,
+    }
+
+    impl Write for Trickle {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.calls += 1;
+            let n = buf.len().min(self.limit);
+            self.out.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+        fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+            self.calls += 1;
+            let mut n = 0;
+            for b in bufs {
+                let take = b.len().min(self.limit - n);
+                self.out.extend_from_slice(&b[..take]);
+                n += take;
+            }
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_frame_goes_out_in_one_write_and_survives_partial_writes() {
+        let body = b"{\"op\":\"done\"}".repeat(40);
+        let mut whole = Trickle {
+            out: Vec::new(),
+            limit: usize::MAX,
+            calls: 0,
+        };
+        write_frame(&mut whole, KIND_JSON, &body).unwrap();
+        assert_eq!(whole.calls, 1, "header and body in one system call");
+        for limit in [1, 3, 5, 6, 100] {
+            let mut slow = Trickle {
+                out: Vec::new(),
+                limit,
+                calls: 0,
+            };
+            write_frame(&mut slow, KIND_JSON, &body).unwrap();
+            assert_eq!(slow.out, whole.out, "limit {limit}");
+            assert_eq!(
+                read_frame(&mut &slow.out[..]).unwrap(),
+                Some((KIND_JSON, body.clone()))
+            );
+        }
     }
 
     #[test]

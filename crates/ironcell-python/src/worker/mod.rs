@@ -18,6 +18,7 @@
 //!    ([`ironcell_core::sandbox::apply_lockdown_to_current_process`] explains the order).
 //! 6. Only now say `ready`, start the output pump and reader threads, and serve `run` frames.
 
+mod inbox;
 mod output_pump;
 
 use std::io::Write;
@@ -30,7 +31,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use ironcell_core::control::{WorkerSpec, ZygoteEvent};
-use ironcell_core::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo, ToWorker};
+use ironcell_core::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo};
 
 /// The fd the session socket lives on inside a worker.
 const SESSION_FD: RawFd = 3;
@@ -171,7 +172,7 @@ fn serve_session(
     // Step 6: threads and code only from here on.
     // SAFETY: fd 3 is the session socket; from here this UnixStream owns it.
     let sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
-    let reader = sock.try_clone().context("cloning the session socket")?;
+    let mut inbox = inbox::Inbox::start(&sock)?;
     let writer = Arc::new(Mutex::new(sock));
     send_json(
         &writer,
@@ -185,21 +186,19 @@ fn serve_session(
     // 2 before waits in the pipes until the pump forwards it.
     let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
 
-    // The reader thread owns the socket's read half: `run` frames go to this thread, answers
-    // to the `mcp` module's requests go straight to whoever waits for them (a blocked call, or
-    // an asyncio future), so calls resolve while a cell is running.
+    // Between cells this thread reads the socket itself; while a cell runs, the reader thread
+    // does, so answers to the `mcp` module's requests reach whoever waits for them (a blocked
+    // call, or an asyncio future). See [`inbox`].
     crate::bridge::connect(writer.clone());
-    let (run_tx, mut run_rx) = std::sync::mpsc::channel::<RunOrder>();
-    std::thread::Builder::new()
-        .name("session-reader".into())
-        .spawn(move || read_host_frames(reader, run_tx))
-        .context("starting the session reader thread")?;
 
     loop {
-        // The receiver moves into the GIL-free closure and back (it is Send, not Sync).
-        let (next, back) = py.detach(move || (run_rx.recv(), run_rx));
-        run_rx = back;
-        let Ok(RunOrder { id, code, bind }) = next else {
+        // The inbox moves into the GIL-free closure and back (it is Send, not Sync).
+        let (next, back) = py.detach(move || {
+            let next = inbox.next_run();
+            (next, inbox)
+        });
+        inbox = back;
+        let Some(inbox::RunOrder { id, code, bind }) = next else {
             return Ok(()); // the host closed the session
         };
         if let Some(bind) = bind {
@@ -211,13 +210,6 @@ fn serve_session(
         // GIL, so the bridge's reader thread can hand out answers while this write waits.
         py.detach(|| pump.drain_then(|| send_json(&writer, &done)))?;
     }
-}
-
-/// A cell to run, as the reader thread hands it to the main thread.
-struct RunOrder {
-    id: u64,
-    code: String,
-    bind: Option<frame::Binding>,
 }
 
 /// A pre-forked spare's hand-off to its session (see [`frame::Binding`]). A failure ends the
@@ -235,29 +227,6 @@ fn bind_session(
         .call_method1("bind_session", (env, bind.scratch.display().to_string()))
         .map_err(|e| anyhow!("binding the spare worker to its session: {e}"))?;
     Ok(())
-}
-
-/// Body of the reader thread: dispatches frames from the host until the socket closes.
-fn read_host_frames(mut reader: UnixStream, runs: std::sync::mpsc::Sender<RunOrder>) {
-    block_sigint_on_this_thread();
-    loop {
-        match frame::read_frame(&mut reader) {
-            Ok(Some((KIND_JSON, body))) => match serde_json::from_slice::<ToWorker>(&body) {
-                Ok(ToWorker::Run { id, code, bind }) => {
-                    if runs.send(RunOrder { id, code, bind }).is_err() {
-                        break;
-                    }
-                }
-                Ok(ToWorker::Response { id, payload }) => {
-                    crate::bridge::resolve(id, payload.to_string())
-                }
-                Err(e) => tracing::warn!(error = %e, "ignoring an undecodable frame"),
-            },
-            Ok(Some(_)) => {}
-            Ok(None) | Err(_) => break,
-        }
-    }
-    crate::bridge::fail_all("the ironcell host closed the session");
 }
 
 /// Helper threads leave SIGINT to the main thread, where it becomes a KeyboardInterrupt.
