@@ -193,6 +193,11 @@ pub fn parse_line(line: &[u8]) -> Result<Option<ClientJsonRpcMessage>, Refusal> 
     if line.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
+    // The common case first: a well-formed message straight from the line. What fails is parsed
+    // again below, as a tree, to say what is wrong with it.
+    if let Ok(msg) = serde_json::from_slice::<ClientJsonRpcMessage>(line) {
+        return Ok(Some(msg));
+    }
     let value: Value = match serde_json::from_slice(line) {
         Ok(v) => v,
         Err(e) => {
