@@ -61,11 +61,14 @@ pub fn drop_all_capabilities() -> io::Result<()> {
         // SAFETY: PR_CAPBSET_DROP takes a capability number.
         let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
         if rc != 0 {
-            // EINVAL: no such capability on this kernel; EPERM: not ours to drop (an
-            // unprivileged process has none to lose, and no_new_privs stops it gaining any).
+            // EINVAL: no such capability on this kernel (they are numbered without gaps, so
+            // none after it either); EPERM: not ours to drop (an unprivileged process has none
+            // to lose, and no_new_privs stops it gaining any).
             let e = io::Error::last_os_error();
-            if !matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EPERM)) {
-                return Err(e);
+            match e.raw_os_error() {
+                Some(libc::EINVAL) => break,
+                Some(libc::EPERM) => {}
+                _ => return Err(e),
             }
         }
     }
