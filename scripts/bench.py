@@ -12,7 +12,8 @@ Peers (each only when installed; the table says when one is not):
 
 Scenarios:
   new session -> first result (one at a time, and a burst of 20 at once)
-  warm round trip
+  warm round trip (back to back, and after a 10 ms pause each, beside what such a pause costs a
+    plain interpreter on this machine)
   server start -> first result
   private memory (USS, /proc/<pid>/smaps_rollup) per idle session, without and with numpy +
     pandas preloaded (IRONCELL_PRELOAD)
@@ -414,6 +415,32 @@ def python_plot_ms(py: str, n: int) -> list[float] | None:
     return proc_ms([py, "-c", code], n)
 
 
+PAUSE_S = 0.01
+
+
+def python_pause_cost_us(py: str) -> tuple[float, float] | None:
+    """Median microseconds a plain interpreter takes to compile and run `x = 1`, back to back
+    and after a PAUSE_S sleep each time: what idling costs on this machine (caches, the CPU's
+    idle state), independent of ironcell."""
+    code = (
+        "import time, statistics\n"
+        "def once():\n"
+        "    t = time.perf_counter(); exec(compile('x = 1', '<cell>', 'exec'), {})\n"
+        "    return (time.perf_counter() - t) * 1e6\n"
+        "hot = [once() for _ in range(300)]\n"
+        "paused = []\n"
+        "for _ in range(100):\n"
+        f"    time.sleep({PAUSE_S})\n"
+        "    paused.append(once())\n"
+        "print(statistics.median(hot), statistics.median(paused))\n"
+    )
+    try:
+        out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+        return float(out[0]), float(out[1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 MAKE_100K = (
     "for i in range(100):\n"
     "    os.mkdir(f'h{i}')\n"
@@ -653,6 +680,12 @@ def main() -> int:
     pool_size = int((info.get("spare_workers") or {}).get("pool_size") or 0)
     pool_lat, _ = burst(c, pool_size, max(5, burst_rounds * 5), "p") if pool_size else ([], [])
     warm = [timed(lambda: c.run("x += 1")) for _ in range(n_warm)]
+    # The same warm session, but each run after a pause, as a new session's first run comes
+    # after one (its spare idled); the peer row shows what a pause costs on this machine.
+    warm_paused = []
+    for _ in range(n_new):
+        time.sleep(PAUSE_S)
+        warm_paused.append(timed(lambda: c.run("x += 1")))
     info = c.info()
     lockdown_ms = info.get("worker_lockdown_ms_median") or 0.0
     time.sleep(0.5)
@@ -676,6 +709,7 @@ def main() -> int:
     base_uss = idle_python_uss(peer_py, "")
     base_uss_np = idle_python_uss(peer_py, "import numpy, pandas")
     py_plot = python_plot_ms(peer_py, n_plot)
+    pause_cost = python_pause_cost_us(peer_py)
 
     def peer_list(ours: list[float]) -> str:
         parts = [f"python3 -c: {ms(base_c, 1)}{ratio(ours, base_c)}"]
@@ -701,6 +735,11 @@ def main() -> int:
     table.row("warm round trip `x += 1`", ms(warm, 3),
               (f"ipykernel warm: {ms(ipk, 3)}{ratio(warm, ipk)}" if ipk else f"ipykernel: {ipk_how}")
               + f"; python3 -c: {ms(base_c, 1)}")
+    table.row(f"warm round trip after a {PAUSE_S * 1000:.0f} ms pause", ms(warm_paused, 3),
+              f"{med(warm_paused) / med(warm):.1f}x the back-to-back round trip" + (
+                  f"; plain python3 compiling and running `x = 1`: {pause_cost[0]:.0f} us back to back, "
+                  f"{pause_cost[1]:.0f} us after the same pause ({pause_cost[1] / pause_cost[0]:.1f}x: "
+                  "this machine's idle CPUs come back slow)" if pause_cost else ""))
     table.row("server start -> first result", ms(starts, 1), f"python3 -c: {ms(base_c, 1)}{ratio(starts, base_c)}")
     table.row("USS per idle session", f"{med(uss):.2f} / {p99(uss):.2f} MiB",
               f"fresh idle python3: {base_uss:.1f} MiB" if base_uss else "")
