@@ -237,3 +237,49 @@ impl SessionManager {
         removal
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn thread_cpu() -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: writes the time to a local.
+        assert_eq!(
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) },
+            0
+        );
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
+    #[test]
+    fn a_process_cpu_clock_counts_threads_that_already_exited_and_ends_with_the_process() {
+        let me = std::process::id() as i32;
+        let before = process_cpu_ns(me).unwrap();
+        std::thread::spawn(|| {
+            let start = thread_cpu();
+            while thread_cpu() - start < Duration::from_millis(20) {
+                std::hint::spin_loop();
+            }
+        })
+        .join()
+        .unwrap();
+        let after = process_cpu_ns(me).unwrap();
+        assert!(after >= before + 20_000_000, "{before} -> {after}");
+        let mark = WorkerMark::now(me).unwrap();
+        assert!(!WorkerMark::now(me).unwrap().unchanged_since(&WorkerMark {
+            cpu_ns: mark.cpu_ns - 1,
+            ..mark
+        }));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        child.wait().unwrap();
+        assert!(
+            process_cpu_ns(pid).is_none(),
+            "a reaped process has no clock"
+        );
+    }
+}
