@@ -51,6 +51,9 @@ const QUOTA_WATCH_TICK: Duration = Duration::from_millis(100);
 /// A session's next measurement waits at least this many times as long as its last one took, so
 /// measuring a huge tree uses at most about a tenth of one core.
 const QUOTA_WALK_SPACING: u32 = 10;
+/// An idle session whose worker has not run since its last measurement is not walked again
+/// (see `quota.rs`), except once in this long.
+const QUOTA_RESYNC_EVERY: Duration = Duration::from_secs(60);
 
 /// Why a call was refused before any code ran. Shown to the model as an `isError` result.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +123,8 @@ pub struct Session {
     next_quota_check: Mutex<Instant>,
     /// How long its last measurement took (the walk's cost grows with the files).
     last_quota_walk: Mutex<Duration>,
+    /// Its worker's CPU time when its last measurement began (see `quota.rs`).
+    quota_mark: Mutex<Option<quota::WorkerMark>>,
 }
 
 impl Session {
@@ -137,6 +142,7 @@ impl Session {
             generation: AtomicU64::new(0),
             next_quota_check: Mutex::new(Instant::now()),
             last_quota_walk: Mutex::new(Duration::ZERO),
+            quota_mark: Mutex::new(None),
         }
     }
 }
