@@ -266,8 +266,10 @@ def _warn_unawaited_globals():
     import weakref
 
     _dead_reported.clear()
+    coroutine = types.CoroutineType
     for k, v in list(_globals().items()):
-        if (inspect.iscoroutine(v) and inspect.getcoroutinestate(v) == inspect.CORO_CREATED
+        # The type first: a global's own attribute hooks never run here.
+        if (type(v) is coroutine and inspect.getcoroutinestate(v) == inspect.CORO_CREATED
                 and id(v) not in _reported_coroutines):
             _reported_coroutines[id(v)] = weakref.ref(v, lambda _, i=id(v): _dead_reported.add(i))
             _warn_unawaited(v, f"it is stored in `{k}`")
@@ -301,9 +303,11 @@ def _quiet_for_reported_coroutines():
 def _remember_function_sources(code):
     """Functions this cell defined keep its source, so `save_tool(func)` can find their code
     after later cells have replaced the one in linecache."""
+    function = types.FunctionType
     for v in list(_globals().values()):
-        c = getattr(v, "__code__", None)
-        if (isinstance(v, types.FunctionType) and c is not None and c.co_filename == CELL_FILENAME
+        # The type first: `getattr` on any other global would run its `__getattr__` (a
+        # DataFrame looks up its columns; a proxy object may raise), once per run.
+        if (type(v) is function and v.__code__.co_filename == CELL_FILENAME
                 and "_ironcell_cell_source" not in v.__dict__):
             v._ironcell_cell_source = code
 

@@ -92,6 +92,28 @@ async def test_globals_imports_and_files_persist_within_a_session(state_dir):
         assert r["result"] == "('{\"n\": 2}', 'kept')"
 
 
+async def test_globals_with_hostile_attribute_hooks_do_not_break_later_runs(state_dir):
+    """After each cell the runner looks through the globals (functions it must remember,
+    coroutines never awaited); objects whose `__getattr__` raises, or pretends to be a
+    function, must be left alone."""
+    code = """
+class Hostile:
+    def __getattr__(self, name):
+        raise RuntimeError(f"no attribute lookups here: {name}")
+class Pretender:
+    __code__ = property(lambda self: 1 / 0)
+h, p = Hostile(), Pretender()
+def f():
+    return 41
+'defined'
+"""
+    async with connect(state_dir) as s:
+        r = await run(s, code)
+        assert r["status"] == "ok" and r["result"] == "'defined'", r.record
+        r = await run(s, "f() + 1")
+        assert r["status"] == "ok" and r["result"] == "42", r.record
+
+
 async def test_sessions_are_separate_processes_with_separate_files(state_dir):
     async with connect(state_dir) as s:
         a = await run(s, "import os\nsecret = 'a'\nopen('mine.txt','w').write('a')\n(os.getpid(), os.getcwd())", session="alpha")
