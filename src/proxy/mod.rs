@@ -125,6 +125,9 @@ pub enum ProxyMethod {
     Call,
 }
 
+/// The wire name of [`BridgeMethod::ChangedFiles`].
+pub const CHANGED_FILES_METHOD: &str = "files.changed";
+
 impl BridgeMethod {
     /// Reads a request's method name (wire names as the `mcp` module sends them); an unknown one
     /// is the error payload to answer with.
@@ -137,7 +140,7 @@ impl BridgeMethod {
                 .map(BridgeMethod::Memory)
                 .ok_or_else(|| unknown("memory operation", op));
         }
-        if method == "files.changed" {
+        if method == CHANGED_FILES_METHOD {
             return Ok(BridgeMethod::ChangedFiles);
         }
         if let Some(op) = method.strip_prefix("tools.") {

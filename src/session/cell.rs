@@ -427,6 +427,34 @@ impl<'a> CellRun<'a> {
             )));
         };
         let m = self.manager;
+        // The worker's image search asks this after every run in a session of many
+        // directories: answered here from the tracker's events when they are at hand, without
+        // a task of its own (a spawn and a wake-up less on the run's path).
+        if method == crate::proxy::CHANGED_FILES_METHOD
+            && let Ok(pending) = m
+                .changes
+                .try_pending(&self.session.name, CHANGED_FILES_HINT_LIMIT)
+        {
+            let payload = changed_files_answer(pending);
+            match frame::json_body(&ToWorker::Response { id, payload }) {
+                Ok(body) => {
+                    let answers = worker.answers();
+                    let answer = Outgoing {
+                        body,
+                        _slot: Some(slot),
+                    };
+                    if let Err(full_or_closed) = answers.try_send(answer) {
+                        // The worker is not reading: wait for room in a task, never here.
+                        let answer = full_or_closed.into_inner();
+                        tokio::spawn(async move {
+                            let _ = answers.send(answer).await;
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
+            }
+            return Ok(());
+        }
         let (proxy, memory) = (m.proxy.clone(), m.memory.clone());
         let local_tools = m.local_tools.get().cloned();
         let session_name = self.session.name.clone();
@@ -467,13 +495,7 @@ impl<'a> CellRun<'a> {
                         .ok()
                         .flatten(),
                     };
-                    let answer = match pending {
-                        Some((files, dirs)) => {
-                            serde_json::json!({"complete": true, "files": files, "dirs": dirs})
-                        }
-                        None => serde_json::json!({"complete": false}),
-                    };
-                    (answer, None)
+                    (changed_files_answer(pending), None)
                 }
                 Err(unknown) => (unknown, None),
             };
@@ -797,6 +819,15 @@ impl CellOutcome {
             worker_lost: true,
             loss_reason: reason,
         }
+    }
+}
+
+/// The answer to `files.changed`: names only, from the host's own watches (nothing is opened),
+/// or "not complete" when the tracker cannot vouch for them (the worker then scans itself).
+fn changed_files_answer(pending: Option<(Vec<String>, Vec<String>)>) -> serde_json::Value {
+    match pending {
+        Some((files, dirs)) => serde_json::json!({"complete": true, "files": files, "dirs": dirs}),
+        None => serde_json::json!({"complete": false}),
     }
 }
 
