@@ -263,6 +263,28 @@ cell_ends = time.monotonic()
         assert cell_ends < answered[0] < next_cell - 0.3, (answered, cell_ends, next_cell)
 
 
+async def test_a_call_made_between_cells_is_answered_while_the_next_cell_waits_for_it(state_dir, tmp_path):
+    """While a cell runs, the worker reads the session socket only once something asked the host
+    (worker/inbox.rs); a call a thread sent between cells must still have its answer read while
+    the next cell waits for that thread."""
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        await run(s, "mcp_test_server.sleep_sync(seconds=0)")  # start the server first
+        code = """
+import threading, time
+answered = []
+def ask():
+    time.sleep(0.3)  # after this cell has ended
+    mcp_test_server.sleep_sync(seconds=0.5)
+    answered.append(time.monotonic())
+asker = threading.Thread(target=ask, daemon=True)
+asker.start()
+"""
+        await run(s, code)
+        await anyio.sleep(1.0)
+        r = await run(s, "asker.join(20)\n(len(answered), asker.is_alive())", timeout_s=60)
+        assert r["status"] == "ok" and r["result"] == "(1, False)", r.record
+
+
 async def test_the_upstream_secret_reaches_its_server_and_nothing_else(state_dir, tmp_path):
     async with connect(state_dir, **proxy_env(tmp_path)) as s:
         r = await run(s, "mcp_test_server.get_env_sync(name='SECRET_TOKEN')")

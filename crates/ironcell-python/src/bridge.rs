@@ -51,9 +51,16 @@ impl Bridge {
 
     /// Writes one request frame. Called without the GIL: the write can wait on the host.
     fn write(&self, body: &[u8]) -> std::io::Result<()> {
+        // Its answer must be read even if the main thread is busy running a cell.
+        crate::worker::reader_needed();
         let mut w = crate::lock(&self.writer);
         frame::write_frame(&mut *w, KIND_JSON, body)
     }
+}
+
+/// Whether a request was sent and not yet answered.
+pub fn has_open_requests() -> bool {
+    BRIDGE.get().is_some_and(|b| !b.pending().open.is_empty())
 }
 
 /// Connects the bridge to the worker's session socket. Called once per worker.

@@ -8,10 +8,14 @@
 //! reads the socket itself, and it hands the socket to the reader thread when a cell starts:
 //!
 //! - The socket has one owner at a time ([`Owner`], under a mutex); only the owner reads.
-//! - The main thread asks for the socket when a cell ends ([`Inbox::next_run`]): it writes a
-//!   byte to the kick pipe, which wakes the reader thread from `poll`, and the reader gives the
-//!   socket back. A `run` that the reader read in the meantime is queued for the main thread.
-//! - When the main thread reads a `run`, it gives the socket to the reader before running it.
+//! - The main thread keeps the socket while a cell runs, until the cell (or a thread it started)
+//!   sends the host a request ([`reader_needed`], called by the bridge before it writes one):
+//!   only answers to requests arrive while a cell runs, so only then must someone else read. A
+//!   cell that asks nothing costs no hand-over at all.
+//! - When a cell ends and the reader thread has the socket, the main thread asks for it back
+//!   ([`Inbox::next_run`]): it writes a byte to the kick pipe, which wakes the reader thread from
+//!   `poll`, and the reader gives the socket back. A `run` that the reader read in the meantime
+//!   is queued for the main thread.
 //!
 //! Frames are dispatched the same way whoever reads them: `run` to the main thread, `response`
 //! to the bridge (whose waiters may be Python threads the cell left running).
@@ -35,7 +39,10 @@ pub struct RunOrder {
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Owner {
+    /// The main thread, waiting for a frame (between cells).
     Main,
+    /// The main thread, running a cell: nobody reads until a request makes it [`Owner::Reader`].
+    MainBusy,
     Reader,
     /// The host closed the socket (or it broke): nobody reads any more.
     Closed,
@@ -57,19 +64,26 @@ struct Shared {
 }
 
 impl Shared {
-    fn set_owner(&self, owner: Owner) {
-        let mut st = crate::lock(&self.state);
-        if st.owner != Owner::Closed {
-            st.owner = owner;
-        }
-        drop(st);
-        self.changed.notify_all();
-    }
-
     fn close(&self) {
         crate::lock(&self.state).owner = Owner::Closed;
         self.changed.notify_all();
         crate::bridge::fail_all("the ironcell host closed the session");
+    }
+}
+
+/// The inbox of this process (a worker has one), for [`reader_needed`].
+static SHARED: std::sync::OnceLock<Arc<Shared>> = std::sync::OnceLock::new();
+
+/// Called before a request goes to the host: its answer must be read even while the main thread
+/// runs a cell, so the reader thread takes the socket then (between cells the main thread reads
+/// it, answers included).
+pub fn reader_needed() {
+    let Some(shared) = SHARED.get() else { return };
+    let mut st = crate::lock(&shared.state);
+    if st.owner == Owner::MainBusy {
+        st.owner = Owner::Reader;
+        drop(st);
+        shared.changed.notify_all();
     }
 }
 
@@ -102,6 +116,7 @@ impl Inbox {
             kick_r,
             kick_w,
         });
+        let _ = SHARED.set(shared.clone());
         let reader = sock.try_clone().context("cloning the session socket")?;
         let thread_shared = shared.clone();
         std::thread::Builder::new()
@@ -116,11 +131,15 @@ impl Inbox {
 
     /// Blocks (call it without the GIL) until the host sends the next cell, reading the socket
     /// itself once the reader thread has given it back; `None` once the host closed the
-    /// session. The socket belongs to the reader thread again when this returns a cell.
+    /// session. When this returns a cell, the main thread holds the socket without reading it
+    /// ([`Owner::MainBusy`]) until a request needs the reader thread.
     pub fn next_run(&mut self) -> Option<RunOrder> {
         let shared = &*self.shared;
         {
             let mut st = crate::lock(&shared.state);
+            if st.owner == Owner::MainBusy {
+                st.owner = Owner::Main;
+            }
             if st.owner == Owner::Reader {
                 st.main_wants = true;
                 drop(st);
@@ -131,16 +150,14 @@ impl Inbox {
                 if let Some(run) = st.queued.pop_front() {
                     st.main_wants = false;
                     if st.owner == Owner::Main {
-                        st.owner = Owner::Reader;
-                        drop(st);
-                        shared.changed.notify_all();
+                        busy(shared, st);
                     }
                     return Some(run);
                 }
                 match st.owner {
                     Owner::Main => break,
                     Owner::Closed => return None,
-                    Owner::Reader => {
+                    Owner::Reader | Owner::MainBusy => {
                         st = shared
                             .changed
                             .wait(st)
@@ -152,7 +169,10 @@ impl Inbox {
         loop {
             match read_one(&mut self.sock) {
                 Frame::Run(run) => {
-                    shared.set_owner(Owner::Reader);
+                    let st = crate::lock(&shared.state);
+                    if st.owner == Owner::Main {
+                        busy(shared, st);
+                    }
                     return Some(run);
                 }
                 Frame::Other => {}
@@ -162,6 +182,21 @@ impl Inbox {
                 }
             }
         }
+    }
+}
+
+/// The main thread is about to run a cell: it keeps the socket unread, unless a request is
+/// still waiting for its answer (a thread asked between cells, when the main thread read the
+/// answers itself): then the reader thread takes it now. Checked under the state lock, and
+/// the bridge marks a request open before [`reader_needed`], so no answer is left unread.
+fn busy(shared: &Shared, mut st: std::sync::MutexGuard<'_, State>) {
+    if crate::bridge::has_open_requests() {
+        st.owner = Owner::Reader;
+        drop(st);
+        shared.changed.notify_all();
+    } else {
+        // No wake-up: the reader thread waits for Owner::Reader either way.
+        st.owner = Owner::MainBusy;
     }
 }
 
@@ -175,7 +210,7 @@ fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
                 match st.owner {
                     Owner::Reader => break,
                     Owner::Closed => return,
-                    Owner::Main => {
+                    Owner::Main | Owner::MainBusy => {
                         st = shared
                             .changed
                             .wait(st)

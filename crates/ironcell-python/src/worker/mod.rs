@@ -21,6 +21,8 @@
 mod inbox;
 mod output_pump;
 
+pub(crate) use inbox::reader_needed;
+
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
