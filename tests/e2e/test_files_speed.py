@@ -14,7 +14,6 @@ Run as root and as the unprivileged user `nobody`, like the sandbox suite.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -22,26 +21,16 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import USERS, Sandboxed, with_scratch_quota
 
 QUOTA_MIB = 64
 QUOTA_LOG = "ironcell=info,ironcell::session::quota=debug,rmcp=warn"
 MANY = 10_000  # each counts 4 KiB: ~40 MiB of the 64 MiB quota
 
 
-def quota_box(as_user: str) -> Sandboxed:
-    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
-    assert "scratch_quota_mib = 1024" in policy
-    policy = policy.replace("scratch_quota_mib = 1024", f"scratch_quota_mib = {QUOTA_MIB}")
-    pfile = Path(f"/tmp/ironcell-files-speed-{os.getpid()}-{as_user}.toml")
-    pfile.write_text(policy)
-    pfile.chmod(0o644)
-    return Sandboxed(as_user, IRONCELL_POLICY=str(pfile), RUST_LOG=QUOTA_LOG)
-
-
 @pytest.fixture(params=USERS)
 def box(request):
-    b = quota_box(request.param)
+    b = with_scratch_quota(request.param, QUOTA_MIB, RUST_LOG=QUOTA_LOG)
     yield b
     b.close()
 

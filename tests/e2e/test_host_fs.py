@@ -16,19 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import USERS, Sandboxed, with_scratch_quota
 
 SMALL_QUOTA_MIB = 8
-
-
-def small_quota_box(as_user: str) -> Sandboxed:
-    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
-    assert "scratch_quota_mib = 1024" in policy
-    policy = policy.replace("scratch_quota_mib = 1024", f"scratch_quota_mib = {SMALL_QUOTA_MIB}")
-    pfile = Path(f"/tmp/ironcell-small-quota-{os.getpid()}.toml")
-    pfile.write_text(policy)
-    pfile.chmod(0o644)
-    return Sandboxed(as_user, IRONCELL_POLICY=str(pfile))
 
 
 @pytest.fixture(scope="module", params=USERS)
@@ -40,7 +30,7 @@ def box(request):
 
 @pytest.fixture(params=USERS)
 def small_box(request):
-    b = small_quota_box(request.param)
+    b = with_scratch_quota(request.param, SMALL_QUOTA_MIB)
     yield b
     b.close()
 

@@ -63,6 +63,17 @@ class Sandboxed:
         self.srv.close()
 
 
+def with_scratch_quota(as_user: str, quota_mib: int, **env: str) -> Sandboxed:
+    """A sandboxed server whose policy is the default one with another scratch quota."""
+    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
+    assert "scratch_quota_mib = 1024" in policy
+    policy = policy.replace("scratch_quota_mib = 1024", f"scratch_quota_mib = {quota_mib}")
+    pfile = Path(f"/tmp/ironcell-quota-{quota_mib}-{os.getpid()}-{as_user}.toml")
+    pfile.write_text(policy)
+    pfile.chmod(0o644)
+    return Sandboxed(as_user, IRONCELL_POLICY=str(pfile), **env)
+
+
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
     b = Sandboxed(request.param)

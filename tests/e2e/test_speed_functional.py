@@ -14,30 +14,19 @@ Run as root and as the unprivileged user `nobody`, like the sandbox suite.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from conftest import wait_until
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import USERS, Sandboxed, with_scratch_quota
 
 QUOTA_MIB = 512  # 100k files count ~400 MiB (each at least 4 KiB), so ~100 MiB of room
 
 
-def quota_box(as_user: str, **env: str) -> Sandboxed:
-    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
-    assert "scratch_quota_mib = 1024" in policy
-    policy = policy.replace("scratch_quota_mib = 1024", f"scratch_quota_mib = {QUOTA_MIB}")
-    pfile = Path(f"/tmp/ironcell-speed-quota-{os.getpid()}-{as_user}.toml")
-    pfile.write_text(policy)
-    pfile.chmod(0o644)
-    return Sandboxed(as_user, IRONCELL_POLICY=str(pfile), **env)
-
-
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = quota_box(request.param, IRONCELL_MAX_OUTPUT="200m")
+    b = with_scratch_quota(request.param, QUOTA_MIB, IRONCELL_MAX_OUTPUT="200m")
     yield b
     b.close()
 
