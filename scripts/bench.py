@@ -498,22 +498,33 @@ def proxy_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> N
     call = {"name": "structured", "arguments": {"n": 1}}
     for _ in range(20):
         direct_client.request("tools/call", call)
-    direct = [timed(lambda: direct_client.request("tools/call", call)) for _ in range(n_calls)]
+    config = {"mcpServers": {"t": {"command": server_cmd[0], "args": server_cmd[1:]}}}
+    c = Client(binary, {**env, "MCP_BRIDGE_CONFIG": json.dumps(config)})
+    c.initialize()
+    c.run("""
+import json, time
+def block(n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter(); mcp_t.structured_sync(n=1); out.append((time.perf_counter() - t) * 1000)
+    return json.dumps(out)
+block(20)
+""")
+    # Direct and proxied calls in alternating blocks, so both see the same machine: a drift in
+    # its speed over the run (other load, CPU frequency) lands on both sides of the difference.
+    blocks = 10
+    direct: list[float] = []
+    proxied: list[float] = []
+    for _ in range(blocks):
+        direct += [timed(lambda: direct_client.request("tools/call", call)) for _ in range(n_calls // blocks)]
+        proxied += json.loads(eval(c.run(f"block({n_calls // blocks})")["result"]))
     # The same burst as below, sent straight to the server: its own p99 is the floor.
     direct_spread = direct_client.burst(
         [{"name": "sleep", "arguments": {"seconds": 1.0}}]
         + [{"name": "structured", "arguments": {"n": i}} for i in range(1000)])
     direct_client.close()
-    config = {"mcpServers": {"t": {"command": server_cmd[0], "args": server_cmd[1:]}}}
-    c = Client(binary, {**env, "MCP_BRIDGE_CONFIG": json.dumps(config)})
-    c.initialize()
-    code = f"""
+    code = """
 import time, asyncio
-for _ in range(20):
-    mcp_t.structured_sync(n=1)
-proxied = []
-for _ in range({n_calls}):
-    t = time.perf_counter(); mcp_t.structured_sync(n=1); proxied.append((time.perf_counter() - t) * 1000)
 async def one(i):
     t = time.perf_counter()
     await mcp_t.structured(n=i)
@@ -535,16 +546,17 @@ def summary(xs):
     s = sorted(xs)
     return [statistics.median(s), s[min(len(s) - 1, max(0, int(round(0.99 * len(s) + 0.5)) - 1))], s[0], s[-1]]
 import statistics, json
-json.dumps([summary(proxied), summary(spread[1:]), spread[0], gather_ms, summary(search)])
+json.dumps([summary(spread[1:]), spread[0], gather_ms, summary(search)])
 """
     res = c.run(code)
-    proxied, spread, slow_ms, gather_ms, search = json.loads(eval(res["result"]))
+    spread, slow_ms, gather_ms, search = json.loads(eval(res["result"]))
     c.close()
     def sm(x, d=3):
         return f"{x[0]:.{d}f} / {x[1]:.{d}f} ms"
-    over = proxied[0] - med(direct)
-    table.row("proxied call from Python (sync)", sm(proxied),
-              f"same call direct to the server: {ms(direct, 3)}; overhead {over:.3f} ms (median)")
+    over = med(proxied) - med(direct)
+    table.row("proxied call from Python (sync)", ms(proxied, 3),
+              f"same call direct to the server: {ms(direct, 3)}; overhead {over:.3f} ms (median; "
+              f"{blocks} alternating blocks of each)")
     table.row("1,000 concurrent proxied calls + one 1 s call", sm(spread, 1),
               f"spread min {spread[2]:.1f} / max {spread[3]:.1f} ms; all done in {gather_ms:.0f} ms; "
               f"the 1 s call took {slow_ms:.0f} ms")
