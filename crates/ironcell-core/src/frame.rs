@@ -696,7 +696,10 @@ mod tests {
         /// does not change in transit; accepted images always name a path inside the session.
         #[test]
         fn every_message_round_trips_and_accepted_paths_stay_inside(msg in any_message()) {
-            let body = json_body(&msg).unwrap();
+            // The host's `json_body`, spelled out: it needs the `host` feature, which
+            // `cargo test -p ironcell-core` alone does not turn on.
+            let mut body = vec![KIND_JSON];
+            serde_json::to_writer(&mut body, &msg).unwrap();
             let mut wire = Vec::new();
             write_frame(&mut wire, body[0], &body[1..]).unwrap();
             let (kind, payload) = read_frame(&mut &wire[..]).unwrap().unwrap();
