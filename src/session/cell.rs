@@ -162,8 +162,6 @@ pub(super) enum CellEvent {
     Frame(Option<std::io::Result<bytes::BytesMut>>),
     /// [`Phase::wake_at`] passed: the deadline, or the end of the interrupt's grace.
     Wake,
-    /// A proxied call this cell made was answered; its summary goes into the record.
-    Call(CallSummary),
     /// Time to report progress to whoever listens.
     Progress,
     /// The background quota measurement published a verdict.
@@ -201,10 +199,10 @@ pub(super) struct CellRun<'a> {
     phase: Phase,
     stdout: StreamCollector,
     stderr: StreamCollector,
-    /// Summaries of the proxied calls this cell made, in the order they were answered.
-    calls: Vec<CallSummary>,
-    /// Where the tasks answering proxied calls send their summaries. The answers themselves
-    /// go straight to the worker's writer, so the loop never waits on the worker's socket.
+    /// Where the tasks answering proxied calls send their summaries, read when the cell ends
+    /// (not as they come: waking this loop for each would cost every proxied call a task
+    /// wake-up on the host). The answers themselves go straight to the worker's writer, so the
+    /// loop never waits on the worker's socket.
     summaries_tx: tokio::sync::mpsc::UnboundedSender<CallSummary>,
     summaries_rx: tokio::sync::mpsc::UnboundedReceiver<CallSummary>,
     /// The quota is measured in the background; its verdict wakes the loop.
@@ -243,7 +241,6 @@ impl<'a> CellRun<'a> {
             },
             stdout,
             stderr,
-            calls: Vec::new(),
             summaries_tx,
             summaries_rx,
             quota_verdict,
@@ -307,7 +304,6 @@ impl<'a> CellRun<'a> {
                 },
                 CellEvent::Frame(None) => ControlFlow::Break(self.on_worker_gone(state).await),
                 CellEvent::Wake => self.on_wake(state).await,
-                CellEvent::Call(call) => self.on_call(call),
                 CellEvent::Progress => self.on_progress(),
                 CellEvent::QuotaCheck => self.on_quota_check(state).await,
                 CellEvent::Cancel => self.on_cancel(state),
@@ -324,7 +320,6 @@ impl<'a> CellRun<'a> {
         tokio::select! {
             next = worker.frames.next() => CellEvent::Frame(next),
             _ = tokio::time::sleep_until(self.phase.wake_at()) => CellEvent::Wake,
-            Some(call) = self.summaries_rx.recv() => CellEvent::Call(call),
             _ = self.progress_tick.tick(), if self.progress.is_some() => CellEvent::Progress,
             Ok(()) = self.quota_verdict.changed() => CellEvent::QuotaCheck,
             _ = self.cancel.cancelled(), if listen_for_cancel => CellEvent::Cancel,
@@ -558,11 +553,6 @@ impl<'a> CellRun<'a> {
         }
     }
 
-    fn on_call(&mut self, call: CallSummary) -> ControlFlow<Ending> {
-        self.calls.push(call);
-        ControlFlow::Continue(())
-    }
-
     /// Publishes how far the cell got (elapsed time, bytes, newest lines).
     fn on_progress(&mut self) -> ControlFlow<Ending> {
         if let Some(p) = self.progress {
@@ -611,6 +601,12 @@ impl<'a> CellRun<'a> {
 
     /// The record of the ended cell.
     fn into_outcome(mut self, ending: Ending) -> CellOutcome {
+        // The proxied calls answered so far, in the order they were answered (a call answered
+        // before `done` sent its summary before its answer).
+        let mut calls = Vec::new();
+        while let Ok(call) = self.summaries_rx.try_recv() {
+            calls.push(call);
+        }
         let mut outcome = match ending {
             Ending::Done {
                 status,
@@ -619,10 +615,6 @@ impl<'a> CellRun<'a> {
                 exit_code,
                 images,
             } => {
-                // Calls answered before `done` were summarized before their answer was sent.
-                while let Ok(call) = self.summaries_rx.try_recv() {
-                    self.calls.push(call);
-                }
                 let mut done = CellOutcome::finished(
                     self.stdout,
                     self.stderr,
@@ -653,7 +645,7 @@ impl<'a> CellRun<'a> {
                 lost
             }
         };
-        outcome.record.upstream_calls = self.calls;
+        outcome.record.upstream_calls = calls;
         outcome
     }
 }
