@@ -285,6 +285,60 @@ asker.start()
         assert r["status"] == "ok" and r["result"] == "(1, False)", r.record
 
 
+async def test_the_cells_own_blocking_calls_and_its_threads_calls_all_get_their_answers(state_dir, tmp_path):
+    """A blocking call made by the cell's own thread while nobody reads the session socket is
+    waited for by that thread reading the socket itself (worker/inbox.rs, `MainWait`): answers
+    to a thread's calls that arrive meanwhile must reach that thread, a call still open when
+    the cell's own call returns must be read by the reader thread (the hand-over), and the
+    cell's call must not wait for it."""
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        await run(s, "mcp_test_server.sleep_sync(seconds=0)")  # start the server first
+        code = """
+import threading, time
+stamps = {}
+started = threading.Event()
+def thread_calls():
+    started.set()
+    mcp_test_server.sleep_sync(seconds=0.2)
+    stamps["thread_short"] = time.monotonic()
+    mcp_test_server.sleep_sync(seconds=2)
+    stamps["thread_long"] = time.monotonic()
+t = threading.Thread(target=thread_calls)
+t.start()
+started.wait()
+mcp_test_server.sleep_sync(seconds=1)
+stamps["cell_call"] = time.monotonic()
+quick = [mcp_test_server.sleep_sync(seconds=0) for _ in range(20)]
+stamps["cell_quick"] = time.monotonic()
+t.join(30)
+(sorted(stamps, key=stamps.get), len(quick), t.is_alive())
+"""
+        r = await run(s, code, timeout_s=60)
+        assert r["status"] == "ok", r.record
+        order, n_quick, alive = eval(r["result"])
+        assert (n_quick, alive) == (20, False)
+        # The thread's short call was answered while the cell's own call waited, and neither
+        # the cell's call nor its quick calls after it waited for the thread's long one.
+        assert order == ["thread_short", "cell_call", "cell_quick", "thread_long"], order
+        # Only blocking calls from the cell, many of them: every one answered, in order.
+        r = await run(s, "[mcp_test_server.sleep_sync(seconds=0) is not None for _ in range(200)].count(True)")
+        assert r["status"] == "ok" and r["result"] == "200", r.record
+
+
+async def test_a_cell_timed_out_in_its_own_blocking_call_leaves_the_session_working(state_dir, tmp_path):
+    """The cell's thread reading its own answer is interrupted by the timeout: the call's late
+    answer is read and dropped, and the next cell's calls are answered as usual."""
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        await run(s, "mcp_test_server.sleep_sync(seconds=0)")  # start the server first
+        r = await run(s, "mcp_test_server.sleep_sync(seconds=3)", timeout_s=1)
+        assert r["status"] == "timeout" and r["session_state"] == "kept", r.record
+        r = await run(s, "[mcp_test_server.sleep_sync(seconds=0) is not None for _ in range(5)].count(True)")
+        assert r["status"] == "ok" and r["result"] == "5", r.record
+        await anyio.sleep(3)  # the first call's answer has come and gone
+        r = await run(s, "mcp_test_server.sleep_sync(seconds=0.1) is not None")
+        assert r["status"] == "ok" and r["result"] == "True", r.record
+
+
 async def test_the_upstream_secret_reaches_its_server_and_nothing_else(state_dir, tmp_path):
     async with connect(state_dir, **proxy_env(tmp_path)) as s:
         r = await run(s, "mcp_test_server.get_env_sync(name='SECRET_TOKEN')")

@@ -202,6 +202,33 @@ pub mod _ironcell_bridge {
     #[pyfunction]
     fn request(py: Python<'_>, method: &str, params_json: &str) -> PyResult<String> {
         let (tx, mut rx) = mpsc::channel();
+        // The cell's own thread, with nobody reading the socket: it reads its answer itself.
+        if let Some(mut wait) = crate::worker::MainWait::claim() {
+            let id = send(py, method, params_json, Waiter::Blocking(tx))?;
+            loop {
+                // Both move into the GIL-free closure and back (Send, not Sync).
+                let (waited, back) = py.detach(move || {
+                    let waited = wait.wait(&rx, Duration::from_millis(50));
+                    (waited, (wait, rx))
+                });
+                (wait, rx) = back;
+                match waited {
+                    crate::worker::Waited::Answer(payload) => return Ok(payload),
+                    crate::worker::Waited::Nothing => {
+                        if let Err(e) = py.check_signals() {
+                            abandon(id);
+                            return Err(e);
+                        }
+                    }
+                    crate::worker::Waited::Closed => {
+                        // Every waiter, this one included, was told why.
+                        return rx.try_recv().map_err(|_| {
+                            PyConnectionError::new_err("the ironcell host went away")
+                        });
+                    }
+                }
+            }
+        }
         let id = send(py, method, params_json, Waiter::Blocking(tx))?;
         loop {
             // The receiver moves into the GIL-free closure and back (it is Send, not Sync).

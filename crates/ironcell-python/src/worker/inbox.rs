@@ -17,6 +17,13 @@
 //!   `poll`, and the reader gives the socket back. A `run` that the reader read in the meantime
 //!   is queued for the main thread.
 //!
+//! - A blocking request made by the main thread itself (a cell calling `mcp_x.tool_sync()`)
+//!   while nobody reads ([`Owner::MainBusy`]) is waited for by the main thread reading the
+//!   socket ([`MainWait`]), so its answer wakes the thread that waits for it instead of the
+//!   reader thread, which would then have to wake it. It hands the socket to the reader thread
+//!   when it has its answer and other requests are still open (a thread the cell started, an
+//!   `asyncio` call), and gives it back otherwise.
+//!
 //! Frames are dispatched the same way whoever reads them: `run` to the main thread, `response`
 //! to the bridge (whose waiters may be Python threads the cell left running).
 
@@ -24,6 +31,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -43,6 +51,9 @@ enum Owner {
     Main,
     /// The main thread, running a cell: nobody reads until a request makes it [`Owner::Reader`].
     MainBusy,
+    /// The main thread, in a blocking request of its own during a cell: it reads until its
+    /// answer arrives ([`MainWait`]).
+    MainWaiting,
     Reader,
     /// The host closed the socket (or it broke): nobody reads any more.
     Closed,
@@ -61,6 +72,10 @@ struct Shared {
     changed: Condvar,
     kick_r: OwnedFd,
     kick_w: OwnedFd,
+    /// The thread that runs cells (and calls [`Inbox::next_run`]).
+    main: std::thread::ThreadId,
+    /// The socket, for the main thread's reads during a [`MainWait`].
+    sock: UnixStream,
 }
 
 impl Shared {
@@ -115,6 +130,8 @@ impl Inbox {
             changed: Condvar::new(),
             kick_r,
             kick_w,
+            main: std::thread::current().id(),
+            sock: sock.try_clone().context("cloning the session socket")?,
         });
         let _ = SHARED.set(shared.clone());
         let reader = sock.try_clone().context("cloning the session socket")?;
@@ -157,7 +174,7 @@ impl Inbox {
                 match st.owner {
                     Owner::Main => break,
                     Owner::Closed => return None,
-                    Owner::Reader | Owner::MainBusy => {
+                    Owner::Reader | Owner::MainBusy | Owner::MainWaiting => {
                         st = shared
                             .changed
                             .wait(st)
@@ -181,6 +198,99 @@ impl Inbox {
                     return None;
                 }
             }
+        }
+    }
+}
+
+/// The main thread reading the socket while it waits for the answer to a blocking request of
+/// its own (see the module docs). Exists only while [`Owner::MainWaiting`]; dropping it gives
+/// the socket to the reader thread if requests are still open, else back to
+/// [`Owner::MainBusy`].
+pub struct MainWait {
+    shared: Arc<Shared>,
+}
+
+/// What [`MainWait::wait`] saw.
+pub enum Waited {
+    Answer(String),
+    /// Nothing yet (time to check for signals).
+    Nothing,
+    /// The host closed the session (every waiter was told so).
+    Closed,
+}
+
+impl MainWait {
+    /// `Some` if the calling thread is the main thread and nobody reads the socket: it then
+    /// reads it itself until [`MainWait`] is dropped. Call before sending the request (its
+    /// answer must find a reader).
+    pub fn claim() -> Option<MainWait> {
+        let shared = SHARED.get()?;
+        if std::thread::current().id() != shared.main {
+            return None;
+        }
+        let mut st = crate::lock(&shared.state);
+        if st.owner != Owner::MainBusy {
+            return None;
+        }
+        st.owner = Owner::MainWaiting;
+        Some(MainWait {
+            shared: shared.clone(),
+        })
+    }
+
+    /// Reads and dispatches frames for up to `limit`, until `rx` holds an answer. Call it
+    /// without the GIL.
+    pub fn wait(&self, rx: &std::sync::mpsc::Receiver<String>, limit: Duration) -> Waited {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Ok(payload) = rx.try_recv() {
+                return Waited::Answer(payload);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Waited::Nothing;
+            }
+            let mut fds = [PollFd::new(self.shared.sock.as_fd(), PollFlags::POLLIN)];
+            let ms = u16::try_from(left.as_millis().max(1)).unwrap_or(u16::MAX);
+            match poll(&mut fds, PollTimeout::from(ms)) {
+                Ok(0) => return Waited::Nothing,
+                Ok(_) => {}
+                // A signal: let the caller look at it (KeyboardInterrupt).
+                Err(nix::errno::Errno::EINTR) => return Waited::Nothing,
+                Err(_) => {
+                    self.shared.close();
+                    return Waited::Closed;
+                }
+            }
+            match read_one(&mut &self.shared.sock) {
+                Frame::Run(run) => {
+                    // Not sent during a cell; kept for the next `next_run` all the same.
+                    crate::lock(&self.shared.state).queued.push_back(run);
+                }
+                Frame::Other => {}
+                Frame::Closed => {
+                    self.shared.close();
+                    return Waited::Closed;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for MainWait {
+    fn drop(&mut self) {
+        let mut st = crate::lock(&self.shared.state);
+        if st.owner != Owner::MainWaiting {
+            return; // closed meanwhile
+        }
+        // As in `busy`: checked under the state lock, and the bridge marks a request open
+        // before it calls `reader_needed`, so no answer is left without a reader.
+        if crate::bridge::has_open_requests() {
+            st.owner = Owner::Reader;
+            drop(st);
+            self.shared.changed.notify_all();
+        } else {
+            st.owner = Owner::MainBusy;
         }
     }
 }
@@ -210,7 +320,7 @@ fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
                 match st.owner {
                     Owner::Reader => break,
                     Owner::Closed => return,
-                    Owner::Main | Owner::MainBusy => {
+                    Owner::Main | Owner::MainBusy | Owner::MainWaiting => {
                         st = shared
                             .changed
                             .wait(st)
@@ -253,7 +363,7 @@ fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
 }
 
 /// Reads one frame and hands a bridge answer to its waiter.
-fn read_one(sock: &mut UnixStream) -> Frame {
+fn read_one(sock: &mut impl std::io::Read) -> Frame {
     match frame::read_frame(sock) {
         Ok(Some((KIND_JSON, body))) => match serde_json::from_slice::<ToWorker>(&body) {
             Ok(ToWorker::Run { id, code, bind }) => Frame::Run(RunOrder { id, code, bind }),

@@ -21,7 +21,7 @@
 mod inbox;
 mod output_pump;
 
-pub(crate) use inbox::reader_needed;
+pub(crate) use inbox::{MainWait, Waited, reader_needed};
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
