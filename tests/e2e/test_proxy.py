@@ -325,6 +325,31 @@ t.join(30)
         assert r["status"] == "ok" and r["result"] == "200", r.record
 
 
+async def test_a_blocking_call_made_by_an_answer_callback_inside_the_cells_own_wait_is_answered(state_dir, tmp_path):
+    """While the cell's thread reads the socket for its own blocking call, it also runs the
+    callbacks of other answers (the bridge's `submit`); one that makes a blocking call of its
+    own must read for it too, not wait for a reader that will never come."""
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        await run(s, "mcp_test_server.sleep_sync(seconds=0)")  # start the server first
+        code = """
+import _ironcell_bridge, threading, time
+got = []
+def on_answer(payload):
+    got.append(_ironcell_bridge.request("files.changed", "{}"))
+def submit_later():
+    time.sleep(0.3)  # while the cell's own call below still waits
+    _ironcell_bridge.submit("files.changed", "{}", on_answer)
+t = threading.Thread(target=submit_later)
+t.start()
+mcp_test_server.sleep_sync(seconds=1.5)
+t.join(10)
+time.sleep(0.2)
+len(got)
+"""
+        r = await run(s, code, timeout_s=20)
+        assert r["status"] == "ok" and r["result"] == "1", r.record
+
+
 async def test_a_cell_timed_out_in_its_own_blocking_call_leaves_the_session_working(state_dir, tmp_path):
     """The cell's thread reading its own answer is interrupted by the timeout: the call's late
     answer is read and dropped, and the next cell's calls are answered as usual."""

@@ -208,6 +208,9 @@ impl Inbox {
 /// [`Owner::MainBusy`].
 pub struct MainWait {
     shared: Arc<Shared>,
+    /// Claimed inside another wait's dispatch (an answer's callback that makes a blocking call
+    /// of its own): the outer wait keeps the socket when this one ends.
+    nested: bool,
 }
 
 /// What [`MainWait::wait`] saw.
@@ -220,21 +223,26 @@ pub enum Waited {
 }
 
 impl MainWait {
-    /// `Some` if the calling thread is the main thread and nobody reads the socket: it then
-    /// reads it itself until [`MainWait`] is dropped. Call before sending the request (its
-    /// answer must find a reader).
+    /// `Some` if the calling thread is the main thread and nobody reads the socket (or this
+    /// thread already does, for an outer call): it then reads it itself until [`MainWait`] is
+    /// dropped. Call before sending the request (its answer must find a reader).
     pub fn claim() -> Option<MainWait> {
         let shared = SHARED.get()?;
         if std::thread::current().id() != shared.main {
             return None;
         }
         let mut st = crate::lock(&shared.state);
-        if st.owner != Owner::MainBusy {
-            return None;
-        }
+        let nested = match st.owner {
+            Owner::MainBusy => false,
+            // Already reading for an outer call on this thread: waiting for the reader thread
+            // here would wait forever.
+            Owner::MainWaiting => true,
+            _ => return None,
+        };
         st.owner = Owner::MainWaiting;
         Some(MainWait {
             shared: shared.clone(),
+            nested,
         })
     }
 
@@ -280,8 +288,8 @@ impl MainWait {
 impl Drop for MainWait {
     fn drop(&mut self) {
         let mut st = crate::lock(&self.shared.state);
-        if st.owner != Owner::MainWaiting {
-            return; // closed meanwhile
+        if st.owner != Owner::MainWaiting || self.nested {
+            return; // closed meanwhile, or an outer wait still reads
         }
         // As in `busy`: checked under the state lock, and the bridge marks a request open
         // before it calls `reader_needed`, so no answer is left without a reader.
