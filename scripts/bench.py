@@ -483,6 +483,25 @@ def loud(c: Client) -> tuple[float, int, int, int]:
     return took, before, status_kib(pid, "VmHWM"), total
 
 
+def bridge_round_trips(c: Client, n: int) -> list[float]:
+    """The worker -> host -> worker round trip of the bridge every proxied, memory and
+    local-tool call rides on, without an upstream: the cell's own blocking request for the
+    session's changed files (answered from the host's watches, nothing opened). In ms."""
+    c.run("""
+import _ironcell_bridge, json, time
+def bridge_block(n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter(); _ironcell_bridge.request("files.changed", "{}"); out.append((time.perf_counter() - t) * 1000)
+    return json.dumps(out)
+bridge_block(20)
+""", session="bridge")
+    out: list[float] = []
+    for _ in range(max(1, n // 100)):  # in blocks: a run's inline result is capped
+        out += json.loads(eval(c.run("bridge_block(100)", session="bridge")["result"]))
+    return out
+
+
 def proxy_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> None:
     py = HARNESS / "venv" / "bin" / "python"
     if not py.exists():
@@ -702,6 +721,7 @@ def main() -> int:
     lockdown_ms = info.get("worker_lockdown_ms_median") or 0.0
     time.sleep(0.5)
     uss = [uss_kib(p) / 1024 for p in pids]
+    bridge_rt = bridge_round_trips(c, n_warm)
     plot = plots(c, n_plot)
     empty_rt, huge_rt, empty_w, huge_w = many_files(c, n_files)
     loud_ms, rss_before, rss_peak, loud_bytes = loud(c)
@@ -752,6 +772,8 @@ def main() -> int:
                   f"; plain python3 compiling and running `x = 1`: {pause_cost[0]:.0f} us back to back, "
                   f"{pause_cost[1]:.0f} us after the same pause ({pause_cost[1] / pause_cost[0]:.1f}x: "
                   "this machine's idle CPUs come back slow)" if pause_cost else ""))
+    table.row("bridge round trip from a cell, worker -> host -> worker", ms(bridge_rt, 3),
+              "no upstream: the floor under every proxied, memory and local-tool call")
     table.row("server start -> first result", ms(starts, 1), f"python3 -c: {ms(base_c, 1)}{ratio(starts, base_c)}")
     table.row("USS per idle session", f"{med(uss):.2f} / {p99(uss):.2f} MiB",
               f"fresh idle python3: {base_uss:.1f} MiB" if base_uss else "")

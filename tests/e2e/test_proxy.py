@@ -350,6 +350,28 @@ len(got)
         assert r["status"] == "ok" and r["result"] == "1", r.record
 
 
+async def test_a_blocking_call_made_by_an_answer_callback_on_the_reader_thread_is_answered(state_dir, tmp_path):
+    """The reader thread runs the callbacks of the answers it reads (the bridge's `submit`); one
+    that makes a blocking call must read for it too, and the next cell must start as usual."""
+    async with connect(state_dir, **proxy_env(tmp_path)) as s:
+        code = """
+import _ironcell_bridge, time
+got = []
+def on_answer(payload):
+    got.append(_ironcell_bridge.request("files.changed", "{}"))
+_ironcell_bridge.submit("files.changed", "{}", on_answer)
+for _ in range(200):
+    if got:
+        break
+    time.sleep(0.05)
+len(got)
+"""
+        r = await run(s, code, timeout_s=30)
+        assert r["status"] == "ok" and r["result"] == "1", r.record
+        r = await run(s, "mcp_test_server.sleep_sync(seconds=0)")
+        assert r["status"] == "ok" and r["result"] is not None, dict(r.record)
+
+
 async def test_a_cell_timed_out_in_its_own_blocking_call_leaves_the_session_working(state_dir, tmp_path):
     """The cell's thread reading its own answer is interrupted by the timeout: the call's late
     answer is read and dropped, and the next cell's calls are answered as usual."""

@@ -74,6 +74,8 @@ struct Shared {
     kick_w: OwnedFd,
     /// The thread that runs cells (and calls [`Inbox::next_run`]).
     main: std::thread::ThreadId,
+    /// The reader thread, once it runs.
+    reader: std::sync::OnceLock<std::thread::ThreadId>,
     /// The socket, for the main thread's reads during a [`MainWait`].
     sock: UnixStream,
 }
@@ -131,6 +133,7 @@ impl Inbox {
             kick_r,
             kick_w,
             main: std::thread::current().id(),
+            reader: std::sync::OnceLock::new(),
             sock: sock.try_clone().context("cloning the session socket")?,
         });
         let _ = SHARED.set(shared.clone());
@@ -203,7 +206,8 @@ impl Inbox {
 }
 
 /// The main thread reading the socket while it waits for the answer to a blocking request of
-/// its own (see the module docs). Exists only while [`Owner::MainWaiting`]; dropping it gives
+/// its own (see the module docs), or the thread that already reads doing so for a blocking
+/// request made inside an answer's callback. Exists only while [`Owner::MainWaiting`]; dropping it gives
 /// the socket to the reader thread if requests are still open, else back to
 /// [`Owner::MainBusy`].
 pub struct MainWait {
@@ -223,23 +227,25 @@ pub enum Waited {
 }
 
 impl MainWait {
-    /// `Some` if the calling thread is the main thread and nobody reads the socket (or this
-    /// thread already does, for an outer call): it then reads it itself until [`MainWait`] is
-    /// dropped. Call before sending the request (its answer must find a reader).
+    /// `Some` if the calling thread is the main thread and nobody reads the socket, or if this
+    /// thread already reads it (an outer call's wait, or the reader thread running an answer's
+    /// callback): it then reads it itself until [`MainWait`] is dropped. Call before sending
+    /// the request (its answer must find a reader).
     pub fn claim() -> Option<MainWait> {
         let shared = SHARED.get()?;
-        if std::thread::current().id() != shared.main {
-            return None;
-        }
+        let me = std::thread::current().id();
         let mut st = crate::lock(&shared.state);
         let nested = match st.owner {
-            Owner::MainBusy => false,
-            // Already reading for an outer call on this thread: waiting for the reader thread
-            // here would wait forever.
-            Owner::MainWaiting => true,
+            Owner::MainBusy if me == shared.main => false,
+            // This thread already reads (for an outer call, or as the reader thread running an
+            // answer's callback): waiting for another reader here would wait forever.
+            Owner::MainWaiting if me == shared.main => true,
+            Owner::Reader if shared.reader.get() == Some(&me) => true,
             _ => return None,
         };
-        st.owner = Owner::MainWaiting;
+        if !nested {
+            st.owner = Owner::MainWaiting;
+        }
         Some(MainWait {
             shared: shared.clone(),
             nested,
@@ -287,9 +293,12 @@ impl MainWait {
 
 impl Drop for MainWait {
     fn drop(&mut self) {
+        if self.nested {
+            return; // the outer wait (or the reader thread) still reads
+        }
         let mut st = crate::lock(&self.shared.state);
-        if st.owner != Owner::MainWaiting || self.nested {
-            return; // closed meanwhile, or an outer wait still reads
+        if st.owner != Owner::MainWaiting {
+            return; // closed meanwhile
         }
         // As in `busy`: checked under the state lock, and the bridge marks a request open
         // before it calls `reader_needed`, so no answer is left without a reader.
@@ -321,6 +330,7 @@ fn busy(shared: &Shared, mut st: std::sync::MutexGuard<'_, State>) {
 /// Body of the reader thread: reads and dispatches frames whenever it owns the socket.
 fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
     super::block_sigint_on_this_thread();
+    let _ = shared.reader.set(std::thread::current().id());
     loop {
         {
             let mut st = crate::lock(&shared.state);
