@@ -76,7 +76,7 @@ struct Shared {
     main: std::thread::ThreadId,
     /// The reader thread, once it runs.
     reader: std::sync::OnceLock<std::thread::ThreadId>,
-    /// The socket, for the main thread's reads during a [`MainWait`].
+    /// The socket, for the reads of a [`MainWait`].
     sock: UnixStream,
 }
 
@@ -206,10 +206,10 @@ impl Inbox {
 }
 
 /// The main thread reading the socket while it waits for the answer to a blocking request of
-/// its own (see the module docs), or the thread that already reads doing so for a blocking
-/// request made inside an answer's callback. Exists only while [`Owner::MainWaiting`]; dropping it gives
-/// the socket to the reader thread if requests are still open, else back to
-/// [`Owner::MainBusy`].
+/// its own (see the module docs), under [`Owner::MainWaiting`]; dropping it gives the socket to
+/// the reader thread if requests are still open, else back to [`Owner::MainBusy`]. Nested: the
+/// thread that already reads (the main thread in such a wait, or the reader thread) doing the
+/// same for a blocking request made inside an answer's callback; the owner does not change.
 pub struct MainWait {
     shared: Arc<Shared>,
     /// Claimed inside another wait's dispatch (an answer's callback that makes a blocking call
