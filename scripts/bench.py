@@ -483,23 +483,35 @@ def loud(c: Client) -> tuple[float, int, int, int]:
     return took, before, status_kib(pid, "VmHWM"), total
 
 
+class TimedCall:
+    """A statement timed from inside a session, `per` runs at a time (a run's inline result is
+    capped, so long series come back in blocks). Warmed up once when made."""
+
+    def __init__(self, c: Client, session: str, setup: str, stmt: str) -> None:
+        self.c, self.session = c, session
+        c.run(f"""
+{setup}
+import json as _json, time as _time
+def _timed_block(n):
+    out = []
+    for _ in range(n):
+        t = _time.perf_counter(); {stmt}; out.append((_time.perf_counter() - t) * 1000)
+    return _json.dumps(out)
+_timed_block(20)
+""", session=session)
+
+    def block(self, n: int) -> list[float]:
+        """`n` timings, in ms."""
+        return json.loads(eval(self.c.run(f"_timed_block({n})", session=self.session)["result"]))
+
+
 def bridge_round_trips(c: Client, n: int) -> list[float]:
     """The worker -> host -> worker round trip of the bridge every proxied, memory and
     local-tool call rides on, without an upstream: the cell's own blocking request for the
     session's changed files (answered from the host's watches, nothing opened). In ms."""
-    c.run("""
-import _ironcell_bridge, json, time
-def bridge_block(n):
-    out = []
-    for _ in range(n):
-        t = time.perf_counter(); _ironcell_bridge.request("files.changed", "{}"); out.append((time.perf_counter() - t) * 1000)
-    return json.dumps(out)
-bridge_block(20)
-""", session="bridge")
-    out: list[float] = []
-    for _ in range(max(1, n // 100)):  # in blocks: a run's inline result is capped
-        out += json.loads(eval(c.run("bridge_block(100)", session="bridge")["result"]))
-    return out
+    timed_call = TimedCall(c, "bridge", "import _ironcell_bridge",
+                           '_ironcell_bridge.request("files.changed", "{}")')
+    return [x for _ in range(max(1, n // 100)) for x in timed_call.block(100)]
 
 
 def proxy_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> None:
@@ -520,15 +532,7 @@ def proxy_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> N
     config = {"mcpServers": {"t": {"command": server_cmd[0], "args": server_cmd[1:]}}}
     c = Client(binary, {**env, "MCP_BRIDGE_CONFIG": json.dumps(config)})
     c.initialize()
-    c.run("""
-import json, time
-def block(n):
-    out = []
-    for _ in range(n):
-        t = time.perf_counter(); mcp_t.structured_sync(n=1); out.append((time.perf_counter() - t) * 1000)
-    return json.dumps(out)
-block(20)
-""")
+    proxied_call = TimedCall(c, "default", "", "mcp_t.structured_sync(n=1)")
     # Direct and proxied calls in alternating blocks, so both see the same machine: a drift in
     # its speed over the run (other load, CPU frequency) lands on both sides of the difference.
     blocks = 10
@@ -536,7 +540,7 @@ block(20)
     proxied: list[float] = []
     for _ in range(blocks):
         direct += [timed(lambda: direct_client.request("tools/call", call)) for _ in range(n_calls // blocks)]
-        proxied += json.loads(eval(c.run(f"block({n_calls // blocks})")["result"]))
+        proxied += proxied_call.block(n_calls // blocks)
     # The same burst as below, sent straight to the server: its own p99 is the floor.
     direct_spread = direct_client.burst(
         [{"name": "sleep", "arguments": {"seconds": 1.0}}]

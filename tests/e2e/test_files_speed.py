@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from test_sandbox import USERS, Sandboxed, with_scratch_quota
+from test_sandbox import USERS, Sandboxed, background_filler, with_scratch_quota
 
 QUOTA_MIB = 64
 QUOTA_LOG = "ironcell=info,ironcell::session::quota=debug,rmcp=warn"
@@ -115,15 +115,7 @@ def test_a_writer_that_starts_after_idle_checks_in_a_session_of_many_files_is_st
     rec = box.run(MAKE_MANY, session="late")
     assert rec["status"] == "ok", rec
     rec = box.run(
-        "import threading, time\n"
-        "def fill():\n"
-        "    time.sleep(6)\n"
-        "    for i in range(400):\n"
-        "        open(f'bg{i}', 'wb').write(b'x' * 65536)\n"
-        "    while True:\n"
-        "        time.sleep(1)\n"
-        "threading.Thread(target=fill, daemon=True).start()\n"
-        "'started'",
+        background_filler(6),
         session="late",
     )
     assert rec["status"] == "ok", rec

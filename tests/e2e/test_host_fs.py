@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from test_sandbox import USERS, Sandboxed, with_scratch_quota
+from test_sandbox import USERS, Sandboxed, background_filler, with_scratch_quota
 
 SMALL_QUOTA_MIB = 8
 
@@ -179,15 +179,7 @@ def test_45_a_rename_exchange_loop_never_brings_a_host_path_into_resources(box):
 
 def test_50_a_background_writer_after_the_run_returned_is_killed(small_box):
     rec = small_box.run(
-        "import threading, time\n"
-        "def fill():\n"
-        "    time.sleep(0.5)\n"
-        "    for i in range(400):\n"
-        "        open(f'bg{i}', 'wb').write(b'x' * 65536)\n"
-        "    while True:\n"
-        "        time.sleep(1)\n"
-        "threading.Thread(target=fill, daemon=True).start()\n"
-        "'started'",
+        background_filler(0.5),
         session="bg",
     )
     assert rec["status"] == "ok", rec

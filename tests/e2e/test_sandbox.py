@@ -63,6 +63,23 @@ class Sandboxed:
         self.srv.close()
 
 
+def background_filler(after_s: float) -> str:
+    """A cell that leaves a thread behind which, `after_s` seconds later (the run long
+    returned), writes 400 files of 64 KiB (25 MiB) and then idles: a quota breach nobody's run
+    is watching."""
+    return (
+        "import threading, time\n"
+        "def fill():\n"
+        f"    time.sleep({after_s})\n"
+        "    for i in range(400):\n"
+        "        open(f'bg{i}', 'wb').write(b'x' * 65536)\n"
+        "    while True:\n"
+        "        time.sleep(1)\n"
+        "threading.Thread(target=fill, daemon=True).start()\n"
+        "'started'"
+    )
+
+
 def with_scratch_quota(as_user: str, quota_mib: int, **env: str) -> Sandboxed:
     """A sandboxed server whose policy is the default one with another scratch quota."""
     policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()

@@ -201,50 +201,42 @@ pub mod _ironcell_bridge {
     /// KeyboardInterrupt (timeout or cancel) ends the wait.
     #[pyfunction]
     fn request(py: Python<'_>, method: &str, params_json: &str) -> PyResult<String> {
+        use crate::worker::{MainWait, Waited};
+        const STEP: Duration = Duration::from_millis(50);
         let (tx, mut rx) = mpsc::channel();
-        // The cell's own thread, with nobody reading the socket: it reads its answer itself.
-        if let Some(mut wait) = crate::worker::MainWait::claim() {
-            let id = send(py, method, params_json, Waiter::Blocking(tx))?;
-            loop {
-                // Both move into the GIL-free closure and back (Send, not Sync).
-                let (waited, back) = py.detach(move || {
-                    let waited = wait.wait(&rx, Duration::from_millis(50));
-                    (waited, (wait, rx))
-                });
-                (wait, rx) = back;
-                match waited {
-                    crate::worker::Waited::Answer(payload) => return Ok(payload),
-                    crate::worker::Waited::Nothing => {
-                        if let Err(e) = py.check_signals() {
-                            abandon(id);
-                            return Err(e);
-                        }
-                    }
-                    crate::worker::Waited::Closed => {
-                        // Every waiter, this one included, was told why.
-                        return rx.try_recv().map_err(|_| {
-                            PyConnectionError::new_err("the ironcell host went away")
-                        });
-                    }
-                }
-            }
-        }
+        // The cell's own thread with nobody reading the socket (or a thread that already
+        // reads it) reads its answer itself; any other thread waits for the reader's hand-off.
+        // Claimed before the request goes out: its answer must find a reader.
+        let mut reading = MainWait::claim();
         let id = send(py, method, params_json, Waiter::Blocking(tx))?;
         loop {
-            // The receiver moves into the GIL-free closure and back (it is Send, not Sync).
-            let (waited, back) =
-                py.detach(move || (rx.recv_timeout(Duration::from_millis(50)), rx));
-            rx = back;
+            // Both move into the GIL-free closure and back (Send, not Sync).
+            let (waited, back) = py.detach(move || {
+                let waited = match &reading {
+                    Some(wait) => wait.wait(&rx, STEP),
+                    None => match rx.recv_timeout(STEP) {
+                        Ok(payload) => Waited::Answer(payload),
+                        Err(mpsc::RecvTimeoutError::Timeout) => Waited::Nothing,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => Waited::Closed,
+                    },
+                };
+                (waited, (reading, rx))
+            });
+            (reading, rx) = back;
             match waited {
-                Ok(payload) => return Ok(payload),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
+                Waited::Answer(payload) => return Ok(payload),
+                Waited::Nothing => {
                     if let Err(e) = py.check_signals() {
                         abandon(id);
                         return Err(e);
                     }
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(PyConnectionError::new_err("the ironcell host went away"));
+                // Every waiter, this one included, was told why, unless the bridge itself is
+                // gone.
+                Waited::Closed => {
+                    return rx
+                        .try_recv()
+                        .map_err(|_| PyConnectionError::new_err("the ironcell host went away"));
                 }
             }
         }

@@ -76,7 +76,7 @@ struct Shared {
     main: std::thread::ThreadId,
     /// The reader thread, once it runs.
     reader: std::sync::OnceLock<std::thread::ThreadId>,
-    /// The socket, for the reads of a [`MainWait`].
+    /// The socket, for the main thread's reads (between cells, and in a [`MainWait`]).
     sock: UnixStream,
 }
 
@@ -107,7 +107,6 @@ pub fn reader_needed() {
 /// The main thread's side.
 pub struct Inbox {
     shared: Arc<Shared>,
-    sock: UnixStream,
 }
 
 /// What one frame from the host was.
@@ -143,10 +142,7 @@ impl Inbox {
             .name("session-reader".into())
             .spawn(move || read_while_a_cell_runs(&thread_shared, reader))
             .context("starting the session reader thread")?;
-        Ok(Inbox {
-            shared,
-            sock: sock.try_clone().context("cloning the session socket")?,
-        })
+        Ok(Inbox { shared })
     }
 
     /// Blocks (call it without the GIL) until the host sends the next cell, reading the socket
@@ -187,7 +183,7 @@ impl Inbox {
             }
         }
         loop {
-            match read_one(&mut self.sock) {
+            match read_one(&mut &shared.sock) {
                 Frame::Run(run) => {
                     let st = crate::lock(&shared.state);
                     if st.owner == Owner::Main {
@@ -296,25 +292,17 @@ impl Drop for MainWait {
         if self.nested {
             return; // the outer wait (or the reader thread) still reads
         }
-        let mut st = crate::lock(&self.shared.state);
-        if st.owner != Owner::MainWaiting {
-            return; // closed meanwhile
-        }
-        // As in `busy`: checked under the state lock, and the bridge marks a request open
-        // before it calls `reader_needed`, so no answer is left without a reader.
-        if crate::bridge::has_open_requests() {
-            st.owner = Owner::Reader;
-            drop(st);
-            self.shared.changed.notify_all();
-        } else {
-            st.owner = Owner::MainBusy;
+        let st = crate::lock(&self.shared.state);
+        if st.owner == Owner::MainWaiting {
+            busy(&self.shared, st); // unless the host closed the socket meanwhile
         }
     }
 }
 
-/// The main thread is about to run a cell: it keeps the socket unread, unless a request is
-/// still waiting for its answer (a thread asked between cells, when the main thread read the
-/// answers itself): then the reader thread takes it now. Checked under the state lock, and
+/// The main thread is about to run a cell, or back from a [`MainWait`]: it keeps the socket
+/// unread, unless a request is still waiting for its answer (a thread asked between cells, or
+/// during the wait, while the main thread read the answers itself): then the reader thread
+/// takes it now. Checked under the state lock, and
 /// the bridge marks a request open before [`reader_needed`], so no answer is left unread.
 fn busy(shared: &Shared, mut st: std::sync::MutexGuard<'_, State>) {
     if crate::bridge::has_open_requests() {
