@@ -14,6 +14,8 @@
 //! A spare is handed only to a session without files (a new one, or one whose directory is
 //! empty): a session with files keeps its own directory and gets a fresh fork.
 
+use std::sync::atomic::AtomicUsize;
+
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::cell::Cell;
@@ -31,6 +33,8 @@ const REFILL_DELAY: Duration = Duration::from_millis(50);
 /// And once it answered, this much more: `run` returns before the server has serialized and
 /// written the answer, and a fork started at that moment takes a CPU from it.
 const AFTER_ANSWER: Duration = Duration::from_millis(3);
+/// The longest a refill waits for the workers being started for sessions to be ready.
+const MAX_REFILL_DEFER: Duration = Duration::from_secs(1);
 
 /// A locked-down worker waiting for a session.
 pub(super) struct Spare {
@@ -55,7 +59,23 @@ pub(super) struct Pool {
     taken: Notify,
     /// A run ended (see [`Pool::run_answered`]).
     answered: Notify,
+    /// Workers being forked for sessions that found no spare (a burst past the pool), and the
+    /// wake-up when the last of them is ready: a refill waits for them (see
+    /// [`Pool::until_no_session_worker_starts`]).
+    starting: AtomicUsize,
+    all_started: Notify,
     next_id: AtomicU64,
+}
+
+/// Counts one worker being started for a session while it lives ([`Pool::session_worker_starts`]).
+pub(super) struct Starting<'a>(&'a Pool);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        if self.0.starting.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.all_started.notify_waiters();
+        }
+    }
 }
 
 impl Pool {
@@ -67,6 +87,8 @@ impl Pool {
             wanted: Notify::new(),
             taken: Notify::new(),
             answered: Notify::new(),
+            starting: AtomicUsize::new(0),
+            all_started: Notify::new(),
             next_id: AtomicU64::new(0),
         }
     }
@@ -83,6 +105,30 @@ impl Pool {
     /// A run ended: a refill waiting for the CPU to be free of the answer may go ahead.
     pub(super) fn run_answered(&self) {
         self.answered.notify_waiters();
+    }
+
+    /// A worker is being started for a session (no spare fitted), until the guard drops.
+    pub(super) fn session_worker_starts(&self) -> Starting<'_> {
+        self.starting.fetch_add(1, Ordering::AcqRel);
+        Starting(self)
+    }
+
+    /// Waits while workers are being started for sessions, at most [`MAX_REFILL_DEFER`]. In a
+    /// burst past the pool, a spare forked meanwhile would take the CPU from the sessions that
+    /// are waiting for theirs (the zygote forks one at a time); it is forked after them.
+    async fn until_no_session_worker_starts(&self) {
+        let deadline = tokio::time::Instant::now() + MAX_REFILL_DEFER;
+        loop {
+            let done = self.all_started.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if self.starting.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, done).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Kills every waiting spare.
@@ -164,6 +210,10 @@ impl SessionManager {
     pub(super) async fn keep_pool_filled(self: Arc<Self>, stop: CancellationToken) {
         loop {
             let mut pause = Duration::from_secs(3600);
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = self.pool.until_no_session_worker_starts() => {}
+            }
             if let Ok(place) = self.pool.places.clone().try_acquire_owned() {
                 match self.start_spare(place).await {
                     Ok(()) => continue,

@@ -19,6 +19,7 @@ impl SessionManager {
             Ok(worker) => return Ok(worker),
             Err(slot) => slot,
         };
+        let _starting = self.pool.session_worker_starts();
         self.spawn_worker_in_slot(Some(&session.name), &session.scratch, slot)
             .await
     }
