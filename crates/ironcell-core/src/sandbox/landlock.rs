@@ -7,6 +7,7 @@
 //! The ABI is the kernel's, or lower when capped (to prove on one kernel what older kernels
 //! get); it is never higher than the kernel's, so the ruleset is always fully enforced.
 
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 
 use landlock::{
@@ -89,8 +90,11 @@ pub fn install_filesystem_landlock_rules_on_current_thread(
                 path: path.display().to_string(),
                 source,
             })?;
-            // A rule on a regular file may only carry file rights.
-            let access = if path.is_dir() {
+            // A rule on a regular file may only carry file rights. Asked of the open fd: a
+            // second lookup of the path costs a walk of every component (per grant, per worker).
+            let is_dir = nix::sys::stat::fstat(fd.as_fd())
+                .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+            let access = if is_dir {
                 access
             } else {
                 access & AccessFs::from_file(abi)
