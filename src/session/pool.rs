@@ -22,8 +22,10 @@ use super::cell::Cell;
 use super::quota::remove_scratch;
 use super::*;
 
-/// A spare's first cell: an import, a call and a result, like most first cells.
-const WARM_UP_CELL: &str = "import os\nos.getpid()";
+/// A spare's first cell: an import and a call, like most first cells. It leaves no name in the
+/// session's namespace (not even `_`: its last statement is not an expression).
+const WARM_UP_CELL: &str =
+    "import os as _ironcell_warm_up\n_ironcell_warm_up.getpid()\ndel _ironcell_warm_up";
 
 /// After a spare failed to start, how long the pool waits before trying again.
 const REFILL_BACKOFF: Duration = Duration::from_secs(2);

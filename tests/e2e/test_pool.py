@@ -102,6 +102,19 @@ def test_a_new_session_runs_in_a_spare_that_knows_its_name_and_directory(server)
     assert not any((p / "made-here.txt").exists() for p in sessions_dir.glob("@spare-*"))
 
 
+def test_a_spare_leaves_no_name_in_its_session(server):
+    """A spare runs a warm-up cell before it waits; the session that takes it must not see
+    anything it left: no imported module, no `_` holding the last result."""
+    server.wait_for_full_pool()
+    before = server.workers()
+    rec = server.run("_names = sorted(k for k in globals() if not k.startswith('__'))\n"
+                     "import os\n(os.getpid(), _names)", "fresh")
+    pid, names = eval(rec["result"])
+    assert pid in before, f"the session did not take a spare: {rec}"
+    assert "os" not in names and "_" not in names, names
+    assert not [n for n in names if n.startswith("_ironcell")], names
+
+
 def test_a_taken_spare_is_replaced_and_spares_stay_outside_the_session_cap(tmp_path):
     s = Server(IRONCELL_MAX_SESSIONS="1")
     try:
