@@ -187,8 +187,9 @@ impl SessionManager {
                 continue;
             }
             // Renaming a directory within sessions-<pid>: both names are the host's own, and
-            // the spare has run no code, so its directory holds nothing of the worker's. The
-            // change tracker's watches follow the directory (they are on its inode).
+            // the spare has run only the host's warm-up cell, which writes no file, so its
+            // directory holds nothing of the worker's. The change tracker's watches follow the
+            // directory (they are on its inode).
             self.changes.rename(&spare.name, &session.name);
             if let Err(e) = std::fs::rename(&spare.scratch, &session.scratch) {
                 tracing::warn!(from = %spare.scratch.display(), to = %session.scratch.display(), error = %e, "cannot hand a spare its session's directory");

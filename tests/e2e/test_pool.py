@@ -82,14 +82,16 @@ def server(request):
 def test_a_new_session_runs_in_a_spare_that_knows_its_name_and_directory(server):
     rec = server.new_session_from_spare(
         "analysis",
+        "_first = sorted(os.listdir('.'))\n"
         "import tempfile\n"
         "open('made-here.txt', 'w').write('x')\n"
         "with tempfile.NamedTemporaryFile(dir=None, delete=False) as f: f.write(b'y')\n"
         "_where = (os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'], os.environ['PWD'],\n"
-        "          os.environ['IRONCELL_SESSION'], os.path.dirname(f.name), sorted(os.listdir('.')))\n"
+        "          os.environ['IRONCELL_SESSION'], os.path.dirname(f.name), sorted(os.listdir('.')), _first)\n"
         "print(repr(_where))\n",
     )
-    cwd, home, tmpdir, pwd, name, tmpfile_dir, listing = eval(rec["stdout"])
+    cwd, home, tmpdir, pwd, name, tmpfile_dir, listing, first = eval(rec["stdout"])
+    assert first == [], f"the spare handed over a directory that is not empty: {first}"
     sessions_dir = next(server.state.glob("sessions-*"))
     expected = str(sessions_dir / "analysis")
     assert (cwd, home, tmpdir, pwd, name) == (expected, expected, expected, expected, "analysis")
