@@ -766,7 +766,7 @@ def main() -> int:
     table.row("fork -> ready per worker, burst of 20", ms(f2r_burst or None), "")
     table.row("fork -> ready per worker, numpy + pandas preloaded", ms(f2r_pre or None), "")
     table.row("worker CPU time, fork -> first result", ms(cpu_first),
-              f"numpy + pandas preloaded: {ms(cpu_first_pre)} (CPU time: independent of the machine's load)")
+              f"numpy + pandas preloaded: {ms(cpu_first_pre)} (CPU time: unlike wall time, not inflated by waiting for a CPU; it still moves with the machine)")
     table.row("new session, burst of 20 at once (per call)", ms(burst_lat),
               f"whole burst {ms(burst_walls, 1)} = {med(burst_walls) / 20:.2f} ms per session")
     table.row("warm round trip `x += 1`", ms(warm, 3),

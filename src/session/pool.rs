@@ -247,7 +247,7 @@ impl SessionManager {
     /// Runs a first cell in a fresh spare, bound to its own directory the way a session's first
     /// run binds it, so the session that takes the spare does not pay for a worker's first cell:
     /// the runner's first compile and exec, the hand-off's code, and the pages they touch (each
-    /// a copy-on-write fault after the fork: a session's first run took ~40 of them without
+    /// a copy-on-write fault after the fork: a session's first run took ~41 of them without
     /// this, ~8 with it).
     async fn warm_up(
         &self,
@@ -304,5 +304,50 @@ impl SessionManager {
             font_cache,
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `wait` is done after `after` of (paused, auto-advancing) time.
+    async fn done_after(wait: &tokio::task::JoinHandle<()>, after: Duration) -> bool {
+        tokio::time::sleep(after).await;
+        tokio::task::yield_now().await;
+        wait.is_finished()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_refill_waits_for_session_workers_being_started_and_goes_when_they_are() {
+        let pool = Arc::new(Pool::new(2));
+        let first = pool.session_worker_starts();
+        let second = pool.session_worker_starts();
+        let p = pool.clone();
+        let wait = tokio::spawn(async move { p.until_no_session_worker_starts().await });
+        assert!(!done_after(&wait, Duration::from_millis(300)).await);
+        drop(first);
+        assert!(
+            !done_after(&wait, Duration::from_millis(300)).await,
+            "one is still starting"
+        );
+        drop(second);
+        assert!(
+            done_after(&wait, Duration::from_millis(1)).await,
+            "the last one is ready"
+        );
+        // Nothing starting: no wait at all.
+        let started = tokio::time::Instant::now();
+        pool.until_no_session_worker_starts().await;
+        assert_eq!(started.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_refill_waits_at_most_its_cap() {
+        let pool = Pool::new(2);
+        let _stuck = pool.session_worker_starts();
+        let started = tokio::time::Instant::now();
+        pool.until_no_session_worker_starts().await;
+        assert_eq!(started.elapsed(), MAX_REFILL_DEFER);
     }
 }
