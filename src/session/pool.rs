@@ -198,10 +198,7 @@ impl SessionManager {
             }
             spare.worker.move_to_slot(slot);
             self.pool.taken.notify_one();
-            spare.worker.bind = Some(crate::frame::Binding {
-                env: super::spawn::session_environment(&session.name, &session.scratch),
-                scratch: session.scratch.clone(),
-            });
+            spare.worker.bind = Some(hand_off(&session.name, &session.scratch));
             tracing::debug!(session = %session.name, pid = spare.worker.pid, "session takes a spare");
             return Ok(spare.worker);
         }
@@ -257,10 +254,7 @@ impl SessionManager {
     ) -> Result<LiveWorker, RunRefusal> {
         let spare = Session::new(name.into(), scratch.to_path_buf());
         let mut state = spare.state.lock().await;
-        worker.bind = Some(crate::frame::Binding {
-            env: super::spawn::session_environment(name, scratch),
-            scratch: scratch.to_path_buf(),
-        });
+        worker.bind = Some(hand_off(name, scratch));
         state.worker = Some(worker);
         let outcome = self
             .drive_cell(
@@ -304,6 +298,15 @@ impl SessionManager {
             font_cache,
         });
         Ok(())
+    }
+}
+
+/// What a spare's first `run` carries to bind it to the session `name` in `scratch`: the
+/// variables that name them ([`frame::Binding`]).
+fn hand_off(name: &str, scratch: &Path) -> frame::Binding {
+    frame::Binding {
+        env: super::spawn::session_environment(name, scratch),
+        scratch: scratch.to_path_buf(),
     }
 }
 
