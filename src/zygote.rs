@@ -389,8 +389,9 @@ impl Drop for Zygote {
 
 fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     let raw = fd.as_raw_fd();
+    let mut buf = Vec::new();
     loop {
-        let msg = match recv_message(raw) {
+        let msg = match recv_message(raw, &mut buf) {
             Ok(Some((msg, _fds))) => msg,
             Ok(None) => break,
             Err(e) => {
@@ -398,7 +399,7 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 break;
             }
         };
-        let event: ZygoteEvent = match serde_json::from_slice(&msg) {
+        let event: ZygoteEvent = match serde_json::from_slice(msg) {
             Ok(e) => e,
             Err(e) => {
                 tracing::error!(error = %e, "undecodable zygote event");

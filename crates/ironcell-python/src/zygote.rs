@@ -268,6 +268,8 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
     mask.add(Signal::SIGCHLD);
     mask.thread_block()?;
     let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)?;
+    // Every request is received into this one buffer (see `recv_message`).
+    let mut buf = Vec::new();
     loop {
         let mut fds = [
             PollFd::new(ctl_borrow(ctl), PollFlags::POLLIN),
@@ -285,11 +287,11 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
             report_exited_children(ctl.as_raw_fd())?;
         }
         if ctl_ready {
-            let Some((msg, fds)) = recv_message(ctl.as_raw_fd())? else {
+            let Some((msg, fds)) = recv_message(ctl.as_raw_fd(), &mut buf)? else {
                 // The host closed the control socket: it is gone or shutting down.
                 return Ok(());
             };
-            let request: ZygoteRequest = serde_json::from_slice(&msg)?;
+            let request: ZygoteRequest = serde_json::from_slice(msg)?;
             match request {
                 ZygoteRequest::Spawn { id, spec } => {
                     let mut fds = fds.into_iter();
