@@ -542,38 +542,45 @@ def proxy_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> N
     for _ in range(blocks):
         direct += [timed(lambda: direct_client.request("tools/call", call)) for _ in range(n_calls // blocks)]
         proxied += proxied_call.block(n_calls // blocks)
-    # The same burst as below, sent straight to the server: its own p99 is the floor.
-    direct_spread = direct_client.burst(
-        [{"name": "sleep", "arguments": {"seconds": 1.0}}]
-        + [{"name": "structured", "arguments": {"n": i}} for i in range(1000)])
-    direct_client.close()
-    code = """
-import time, asyncio
-async def one(i):
+    # 1,000 concurrent calls with one slow call among them, through ironcell and straight to
+    # the server, in alternating rounds: each burst is one noisy sample of a p99, so the verdict
+    # compares the rounds' medians.
+    burst_code = """
+import time, asyncio, statistics, json
+async def _one(i):
     t = time.perf_counter()
     await mcp_t.structured(n=i)
     return (time.perf_counter() - t) * 1000
-async def slow():
+async def _slow():
     t = time.perf_counter()
     await mcp_t.sleep(seconds=1.0)
     return (time.perf_counter() - t) * 1000
-async def all_at_once():
-    return await asyncio.gather(slow(), *(one(i) for i in range(1000)))
-t = time.perf_counter()
-spread = await all_at_once()
-gather_ms = (time.perf_counter() - t) * 1000
+def _summary(xs):
+    s = sorted(xs)
+    return [statistics.median(s), s[min(len(s) - 1, max(0, int(round(0.99 * len(s) + 0.5)) - 1))], s[0], s[-1]]
+async def _burst():
+    t = time.perf_counter()
+    spread = await asyncio.gather(_slow(), *(_one(i) for i in range(1000)))
+    return json.dumps([_summary(spread[1:]), spread[0], (time.perf_counter() - t) * 1000])
+"""
+    c.run(burst_code)
+    rounds = 1 if quick else 3
+    direct_rounds, proxied_rounds = [], []
+    for _ in range(rounds):
+        direct_spread = direct_client.burst(
+            [{"name": "sleep", "arguments": {"seconds": 1.0}}]
+            + [{"name": "structured", "arguments": {"n": i}} for i in range(1000)])
+        direct_rounds.append((direct_spread[1:], direct_spread[0]))
+        proxied_rounds.append(json.loads(eval(c.run("await _burst()")["result"])))
+    direct_client.close()
+    code = """
 runtime.search_tool_docs_sync("create invoice", limit=5)
 search = []
 for _ in range(100):
     t = time.perf_counter(); runtime.search_tool_docs_sync("export calendar event", limit=5); search.append((time.perf_counter() - t) * 1000)
-def summary(xs):
-    s = sorted(xs)
-    return [statistics.median(s), s[min(len(s) - 1, max(0, int(round(0.99 * len(s) + 0.5)) - 1))], s[0], s[-1]]
-import statistics, json
-json.dumps([summary(spread[1:]), spread[0], gather_ms, summary(search)])
+json.dumps(_summary(search))
 """
-    res = c.run(code)
-    spread, slow_ms, gather_ms, search = json.loads(eval(res["result"]))
+    search = json.loads(eval(c.run(code)["result"]))
     c.close()
     def sm(x, d=3):
         return f"{x[0]:.{d}f} / {x[1]:.{d}f} ms"
@@ -581,21 +588,27 @@ json.dumps([summary(spread[1:]), spread[0], gather_ms, summary(search)])
     table.row("proxied call from Python (sync)", ms(proxied, 3),
               f"same call direct to the server: {ms(direct, 3)}; overhead {over:.3f} ms (median; "
               f"{blocks} alternating blocks of each)")
+    # The round whose p99 is the median of the rounds', each way.
+    spread, slow_ms, gather_ms = sorted(proxied_rounds, key=lambda r: r[0][1])[len(proxied_rounds) // 2]
+    fast_direct, direct_slow_ms = sorted(direct_rounds, key=lambda r: p99(r[0]))[len(direct_rounds) // 2]
+    each = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
     table.row("1,000 concurrent proxied calls + one 1 s call", sm(spread, 1),
               f"spread min {spread[2]:.1f} / max {spread[3]:.1f} ms; all done in {gather_ms:.0f} ms; "
-              f"the 1 s call took {slow_ms:.0f} ms")
+              f"the 1 s call took {slow_ms:.0f} ms (the median of {rounds} rounds by p99; "
+              f"p99 per round: {each(r[0][1] for r in proxied_rounds)} ms)")
     table.row("runtime.search_tool_docs, 1,000 tools", sm(search), "round trip from Python included")
     table.target("proxied call overhead", "<= 0.30 ms", f"{over:.3f} ms", over <= 0.3)
-    fast_direct = direct_spread[1:]
     table.row("1,000 concurrent calls + one 1 s call, direct to the server", ms(fast_direct, 1),
-              f"the server's own floor (pipelined on one connection); the 1 s call took {direct_spread[0]:.0f} ms")
+              f"the server's own floor (pipelined on one connection); the 1 s call took "
+              f"{direct_slow_ms:.0f} ms (p99 per round: {each(p99(r[0]) for r in direct_rounds)} ms, "
+              f"alternating with the proxied rounds)")
     # No head-of-line blocking: the fast calls do not wait behind the slow one (their p99 ends
     # before it does), or, when the server itself needs longer than 1 s for 1,000 calls, they
-    # take no longer through ironcell than straight from the server (+10%).
+    # take no longer through ironcell than straight from the server (+10%). Medians of the rounds.
     floor = p99(fast_direct)
     ok = spread[1] < slow_ms or spread[1] <= 1.1 * floor
     table.target("1,000 concurrent: no head-of-line blocking", "p99 < the 1 s call, or <= 1.1x direct",
-                 f"p99 {spread[1]:.0f} ms (direct {floor:.0f} ms)", ok)
+                 f"p99 {spread[1]:.0f} ms (direct {floor:.0f} ms; medians of {rounds} rounds)", ok)
 
 
 # ---------------------------------------------------------------------------------------------
