@@ -682,7 +682,7 @@ def main() -> int:
         return per_python(a.binary, [a.python] if a.python else interpreters_on_this_machine(), a.quick, a.markdown)
     q = a.quick
     n_new, n_warm, n_start, n_base, n_files, n_plot, burst_rounds = \
-        (10, 100, 3, 10, 40, 2, 1) if q else (50, 1000, 10, 30, 200, 5, 3)
+        (10, 100, 3, 10, 40, 2, 1) if q else (50, 1000, 10, 30, 200, 10, 3)
     state = tempfile.mkdtemp(prefix="ironcell-bench-")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
            "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_MAX_OUTPUT": "200m"}
@@ -842,7 +842,7 @@ def main() -> int:
     header = (f"ironcell benchmark ({'quick' if q else 'full'}; median / p99 ms unless stated): "
               f"Python {py_version} via {python_how}; peers on {peer_py}; {os.cpu_count()} CPUs; "
               f"n = {n_new} new sessions, {burst_rounds} bursts of 20, {n_warm} warm calls, {n_start} starts, "
-              f"{n_base} peer runs")
+              f"{n_plot} plots each way, {n_base} peer runs")
     table.print(header, a.markdown)
     shutil.rmtree(state, ignore_errors=True)
     return 0
