@@ -606,8 +606,8 @@ json.dumps(_summary(search))
     # before it does), or, when the server itself needs longer than 1 s for 1,000 calls, they
     # take no longer through ironcell than straight from the server (+10%). Medians of the rounds.
     floor = p99(fast_direct)
-    ok = spread[1] < slow_ms or spread[1] <= 1.1 * floor
-    table.target("1,000 concurrent: no head-of-line blocking", "p99 < the 1 s call, or <= 1.1x direct",
+    ok = spread[1] < slow_ms or (floor >= direct_slow_ms and spread[1] <= 1.1 * floor)
+    table.target("1,000 concurrent: no head-of-line blocking", "p99 < the 1 s call (or <= 1.1x direct, if direct is slower than it)",
                  f"p99 {spread[1]:.0f} ms (direct {floor:.0f} ms; medians of {rounds} rounds)", ok)
 
 

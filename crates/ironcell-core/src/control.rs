@@ -140,6 +140,14 @@ pub fn send_event(ctl: RawFd, event: &ZygoteEvent) -> anyhow::Result<()> {
 }
 
 pub fn send_message(fd: RawFd, body: &[u8], pass_fd: Option<RawFd>) -> anyhow::Result<()> {
+    if body.len() > MAX_CONTROL_MESSAGE {
+        // The receiver's buffer is this large: a longer packet would arrive cut off.
+        anyhow::bail!(
+            "a control message of {} bytes is over the {MAX_CONTROL_MESSAGE}-byte limit (a very \
+             large environment or list of proxied servers?)",
+            body.len()
+        );
+    }
     let iov = [IoSlice::new(body)];
     let fds;
     let cmsgs: Vec<ControlMessage<'_>> = match pass_fd {
@@ -185,6 +193,9 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
                 fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
             }
         }
+        if msg.flags.contains(MsgFlags::MSG_TRUNC) {
+            anyhow::bail!("a control message over {MAX_CONTROL_MESSAGE} bytes arrived cut off");
+        }
         let n = msg.bytes;
         if n == 0 && fds.is_empty() {
             return Ok(None);
@@ -223,6 +234,10 @@ mod tests {
         // The second packet landed where the first did: no new (zeroed) allocation per packet.
         assert_eq!(buf.as_ptr(), at);
         assert_eq!(buf.len(), MAX_CONTROL_MESSAGE);
+
+        // Longer than the receiver's buffer: refused by the sender, not cut off on arrival.
+        let err = send_message(a.as_raw_fd(), &vec![b'x'; MAX_CONTROL_MESSAGE + 1], None);
+        assert!(err.unwrap_err().to_string().contains("limit"));
 
         drop(a);
         assert!(recv_message(b.as_raw_fd(), &mut buf).unwrap().is_none());

@@ -72,21 +72,22 @@ fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
         Err(e) => return Err(e),
     }
     std::fs::write(dir.join("pids.max"), max_tasks.to_string())?;
-    // A worker joins before it starts any thread, so moving the calling thread moves the whole
-    // process, and every thread it starts later is created in the group. Moved as a thread
-    // ("0" in `tasks`), Linux >= 6.1 skips the system-wide lock a whole-process move takes,
-    // whose first taker after a quiet spell waits for an RCU grace period: ~13 ms median per
-    // worker here for `cgroup.procs` when workers start 50 ms apart, ~0.06 ms back to back. A
-    // process that somehow has more threads is moved whole.
-    if threads_of_this_process()? == 1 {
+    // A worker joins before it starts any other thread, so moving the calling thread moves the
+    // whole process, and every thread it starts later is created in the group. A thread moving
+    // itself ("0" in `tasks`) skips the system-wide lock a whole-process move takes, whose first
+    // taker after a quiet spell waits for an RCU grace period: ~13 ms median per worker here for
+    // `cgroup.procs` when workers start 50 ms apart, ~0.06 ms back to back. (Upstream's "cgroup:
+    // Optimize single thread migration"; a kernel without it takes the lock either way.) A
+    // process with more threads, or whose threads cannot be counted, is moved whole.
+    if threads_of_this_process() == Some(1) {
         std::fs::write(dir.join("tasks"), "0")
     } else {
         std::fs::write(dir.join("cgroup.procs"), pid.to_string())
     }
 }
 
-fn threads_of_this_process() -> io::Result<usize> {
-    Ok(std::fs::read_dir("/proc/self/task")?.count())
+fn threads_of_this_process() -> Option<usize> {
+    Some(std::fs::read_dir("/proc/self/task").ok()?.count())
 }
 
 /// `rmdir` on the groups of workers whose pid no longer exists (a cheap check that spares an
