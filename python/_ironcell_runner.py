@@ -148,6 +148,78 @@ def _prepare_worker_template():
     _warm_worker_paths()
 
 
+_quieted_fork_hooks = []  # (function, its own code), while the zygote keeps them quiet
+
+
+def _pass():
+    pass
+
+
+def zygote_quiet_fork_hooks():
+    """Before CPython 3.12, lets a worker skip two after-fork hooks that only repair what other
+    threads left behind; the worker puts them back at once (`worker_after_fork`). Returns what it
+    did, for the zygote's log. Called by the zygote (single-threaded, checked by the caller)
+    right before `gc.freeze()`, again after every warm-up, and it first undoes its last call.
+
+    Why: on 3.9-3.11 every object a child touches costs it a private copy of its page (each
+    reference count is written), and the hooks of `threading` (`_after_fork`: new locks, the
+    thread tables rebuilt) and `logging` (every handler's lock re-made) touched ~55 of the ~460
+    pages of an idle session's private memory. From 3.12 objects such as `None` and interned
+    strings are immortal, and these hooks cost far less.
+
+    Why it is safe: the hooks re-make locks and thread records in case another thread held or
+    owned them at the fork. The zygote forks with one thread, from its Rust loop, outside any
+    Python code, so no such lock is held and the main thread is the only one: the hooks would
+    rebuild the same state. Their code is swapped for an empty function only when that is so
+    here (one thread known to `threading`, no thread starting, `logging`'s hooks as the standard
+    library defines them); otherwise they run as usual. The one lock still held in the child is
+    `logging._lock`, which `logging`'s before-fork hook takes in the zygote: the worker re-makes
+    it, as the hook would have."""
+    zygote_restore_fork_hooks()
+    if sys.version_info >= (3, 12):
+        return "fork hooks left as they are (Python 3.12 or later)"
+    import threading
+
+    main = threading.main_thread()
+    if (threading.current_thread() is not main or len(threading._active) != 1 or threading._limbo
+            or any(t is not main for t in list(threading._dangling))):
+        return "fork hooks left as they are (threads other than the main one are known)"
+    hooks = [getattr(threading, "_after_fork", None)]
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        lock = getattr(logging, "_lock", None)
+        if not hasattr(lock, "_at_fork_reinit"):
+            return "fork hooks left as they are (logging has no re-makeable lock)"
+        hooks.append(getattr(logging, "_after_at_fork_child_reinit_locks", None))
+    if not all(isinstance(h, type(_pass)) and not h.__code__.co_freevars for h in hooks):
+        return "fork hooks left as they are (not the standard library's)"
+    for function in hooks:
+        _quieted_fork_hooks.append((function, function.__code__))
+        function.__code__ = _pass.__code__
+    return "quieted fork hooks: " + ", ".join(f"{h.__module__}.{h.__name__}" for h in hooks)
+
+
+def zygote_restore_fork_hooks():
+    """Undoes `zygote_quiet_fork_hooks`: every hook runs in the next fork."""
+    for function, code in _quieted_fork_hooks:
+        function.__code__ = code
+    _quieted_fork_hooks.clear()
+    return "fork hooks left as they are (the zygote has more than one thread)"
+
+
+def worker_after_fork():
+    """First thing in a worker, right after CPython's own after-fork work: puts back the hooks
+    `zygote_quiet_fork_hooks` quieted (a fork inside the worker then runs them as usual) and
+    re-makes `logging`'s module lock, which the zygote held while it forked."""
+    if not _quieted_fork_hooks:
+        return
+    for function, code in _quieted_fork_hooks:
+        function.__code__ = code
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        logging._lock._at_fork_reinit()
+
+
 def _warm_fork_hooks():
     """Runs, in the zygote, the harmless parts of what `threading`'s fork hook runs in every
     child (listing the threads, making and re-initializing locks), so that code is specialized

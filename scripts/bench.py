@@ -202,12 +202,26 @@ class Client:
         self.p.wait(30)
 
 
+def fresh_state_dir(prefix: str) -> str:
+    """A new state dir where ironcell keeps its own by default ($XDG_STATE_HOME, else
+    ~/.local/state), so the workers run as a user's do: with the session dir mounted over /tmp
+    in a private mount namespace. A state dir under /tmp gets the fallback instead (no such
+    mount; an audit hook that names the problem), whose workers differ (e.g. ~60 KiB more private
+    memory each). The temp dir only when that place cannot be written."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix=prefix, dir=base)
+    except OSError:
+        return tempfile.mkdtemp(prefix=prefix)
+
+
 def start_profiled_server(binary: str, python: str, prefix: str, rust_log: str, preload: str | None = None,
                           pool: str | None = None, **extra: str) -> tuple[Client, str]:
     """A server in a fresh state dir for the profile_*.py scripts: sessions on `python`, up to 500
     sessions, its log in `<state>/host.log`; initialized, with one run done. Returns the client
     and the log's path."""
-    state = tempfile.mkdtemp(prefix=prefix)
+    state = fresh_state_dir(prefix)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
            "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500",
            "IRONCELL_PYTHON": python, "RUST_LOG": rust_log, **extra}
@@ -642,7 +656,7 @@ def per_python(binary: str, pythons: list[str], quick: bool, markdown: bool) -> 
     n_start, n_new, n_warm, n_base = (3, 10, 100, 10) if quick else (10, 50, 500, 30)
     table = Table()
     for py in pythons:
-        state = tempfile.mkdtemp(prefix="ironcell-bench-")
+        state = fresh_state_dir("ironcell-bench-")
         env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "MCP_BRIDGE_STATE_DIR": state,
                "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_PYTHON": py}
         starts = []
@@ -683,7 +697,7 @@ def main() -> int:
     q = a.quick
     n_new, n_warm, n_start, n_base, n_files, n_plot, burst_rounds = \
         (10, 100, 3, 10, 40, 2, 1) if q else (50, 1000, 10, 30, 200, 10, 3)
-    state = tempfile.mkdtemp(prefix="ironcell-bench-")
+    state = fresh_state_dir("ironcell-bench-")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
            "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_MAX_OUTPUT": "200m"}
     binary = a.binary

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,6 +54,7 @@ def main() -> int:
     c.close()
     f2r_single = bench.fork_to_ready_ms(log, "s") + bench.fork_to_ready_ms(log, "(spare)")
     f2r_burst = bench.fork_to_ready_ms(log, "b")
+    shutil.rmtree(os.path.dirname(log), ignore_errors=True)
     out = {
         "preload": a.preload or "-",
         "fork->ready one at a time (ms)": f2r_single,

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,7 @@ def main() -> int:
     per_map = [private_by_mapping(p) for p in pids] if a.breakdown else []
     c.close()
     f2r = bench.fork_to_ready_ms(log, "s") + bench.fork_to_ready_ms(log, "(spare)")
+    shutil.rmtree(os.path.dirname(log), ignore_errors=True)
     out = {"preload": a.preload or "-", "warm_plots": a.warm_plots, "pyplot_in_worker": probe,
            "warmed": warmed, "USS idle session (MiB)": uss, "fork->ready (ms)": f2r}
     if per_map:

@@ -83,6 +83,46 @@ def test_core_cases_run_in_each_interpreter(python, state_dir):
         srv.close()
 
 
+THREADS_AFTER_FORK = """
+import logging, threading
+seen = {}
+def probe():
+    seen["lock free"] = logging._lock.acquire(blocking=False)
+    if seen["lock free"]:
+        logging._lock.release()
+    logging.getLogger("probe").warning("from a thread")
+    seen["logged"] = True
+t = threading.Thread(target=probe)
+t.start()
+t.join(10)
+(not t.is_alive(), seen, threading.main_thread() is threading.current_thread(),
+ threading._after_fork.__code__.co_name,
+ getattr(logging, "_after_at_fork_child_reinit_locks", probe).__code__.co_name)
+"""
+
+
+@pytest.mark.parametrize("python", list(_interpreters()))
+def test_threads_and_logging_work_in_a_fresh_worker(python, state_dir):
+    """The zygote lets workers skip two after-fork hooks before 3.12 (they only repair what other
+    threads left behind) and each worker puts them back: a thread it starts can log (logging's
+    module lock, held by the zygote while it forked, is free again) and the hooks are the
+    standard library's own again, in a pre-forked spare and in a worker forked on demand."""
+    if python is None or not python.exists():
+        pytest.skip("this interpreter is not installed on this machine")
+    for pool in ("2", "0"):
+        srv = RawServer(state_dir, IRONCELL_PYTHON=str(python), IRONCELL_POOL_SIZE=pool)
+        try:
+            srv.initialize()
+            for session in ("a", "b"):
+                done, seen, main, threading_hook, logging_hook = eval(_result(srv.call(THREADS_AFTER_FORK, session=session)))
+                assert done and seen == {"lock free": True, "logged": True}, (pool, session, seen)
+                assert main, "the worker's main thread is threading's main thread"
+                assert threading_hook == "_after_fork", threading_hook
+                assert logging_hook in ("_after_at_fork_child_reinit_locks", "probe"), logging_hook
+        finally:
+            srv.close()
+
+
 def _wheel() -> Path | None:
     found = sorted((HARNESS / "wheels").glob("tabulate-*.whl")) if (HARNESS / "wheels").is_dir() else []
     return found[-1] if found else None

@@ -248,6 +248,7 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
     }
     // Move everything imported so far into the permanent generation: a forked worker's garbage
     // collections then never touch (and so never copy) the zygote's pages.
+    quiet_fork_hooks(&runner);
     let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
@@ -330,6 +331,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
             .call_method1("zygote_warm_up", (font_cache_dir.to_string_lossy(),))?
             .str()?
             .to_string();
+        quiet_fork_hooks(&runner);
         let gc = py.import("gc")?;
         gc.call_method0("collect")?;
         gc.call_method0("freeze")?;
@@ -355,6 +357,23 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         pyplot,
         message,
         ms,
+    }
+}
+
+/// Lets workers skip the after-fork hooks that only repair what other threads left behind
+/// (python/_ironcell_runner.py's `zygote_quiet_fork_hooks` says why, and when). Only while the
+/// zygote has one thread: with another, the hooks are put back and run as usual.
+fn quiet_fork_hooks(runner: &Bound<'_, PyAny>) {
+    let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+    let outcome = if threads == 1 {
+        runner.call_method0("zygote_quiet_fork_hooks")
+    } else {
+        // Undo an earlier call (its check saw one thread), by asking for nothing.
+        runner.call_method0("zygote_restore_fork_hooks")
+    };
+    match outcome.and_then(|done| done.str().map(|s| s.to_string())) {
+        Ok(done) => tracing::debug!(threads, %done, "after-fork hooks"),
+        Err(e) => tracing::warn!(error = %e, "could not set up the after-fork hooks"),
     }
 }
 

@@ -5,7 +5,8 @@
 //! applies Landlock and seccomp per thread and a thread started earlier would escape them.
 //!
 //! 0. [`fork`], in the zygote (single-threaded, GIL held, CPython's fork hooks run); the
-//!    child remembers the zygote's pid, taken before the fork.
+//!    child remembers the zygote's pid, taken before the fork, and puts back the two hooks the
+//!    zygote may have quieted (`zygote_quiet_fork_hooks` in python/_ironcell_runner.py).
 //! 1. Keep only the session socket (moved to fd 3) and close every other inherited fd.
 //! 2. Point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C extensions all
 //!    land in this session's output and can never reach the host's MCP stream.
@@ -112,6 +113,13 @@ fn serve_session(
     session_fd: OwnedFd,
     zygote: nix::unistd::Pid,
 ) -> anyhow::Result<()> {
+    // Step 0b: the after-fork hooks the zygote quieted go back (see `zygote_quiet_fork_hooks`
+    // in python/_ironcell_runner.py), before any code could start a thread or fork.
+    imported_module(py, "_ironcell_runner")
+        .ok_or_else(|| anyhow!("the cell runner is missing from sys.modules"))?
+        .call_method0("worker_after_fork")
+        .map_err(|e| anyhow!("restoring the after-fork hooks: {e}"))?;
+
     // Step 1: the session socket on fd 3, nothing else.
     move_fd_to(session_fd, SESSION_FD)?;
     close_fds_from(SESSION_FD + 1)?;
