@@ -151,33 +151,38 @@ def _prepare_worker_template():
 _quieted_fork_hooks = []  # (function, its own code), while the zygote keeps them quiet
 
 
-def _pass():
-    pass
+def _quiet(*args, **kwargs):
+    """What a quieted after-fork hook runs instead of its own code."""
 
 
 def zygote_quiet_fork_hooks():
-    """Before CPython 3.12, lets a worker skip two after-fork hooks that only repair what other
-    threads left behind; the worker puts them back at once (`worker_after_fork`). Returns what it
-    did, for the zygote's log. Called by the zygote (single-threaded, checked by the caller)
-    right before `gc.freeze()`, again after every warm-up, and it first undoes its last call.
+    """Before CPython 3.12, lets a worker skip the after-fork hooks of `threading` and `logging`;
+    the worker puts them back at once and does what is still needed of them
+    (`worker_after_fork`). Returns what it did, for the zygote's log. The zygote calls it (when
+    it has one thread, checked by the caller) right before `gc.freeze()`, and undoes it
+    (`zygote_restore_fork_hooks`) before it runs any other Python, such as the plot warm-up,
+    and before any fork it makes with more than one thread.
 
     Why: on 3.9-3.11 every object a child touches costs it a private copy of its page (each
-    reference count is written), and the hooks of `threading` (`_after_fork`: new locks, the
-    thread tables rebuilt) and `logging` (every handler's lock re-made) touched ~55 of the ~460
-    pages of an idle session's private memory. From 3.12 objects such as `None` and interned
-    strings are immortal, and these hooks cost far less.
+    reference count is written), and these two hooks touched ~55 of the ~460 pages of an idle
+    session's private memory. From 3.12 objects such as `None` and interned strings are
+    immortal, and the hooks cost far less.
 
     Why it is safe: the hooks re-make locks and thread records in case another thread held or
     owned them at the fork. The zygote forks with one thread, from its Rust loop, outside any
     Python code, so no such lock is held and the main thread is the only one: the hooks would
-    rebuild the same state. Their code is swapped for an empty function only when that is so
-    here (one thread known to `threading`, no thread starting, `logging`'s hooks as the standard
-    library defines them); otherwise they run as usual. The one lock still held in the child is
-    `logging._lock`, which `logging`'s before-fork hook takes in the zygote: the worker re-makes
-    it, as the hook would have."""
+    rebuild the same state. The one lock still held in the child is `logging._lock`, which
+    `logging`'s before-fork hook takes in the zygote: the worker re-makes it. The hooks are
+    quieted only when all of that holds here (one thread known to `threading`, `logging`'s lock
+    re-makeable and every handler's `_at_fork_reinit` the standard one, each hook a plain
+    Python function as the standard library defines it); otherwise they run as usual.
+    `random`'s hook (a reseed every worker needs) always runs: skipping it and reseeding from
+    the worker saved nothing measurable."""
+    import types
+
     zygote_restore_fork_hooks()
-    if sys.version_info >= (3, 12):
-        return "fork hooks left as they are (Python 3.12 or later)"
+    if not (3, 9) <= sys.version_info < (3, 12):
+        return "fork hooks left as they are (Python 3.12 or later, or before 3.9)"
     import threading
 
     main = threading.main_thread()
@@ -187,16 +192,21 @@ def zygote_quiet_fork_hooks():
     hooks = [getattr(threading, "_after_fork", None)]
     logging = sys.modules.get("logging")
     if logging is not None:
-        lock = getattr(logging, "_lock", None)
-        if not hasattr(lock, "_at_fork_reinit"):
+        if not hasattr(getattr(logging, "_lock", None), "_at_fork_reinit"):
             return "fork hooks left as they are (logging has no re-makeable lock)"
+        # The hook calls each handler's `_at_fork_reinit`: the standard ones only re-make a lock.
+        standard = {getattr(c, "_at_fork_reinit", None) for c in (logging.Handler, logging.NullHandler)}
+        handlers = getattr(logging, "_at_fork_reinit_lock_weakset", None)
+        if handlers is None or any(getattr(type(h), "_at_fork_reinit", None) not in standard
+                                   for h in list(handlers)):
+            return "fork hooks left as they are (a logging handler re-makes more than its lock)"
         hooks.append(getattr(logging, "_after_at_fork_child_reinit_locks", None))
-    if not all(isinstance(h, type(_pass)) and not h.__code__.co_freevars for h in hooks):
+    if not all(isinstance(h, types.FunctionType) and not h.__code__.co_freevars for h in hooks):
         return "fork hooks left as they are (not the standard library's)"
     for function in hooks:
         _quieted_fork_hooks.append((function, function.__code__))
-        function.__code__ = _pass.__code__
-    return "quieted fork hooks: " + ", ".join(f"{h.__module__}.{h.__name__}" for h in hooks)
+        function.__code__ = _quiet.__code__
+    return "quieted fork hooks: " + ", ".join(f"{h.__module__}.{h.__qualname__}" for h in hooks)
 
 
 def zygote_restore_fork_hooks():
@@ -204,7 +214,7 @@ def zygote_restore_fork_hooks():
     for function, code in _quieted_fork_hooks:
         function.__code__ = code
     _quieted_fork_hooks.clear()
-    return "fork hooks left as they are (the zygote has more than one thread)"
+    return "fork hooks left as they are"
 
 
 def worker_after_fork():

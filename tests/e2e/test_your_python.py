@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HARNESS, IRONCELL, RawServer, server_env, shared_tmp_dir
+from conftest import HARNESS, IRONCELL, RawServer, server_env, shared_tmp_dir, wait_until
 
 PYENV = Path("/root/.pyenv/versions")
 
@@ -95,9 +95,12 @@ def probe():
 t = threading.Thread(target=probe)
 t.start()
 t.join(10)
+import random, sys, _ironcell_runner
 (not t.is_alive(), seen, threading.main_thread() is threading.current_thread(),
  threading._after_fork.__code__.co_name,
- getattr(logging, "_after_at_fork_child_reinit_locks", probe).__code__.co_name)
+ getattr(logging, "_after_at_fork_child_reinit_locks", probe).__code__.co_name,
+ random.Random.seed.__code__.co_name, random.Random(5).random(), random.random(),
+ sorted(f.__qualname__ for f, _ in _ironcell_runner._quieted_fork_hooks), "matplotlib.pyplot" in sys.modules)
 """
 
 
@@ -106,21 +109,49 @@ def test_threads_and_logging_work_in_a_fresh_worker(python, state_dir):
     """The zygote lets workers skip two after-fork hooks before 3.12 (they only repair what other
     threads left behind) and each worker puts them back: a thread it starts can log (logging's
     module lock, held by the zygote while it forked, is free again) and the hooks are the
-    standard library's own again, in a pre-forked spare and in a worker forked on demand."""
+    standard library's own again, in a pre-forked spare, in a worker forked on demand, and (with
+    matplotlib) in one forked after the zygote's plot warm-up. `random`'s hook still reseeds
+    every worker: no two sessions draw the same numbers."""
+    import random
+
     if python is None or not python.exists():
         pytest.skip("this interpreter is not installed on this machine")
+    before_3_12 = tuple(int(x) for x in _version_of(python).split(".")[:2]) < (3, 12)
+    draws = []
+
+    def probe(srv, session, pool) -> bool:
+        done, seen, main, threading_hook, logging_hook, seed_code, seeded, drawn, quieted, pyplot = \
+            eval(_result(srv.call(THREADS_AFTER_FORK, session=session)))
+        assert done and seen == {"lock free": True, "logged": True}, (pool, session, seen)
+        assert main, "the worker's main thread is threading's main thread"
+        assert threading_hook == "_after_fork", threading_hook
+        assert logging_hook in ("_after_at_fork_child_reinit_locks", "probe"), logging_hook
+        assert seed_code == "seed" and seeded == random.Random(5).random()
+        draws.append(drawn)
+        # The hooks were quieted in this fork (so this test tests something) before 3.12 only.
+        if before_3_12:
+            assert "_after_fork" in quieted, quieted
+        else:
+            assert quieted == [], quieted
+        return pyplot
+
     for pool in ("2", "0"):
         srv = RawServer(state_dir, IRONCELL_PYTHON=str(python), IRONCELL_POOL_SIZE=pool)
         try:
             srv.initialize()
             for session in ("a", "b"):
-                done, seen, main, threading_hook, logging_hook = eval(_result(srv.call(THREADS_AFTER_FORK, session=session)))
-                assert done and seen == {"lock free": True, "logged": True}, (pool, session, seen)
-                assert main, "the worker's main thread is threading's main thread"
-                assert threading_hook == "_after_fork", threading_hook
-                assert logging_hook in ("_after_at_fork_child_reinit_locks", "probe"), logging_hook
+                probe(srv, session, pool)
+            # Where matplotlib is installed the zygote warms up for plots between two forks and
+            # quiets the hooks again: workers forked after that, too.
+            if pool == "2" and eval(_result(srv.call("import importlib.util\n"
+                                                      "importlib.util.find_spec('matplotlib') is not None"))):
+                fresh = iter(range(1000))
+                assert wait_until(lambda: probe(srv, f"w{next(fresh)}", pool), timeout=120, step=0.5), \
+                    "no new session found pyplot imported by the warmed zygote"
+                probe(srv, "after-warm-up", pool)
         finally:
             srv.close()
+    assert len(set(draws)) == len(draws), f"two sessions drew the same random number: {draws}"
 
 
 def _wheel() -> Path | None:

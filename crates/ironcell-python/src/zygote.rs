@@ -248,9 +248,9 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
     }
     // Move everything imported so far into the permanent generation: a forked worker's garbage
     // collections then never touch (and so never copy) the zygote's pages.
-    quiet_fork_hooks(&runner);
     let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
     gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
+    quiet_fork_hooks(&runner);
     gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
     fill_pymalloc_holes(py);
     fill_malloc_holes();
@@ -327,13 +327,16 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
             .import("sys")?
             .getattr("modules")?
             .get_item("_ironcell_runner")?;
+        // The after-fork hooks run as usual while the warm-up runs (it might fork, or start a
+        // thread); `quiet_fork_hooks` below quiets them again if the zygote is still alone.
+        runner.call_method0("zygote_restore_fork_hooks")?;
         let message = runner
             .call_method1("zygote_warm_up", (font_cache_dir.to_string_lossy(),))?
             .str()?
             .to_string();
-        quiet_fork_hooks(&runner);
         let gc = py.import("gc")?;
         gc.call_method0("collect")?;
+        quiet_fork_hooks(&runner);
         gc.call_method0("freeze")?;
         fill_pymalloc_holes(py);
         fill_malloc_holes();
@@ -360,9 +363,10 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
     }
 }
 
-/// Lets workers skip the after-fork hooks that only repair what other threads left behind
-/// (python/_ironcell_runner.py's `zygote_quiet_fork_hooks` says why, and when). Only while the
-/// zygote has one thread: with another, the hooks are put back and run as usual.
+/// Lets workers skip CPython's after-fork hooks of `threading` and `logging` before 3.12
+/// (python/_ironcell_runner.py's `zygote_quiet_fork_hooks` says why, when, and what each worker
+/// still does of them). Called right before the zygote freezes its heap and forks again;
+/// only while it has one thread: with another, the hooks are put back and run as usual.
 fn quiet_fork_hooks(runner: &Bound<'_, PyAny>) {
     let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
     let outcome = if threads == 1 {
