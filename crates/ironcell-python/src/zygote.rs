@@ -350,7 +350,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         .and_then(|m| m.contains("matplotlib.pyplot"))
         .unwrap_or(false);
     let ms = started.elapsed().as_secs_f64() * 1000.0;
-    let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+    let threads = ironcell_core::sandbox::sys::threads_of_this_process().unwrap_or(0);
     if threads > 1 {
         // fork copies only this thread; a lock another thread holds would stay held in workers.
         tracing::error!(threads, "the matplotlib warm-up left threads in the zygote");
@@ -368,7 +368,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
 /// still does of them). Called right before the zygote freezes its heap and forks again;
 /// only while it has one thread: with another, the hooks are put back and run as usual.
 fn quiet_fork_hooks(runner: &Bound<'_, PyAny>) {
-    let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+    let threads = ironcell_core::sandbox::sys::threads_of_this_process().unwrap_or(0);
     let outcome = if threads == 1 {
         runner.call_method0("zygote_quiet_fork_hooks")
     } else {

@@ -79,15 +79,11 @@ fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
     // `cgroup.procs` when workers start 50 ms apart, ~0.06 ms back to back. (Upstream's "cgroup:
     // Optimize single thread migration"; a kernel without it takes the lock either way.) A
     // process with more threads, or whose threads cannot be counted, is moved whole.
-    if threads_of_this_process() == Some(1) {
+    if super::sys::threads_of_this_process() == Some(1) {
         std::fs::write(dir.join("tasks"), "0")
     } else {
         std::fs::write(dir.join("cgroup.procs"), pid.to_string())
     }
-}
-
-fn threads_of_this_process() -> Option<usize> {
-    Some(std::fs::read_dir("/proc/self/task").ok()?.count())
 }
 
 /// `rmdir` on the groups of workers whose pid no longer exists (a cheap check that spares an

@@ -138,3 +138,46 @@ pub fn limit_malloc_arenas(n: i32) {
     #[cfg(not(target_env = "gnu"))]
     let _ = n;
 }
+
+/// This process's number of threads (field 20 of `/proc/self/stat`), read into a stack buffer:
+/// no heap allocation, so the zygote can ask before every fork (a page it writes between forks
+/// is a private copy in the worker forked before). `None` if it cannot be read.
+pub fn threads_of_this_process() -> Option<u64> {
+    // SAFETY: open(2) of a constant, NUL-terminated path; the fd is closed below.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/stat".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    let mut buf = [0u8; 1024];
+    // SAFETY: read(2) into a buffer this function owns, at most its length.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    // SAFETY: close(2) of the fd opened above, once.
+    unsafe { libc::close(fd) };
+    num_threads_field(buf.get(..usize::try_from(n).ok()?)?)
+}
+
+/// Field 20 (`num_threads`) of a `/proc/<pid>/stat` line.
+fn num_threads_field(stat: &[u8]) -> Option<u64> {
+    // The command name (field 2) may hold spaces and parentheses; after its last `)` come
+    // fields 3 (state) onward, so field 20 is the 18th.
+    let rest = stat.get(stat.iter().rposition(|&b| b == b')')? + 2..)?;
+    let field = rest.split(|&b| b == b' ').nth(17)?;
+    std::str::from_utf8(field).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_num_threads_from_a_stat_line() {
+        let line = b"4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 500 0 0 0 3 1 0 0 20 0 7 0 \
+                     123 456 789 18446744073709551615\n";
+        assert_eq!(super::num_threads_field(line), Some(7));
+        assert_eq!(super::num_threads_field(b"4242 (cut"), None);
+        assert!(super::threads_of_this_process().is_some_and(|n| n >= 1));
+    }
+}

@@ -54,7 +54,7 @@ pub fn fork(
     // The after-fork hooks the zygote may have quieted are safe to skip only in a fork from a
     // single-threaded zygote; it checked when it quieted them, and this checks again, every
     // fork (reading /proc/self/stat into a stack buffer: no allocation, no Python).
-    if zygote_thread_count() != Some(1) {
+    if ironcell_core::sandbox::sys::threads_of_this_process() != Some(1) {
         put_back_all_fork_hooks(py);
     }
     // SAFETY: the zygote is single-threaded and holds the GIL, so fork copies a consistent
@@ -83,41 +83,24 @@ pub fn fork(
     ZygoteEvent::Spawned { id, pid }
 }
 
-/// This process's number of threads (field 20 of `/proc/self/stat`), read into a stack buffer:
-/// the zygote calls it before every fork, where a heap allocation would cost each worker a page.
-fn zygote_thread_count() -> Option<u64> {
-    // SAFETY: open/read/close on a buffer this function owns; the fd is closed before return.
-    let fd = unsafe {
-        libc::open(
-            c"/proc/self/stat".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return None;
-    }
-    let mut buf = [0u8; 1024];
-    // SAFETY: as above.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-    // SAFETY: as above.
-    unsafe { libc::close(fd) };
-    let stat = buf.get(..usize::try_from(n).ok()?)?;
-    // After the command name's closing parenthesis: field 3 (state) onward; field 20 is the 18th.
-    let rest = stat.get(stat.iter().rposition(|&b| b == b')')? + 2..)?;
-    let field = rest.split(|&b| b == b' ').nth(17)?;
-    std::str::from_utf8(field).ok()?.parse().ok()
-}
-
 /// Puts every quieted after-fork hook back in the zygote (python/_ironcell_runner.py's
-/// `zygote_restore_fork_hooks`): the next forks run them all.
+/// `zygote_restore_fork_hooks`): the next forks run them all. Says so once, when there were any.
 fn put_back_all_fork_hooks(py: Python<'_>) {
     let restored = imported_module(py, "_ironcell_runner")
         .ok_or_else(|| anyhow!("the cell runner is missing from sys.modules"))
         .and_then(|r| {
-            r.call_method0("zygote_restore_fork_hooks")
-                .map_err(|e| anyhow!("{e}"))
+            let quieted = r
+                .getattr("_quieted_fork_hooks")
+                .and_then(|l| l.len())
+                .map_err(|e| anyhow!("{e}"))?;
+            if quieted > 0 {
+                r.call_method0("zygote_restore_fork_hooks")
+                    .map_err(|e| anyhow!("{e}"))?;
+            }
+            Ok(quieted)
         });
     match restored {
+        Ok(0) => {}
         Ok(_) => {
             tracing::warn!("the zygote has more than one thread: workers run every after-fork hook")
         }
