@@ -285,9 +285,11 @@ def _warm_worker_paths(rounds=1):
     try:
         # CPython's type attribute cache (4,096 entries) holds a reference to the name each entry
         # was filled for. Emptied here, the entries a worker's lookups replace hold `None`, not
-        # names from the zygote's other lookups; before 3.12, replacing one lowers the old
-        # name's refcount, each in a page of its own (~33 pages per idle session on 3.11).
-        if hasattr(sys, "_clear_type_cache"):  # CPython 3.9-3.14 (3.13 deprecates it in docs)
+        # names from the zygote's other lookups; replacing one lowers the old name's refcount,
+        # each in a page of its own (~33 pages per idle session on 3.11). Only on 3.11, where
+        # it was measured to help: from 3.12 on, interned names are immortal (their refcounts
+        # are not written); on 3.9 and 3.10 it showed no gain (docs/ARCHITECTURE.md).
+        if sys.version_info[:2] == (3, 11):
             sys._clear_type_cache()
         for _ in range(rounds):
             os.chdir(scratch)
