@@ -210,11 +210,13 @@ def zygote_quiet_fork_hooks():
 
 
 def zygote_restore_fork_hooks():
-    """Undoes `zygote_quiet_fork_hooks`: every hook runs in the next fork."""
+    """Undoes `zygote_quiet_fork_hooks`: every hook runs in the next fork. Returns how many
+    hooks it put back."""
+    restored = len(_quieted_fork_hooks)
     for function, code in _quieted_fork_hooks:
         function.__code__ = code
     _quieted_fork_hooks.clear()
-    return "fork hooks left as they are"
+    return restored
 
 
 def worker_after_fork():

@@ -365,17 +365,19 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
 
 /// Lets workers skip CPython's after-fork hooks of `threading` and `logging` before 3.12
 /// (python/_ironcell_runner.py's `zygote_quiet_fork_hooks` says why, when, and what each worker
-/// still does of them). Called right before the zygote freezes its heap and forks again;
-/// only while it has one thread: with another, the hooks are put back and run as usual.
+/// still does of them). Called right before the zygote freezes its heap and forks again, with
+/// none quieted (at boot, and after the plot warm-up, which put them back first); only while it
+/// has one thread. Every fork checks again (`worker::fork`).
 fn quiet_fork_hooks(runner: &Bound<'_, PyAny>) {
     let threads = ironcell_core::sandbox::sys::threads_of_this_process().unwrap_or(0);
-    let outcome = if threads == 1 {
-        runner.call_method0("zygote_quiet_fork_hooks")
-    } else {
-        // Undo an earlier call (its check saw one thread), by asking for nothing.
-        runner.call_method0("zygote_restore_fork_hooks")
-    };
-    match outcome.and_then(|done| done.str().map(|s| s.to_string())) {
+    if threads != 1 {
+        tracing::debug!(threads, "after-fork hooks left as they are");
+        return;
+    }
+    match runner
+        .call_method0("zygote_quiet_fork_hooks")
+        .and_then(|done| done.str().map(|s| s.to_string()))
+    {
         Ok(done) => tracing::debug!(threads, %done, "after-fork hooks"),
         Err(e) => tracing::warn!(error = %e, "could not set up the after-fork hooks"),
     }

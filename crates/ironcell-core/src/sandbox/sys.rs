@@ -143,22 +143,17 @@ pub fn limit_malloc_arenas(n: i32) {
 /// no heap allocation, so the zygote can ask before every fork (a page it writes between forks
 /// is a private copy in the worker forked before). `None` if it cannot be read.
 pub fn threads_of_this_process() -> Option<u64> {
-    // SAFETY: open(2) of a constant, NUL-terminated path; the fd is closed below.
-    let fd = unsafe {
-        libc::open(
-            c"/proc/self/stat".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return None;
-    }
+    use nix::fcntl::{OFlag, open};
+    // A `CStr` path is passed to open(2) as it is (a `Path` would be copied).
+    let fd = open(
+        c"/proc/self/stat",
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ok()?;
     let mut buf = [0u8; 1024];
-    // SAFETY: read(2) into a buffer this function owns, at most its length.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-    // SAFETY: close(2) of the fd opened above, once.
-    unsafe { libc::close(fd) };
-    num_threads_field(buf.get(..usize::try_from(n).ok()?)?)
+    let n = nix::unistd::read(&fd, &mut buf).ok()?;
+    num_threads_field(&buf[..n])
 }
 
 /// Field 20 (`num_threads`) of a `/proc/<pid>/stat` line.

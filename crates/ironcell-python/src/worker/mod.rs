@@ -89,15 +89,9 @@ fn put_back_all_fork_hooks(py: Python<'_>) {
     let restored = imported_module(py, "_ironcell_runner")
         .ok_or_else(|| anyhow!("the cell runner is missing from sys.modules"))
         .and_then(|r| {
-            let quieted = r
-                .getattr("_quieted_fork_hooks")
-                .and_then(|l| l.len())
-                .map_err(|e| anyhow!("{e}"))?;
-            if quieted > 0 {
-                r.call_method0("zygote_restore_fork_hooks")
-                    .map_err(|e| anyhow!("{e}"))?;
-            }
-            Ok(quieted)
+            r.call_method0("zygote_restore_fork_hooks")
+                .and_then(|n| n.extract::<usize>())
+                .map_err(|e| anyhow!("{e}"))
         });
     match restored {
         Ok(0) => {}
