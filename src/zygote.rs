@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -158,6 +158,9 @@ struct Shared {
     dead: AtomicBool,
     /// The interpreter this zygote runs, for error messages.
     python: Interpreter,
+    /// Where root workers make their pids cgroups: each one's group is removed when the zygote
+    /// reports it reaped.
+    pids_groups: Option<PathBuf>,
     /// The last lines the zygote wrote to stderr (passed on to ours as they come): what an
     /// interpreter that dies before it is ready has to say.
     stderr_tail: Mutex<String>,
@@ -207,6 +210,7 @@ impl Zygote {
         python: &Interpreter,
         preload: &[String],
         log_filter: &str,
+        pids_groups: Option<&Path>,
     ) -> anyhow::Result<Zygote> {
         let (host_end, zygote_end) = socketpair(
             AddressFamily::Unix,
@@ -279,6 +283,7 @@ impl Zygote {
             ready: tokio::sync::Notify::new(),
             dead: AtomicBool::new(false),
             python: python.clone(),
+            pids_groups: pids_groups.map(Path::to_path_buf),
             stderr_tail: Mutex::new(String::new()),
         });
         if let Some(stderr) = child.stderr.take() {
@@ -388,6 +393,10 @@ impl Drop for Zygote {
 }
 
 fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
+    // Workers of an earlier zygote (or server) that died took theirs along unreported.
+    if let Some(parent) = &shared.pids_groups {
+        crate::sandbox::cgroup::remove_groups_of_gone_workers(parent);
+    }
     let raw = fd.as_raw_fd();
     let mut buf = Vec::new();
     loop {
@@ -451,6 +460,9 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
             }
             ZygoteEvent::Exited { pid, status } => {
                 tracing::debug!(pid, %status, "worker exited");
+                if let Some(parent) = &shared.pids_groups {
+                    crate::sandbox::cgroup::remove_group_of(parent, pid);
+                }
                 if let Some(tx) = lock(&shared.exits).remove(&pid) {
                     let _ = tx.send(status);
                 }

@@ -246,6 +246,7 @@ impl SessionManager {
                     interpreter,
                     &settings.preload,
                     &crate::cli::log_filter(),
+                    sandbox.pids_cgroup_parent.as_deref(),
                 )?))
             }
             Err(e) => {
@@ -437,6 +438,7 @@ impl SessionManager {
                     python,
                     &self.settings.preload,
                     &crate::cli::log_filter(),
+                    self.sandbox.pids_cgroup_parent.as_deref(),
                 )?);
                 // Workers given the shared font cache expect pyplot imported: ask again before
                 // any spawn request reaches the new zygote (its report is only logged).

@@ -859,6 +859,31 @@ def test_49_without_cgroups_doctor_says_what_caps_threads(state_dir):
     assert "NOTHING on this host" in protections_of(p.stdout)["threads capped"]
 
 
+def test_49_the_pids_groups_of_gone_workers_are_removed(state_dir):
+    # A root worker's thread cap is a pids cgroup of its own, `ironcell/w<pid>` below the
+    # server's: the host removes it once the worker is gone, and at start the ones a server that
+    # died with its workers left behind, so they never accumulate.
+    if not root_threads_capped():
+        pytest.skip("no writable pids cgroup here: workers get none")
+    own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if "pids" in line.split(":", 2)[1].split(","))
+    parent = Path("/sys/fs/cgroup/pids") / own.lstrip("/") / "ironcell"
+    parent.mkdir(exist_ok=True)
+    stale = parent / f"w{int(Path('/proc/sys/kernel/pid_max').read_text()) + 1}"  # no such pid
+    stale.mkdir(exist_ok=True)
+    srv = RawServer(state_dir, IRONCELL_MAX_SESSIONS="1", IRONCELL_POOL_SIZE="0")
+    try:
+        srv.initialize()
+        first = int(srv.call("import os\nos.getpid()", session="a")["structuredContent"]["result"])
+        group = parent / f"w{first}"
+        assert str(first) in (group / "cgroup.procs").read_text().split()
+        assert wait_until(lambda: not stale.exists()), "a group left behind was not removed at start"
+        assert srv.call("1", session="b")["structuredContent"]["status"] == "ok"  # evicts "a"
+        assert wait_until(lambda: not group.exists(), timeout=10), sorted(p.name for p in parent.iterdir())
+    finally:
+        srv.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # doctor's claims, per Landlock ABI: every protection it says is provided holds under attack
 # ---------------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ impl Fixture {
     }
 
     /// A root worker joins a pids cgroup `w<pid>` under the plan's parent (as a real worker
-    /// does); remove it once the child is gone, as the next worker would.
+    /// does); remove it once the child is gone, as the host does when the zygote reports an exit.
     pub fn remove_pids_group_of(&self, plan: &SandboxPlan, pid: nix::unistd::Pid) {
         if let Some(parent) = &plan.pids_cgroup_parent {
             let _ = std::fs::remove_dir(parent.join(format!("w{pid}")));
