@@ -19,6 +19,9 @@ use std::ffi::c_void;
 /// The kernel's `MADV_COLLAPSE` (Linux 6.1); not in every libc's headers.
 const MADV_COLLAPSE: libc::c_int = 25;
 const HUGE: usize = 2 << 20;
+const PAGE: usize = 4096;
+/// Resident 4 KiB pages (of 512) a range needs to be collapsed.
+const DENSE_PAGES: usize = 448;
 
 /// What [`collapse_anonymous_memory`] did, for the zygote's log.
 #[derive(Debug, Default)]
@@ -26,6 +29,8 @@ pub struct Collapsed {
     /// 2 MiB-aligned ranges tried, and how many bytes of them are now huge pages.
     pub ranges: usize,
     pub bytes: usize,
+    /// Ranges left alone because too few of their pages were resident.
+    pub sparse: usize,
     /// The first refusal, if any (e.g. `EINVAL` from a kernel without `MADV_COLLAPSE`).
     pub refused: Option<std::io::Error>,
 }
@@ -53,6 +58,12 @@ pub fn collapse_anonymous_memory() -> Collapsed {
                 // pinned) does not stop the others.
                 for chunk in (lo..hi).step_by(HUGE) {
                     out.ranges += 1;
+                    // A collapse fills a range's untouched pages: only ranges nearly all
+                    // resident already, so the zygote does not grow by the rest.
+                    if resident_pages(chunk) < DENSE_PAGES {
+                        out.sparse += 1;
+                        continue;
+                    }
                     if libc::madvise(chunk as *mut c_void, HUGE, MADV_COLLAPSE) == 0 {
                         out.bytes += HUGE;
                     } else if out.refused.is_none() {
@@ -67,6 +78,18 @@ pub fn collapse_anonymous_memory() -> Collapsed {
         }
     }
     out
+}
+
+/// How many of the 512 pages of the 2 MiB range at `addr` are resident (`mincore`).
+fn resident_pages(addr: usize) -> usize {
+    let mut vec = [0u8; HUGE / PAGE];
+    // SAFETY: `addr` is page-aligned and the range lies in one of this process's mappings;
+    // `vec` has one byte per page of it.
+    let rc = unsafe { libc::mincore(addr as *mut c_void, HUGE, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return 0;
+    }
+    vec.iter().filter(|&&b| b & 1 != 0).count()
 }
 
 /// The `[start, end)` address ranges of `/proc/self/maps` lines that are private, writable

@@ -3,12 +3,15 @@
 //!
 //! - [`control`]: host ↔ zygote messages and the [`control::WorkerSpec`] a worker is forked with.
 //! - [`frame`]: host ↔ worker framing and messages on a session socket.
+//! - [`arenas`] and [`hugepages`]: the zygote's heap laid out so a fork copies fewer page-table
+//!   entries.
 //! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, the private `/tmp`, and the lockdown
 //!   order. The host plans; the worker applies.
 //!
 //! This crate loads no Python. The host links it, and so does `ironcell-python`, the extension
 //! module the zygote loads into the user's interpreter.
 
+pub mod arenas;
 pub mod control;
 pub mod frame;
 pub mod hugepages;

@@ -15,6 +15,7 @@
 //! Built as a `cdylib` with pyo3's `abi3-py39` and `extension-module` features: one build
 //! serves every CPython from 3.9 on, and links no libpython (the interpreter provides it).
 
+pub mod arenas;
 pub mod bridge;
 pub mod worker;
 pub mod zygote;

@@ -72,6 +72,10 @@ fn run(py: Python<'_>, preload: &[String]) -> anyhow::Result<()> {
     // SAFETY: the host placed the control socket at fd 3 before exec; nothing else owns it.
     let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
     set_parent_death_signal()?;
+    // Before the warm-up allocates the zygote's heap: its arenas then fill whole 2 MiB ranges,
+    // which the collapse after the plot warm-up makes huge pages.
+    let chunked_arenas = crate::arenas::install();
+    tracing::debug!(chunked_arenas, "pymalloc arenas in 2 MiB chunks");
     let started = std::time::Instant::now();
     let ready = match warm_up_interpreter(py, preload) {
         Ok(facts) => ZygoteEvent::Ready {
@@ -385,8 +389,12 @@ fn quiet_fork_hooks(runner: &Bound<'_, PyAny>) {
 
 /// Logs what [`ironcell_core::hugepages::collapse_anonymous_memory`] did.
 fn log_collapse(done: ironcell_core::hugepages::Collapsed) {
+    let (arenas, chunks) = crate::arenas::stats();
     tracing::debug!(
+        arenas,
+        chunks,
         ranges = done.ranges,
+        sparse = done.sparse,
         huge_mib = done.bytes >> 20,
         refused = ?done.refused,
         "the zygote's heap in huge pages (fewer page-table entries per fork)"

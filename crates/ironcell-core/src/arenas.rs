@@ -1,0 +1,285 @@
+//! pymalloc's arenas, packed into 2 MiB-aligned chunks so the zygote can put them in huge pages.
+//!
+//! CPython's small-object allocator takes its memory from the system in arenas (1 MiB from 3.10,
+//! 256 KiB before), one `mmap` each, wherever the kernel places it. Most of them never fill a
+//! whole aligned 2 MiB range of one mapping, so `MADV_COLLAPSE` ([`crate::hugepages`]) cannot
+//! make them huge pages, and every fork of the zygote copies one page-table entry per 4 KiB of
+//! them: on Debian's 3.11 with matplotlib warm, ~4,000 of the ~4,200 small-page entries outside
+//! huge pages that a fork copied were arena pages.
+//!
+//! [`ArenaChunks`] carves arenas out of 2 MiB chunks, each aligned to 2 MiB and placed right
+//! below the previous one when that address is free, so neighbouring chunks merge into one
+//! mapping. Chunks are marked `MADV_NOHUGEPAGE`: no fault ever allocates a 2 MiB page for them,
+//! in the zygote or in a worker (which inherits the allocator with the fork); the zygote
+//! collapses its full ones explicitly. A freed arena's pages go back to the kernel
+//! (`MADV_DONTNEED`, as the default allocator's `munmap` would) and its slot is reused first; a
+//! chunk with no arena left is unmapped. What it does not serve (a size that does not divide
+//! 2 MiB, a chunk that cannot be mapped near the address-space limit) the caller maps as
+//! CPython would. `ironcell-python` registers it with `PyObject_SetArenaAllocator`.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+/// The chunk size and alignment: one transparent huge page on x86-64 and arm64 (4 KiB pages).
+pub const CHUNK: usize = 2 << 20;
+
+/// The allocator's state. pymalloc calls it with the GIL held; the mutex guards it all the same
+/// (3.12's interpreters with their own GIL share the arena allocator). The zygote forks with one
+/// thread, so the mutex is never held across a fork.
+pub struct ArenaChunks(Mutex<Chunks>);
+
+struct Chunks {
+    /// The arena size first asked for; other sizes are not served.
+    arena: usize,
+    /// Live arenas per chunk, by the chunk's base address.
+    live: BTreeMap<usize, usize>,
+    /// Arena slots not in use, in chunks that have some arena live; the last is used first.
+    free_slots: Vec<usize>,
+    /// The lowest chunk mapped so far: the next one is tried right below it.
+    lowest: Option<usize>,
+    /// Arenas served so far, for the zygote's log.
+    served: usize,
+}
+
+impl Default for ArenaChunks {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ArenaChunks {
+    pub const fn new() -> Self {
+        ArenaChunks(Mutex::new(Chunks {
+            arena: 0,
+            live: BTreeMap::new(),
+            free_slots: Vec::new(),
+            lowest: None,
+            served: 0,
+        }))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Chunks> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// An arena of `size` bytes from a chunk, aligned to `size`; `None` when this allocator does
+    /// not serve it (then the caller maps one itself).
+    pub fn alloc(&self, size: usize) -> Option<NonNull<c_void>> {
+        let mut c = self.state();
+        if c.arena == 0 && size > 0 && CHUNK.is_multiple_of(size) {
+            c.arena = size;
+        }
+        if size == 0 || size != c.arena {
+            return None;
+        }
+        let slot = match c.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                let base = map_chunk(c.lowest)?;
+                c.lowest = Some(c.lowest.map_or(base, |l| l.min(base)));
+                // The chunk's other slots, lowest last: arenas fill a chunk from its start.
+                c.free_slots
+                    .extend((1..CHUNK / size).rev().map(|i| base + i * size));
+                base
+            }
+        };
+        *c.live.entry(slot & !(CHUNK - 1)).or_insert(0) += 1;
+        c.served += 1;
+        NonNull::new(slot as *mut c_void)
+    }
+
+    /// Takes back an arena this allocator served: its pages go back to the kernel, and the whole
+    /// chunk once it holds no arena. Returns `false`, doing nothing, for memory it did not serve.
+    ///
+    /// # Safety
+    /// `ptr` must be an arena this allocator returned and not freed since, or memory it never
+    /// served; nothing may use the arena afterwards.
+    pub unsafe fn free(&self, ptr: *mut c_void, size: usize) -> bool {
+        let mut c = self.state();
+        let base = ptr as usize & !(CHUNK - 1);
+        let Some(live) = c.live.get_mut(&base) else {
+            return false;
+        };
+        *live -= 1;
+        if *live == 0 {
+            c.live.remove(&base);
+            c.free_slots.retain(|s| s & !(CHUNK - 1) != base);
+            if c.lowest == Some(base) {
+                c.lowest = c.live.keys().next().copied();
+            }
+            // SAFETY: the whole chunk is this allocator's mapping and holds no arena any more.
+            unsafe { libc::munmap(base as *mut c_void, CHUNK) };
+        } else {
+            // SAFETY: the arena's pages are unused from here on (the caller's promise); reading
+            // them back gives zeros, and pymalloc does not expect a new arena to be zeroed.
+            unsafe { libc::madvise(ptr, size, libc::MADV_DONTNEED) };
+            c.free_slots.push(ptr as usize);
+        }
+        true
+    }
+
+    /// Arenas served so far, and chunks mapped now.
+    pub fn stats(&self) -> (usize, usize) {
+        let c = self.state();
+        (c.served, c.live.len())
+    }
+}
+
+/// A 2 MiB-aligned 2 MiB mapping: right below `below` when that address is free (so the
+/// chunks merge into one mapping), otherwise 4 MiB trimmed to the aligned 2 MiB inside.
+fn map_chunk(below: Option<usize>) -> Option<usize> {
+    if let Some(below) = below.and_then(|b| b.checked_sub(CHUNK)) {
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
+        let p = unsafe { map(below as *mut c_void, CHUNK, libc::MAP_FIXED_NOREPLACE) };
+        if p as usize == below {
+            return Some(no_huge_pages(below));
+        }
+        if p != libc::MAP_FAILED {
+            // A kernel before 4.17 takes the address as a hint only.
+            // SAFETY: the mapping just made, unused.
+            unsafe { libc::munmap(p, CHUNK) };
+        }
+    }
+    // SAFETY: a fresh anonymous mapping, then unmapping its parts outside the aligned chunk.
+    unsafe {
+        let p = map(std::ptr::null_mut(), 2 * CHUNK, 0);
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        let start = p as usize;
+        let base = start.next_multiple_of(CHUNK);
+        if base > start {
+            libc::munmap(p, base - start);
+        }
+        let tail = start + 2 * CHUNK - (base + CHUNK);
+        if tail > 0 {
+            libc::munmap((base + CHUNK) as *mut c_void, tail);
+        }
+        Some(no_huge_pages(base))
+    }
+}
+
+fn no_huge_pages(base: usize) -> usize {
+    // SAFETY: advice on a chunk this allocator just mapped.
+    unsafe { libc::madvise(base as *mut c_void, CHUNK, libc::MADV_NOHUGEPAGE) };
+    base
+}
+
+/// # Safety
+/// As `mmap(2)` with these flags: `flags` adds placement flags only.
+unsafe fn map(addr: *mut c_void, len: usize, flags: libc::c_int) -> *mut c_void {
+    // SAFETY: the caller's; an anonymous private read-write mapping.
+    unsafe {
+        libc::mmap(
+            addr,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
+            -1,
+            0,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn mapped(addr: usize, len: usize) -> bool {
+        // msync fails with ENOMEM on a range that is not (wholly) mapped.
+        // SAFETY: msync only inspects the range.
+        unsafe { libc::msync(addr as *mut c_void, len, libc::MS_ASYNC) == 0 }
+    }
+
+    #[test]
+    fn arenas_fill_aligned_chunks_that_are_unmapped_when_empty() {
+        let chunks = ArenaChunks::new();
+        let a = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        let b = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        assert_eq!(a % CHUNK, 0, "the first arena starts a 2 MiB-aligned chunk");
+        assert_eq!(b, a + MIB, "the second fills the same chunk");
+        // A third needs a new chunk, right below the first when that address is free.
+        let c = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        assert_eq!(c % CHUNK, 0);
+        assert_eq!(chunks.stats(), (3, 2));
+        // The memory is usable.
+        for &arena in &[a, b, c] {
+            // SAFETY: arenas of MIB bytes this test owns.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(arena as *mut u8, MIB) };
+            bytes[0] = 7;
+            bytes[MIB - 1] = 9;
+            assert_eq!((bytes[0], bytes[MIB - 1]), (7, 9));
+        }
+        // Freeing one arena of a chunk keeps the chunk; its slot comes back next, zeroed.
+        // SAFETY: `b` came from `chunks` and is not used again before it is handed out anew.
+        assert!(unsafe { chunks.free(b as *mut c_void, MIB) });
+        assert!(mapped(a, CHUNK));
+        let again = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        assert_eq!(again, b);
+        // SAFETY: as above.
+        assert_eq!(unsafe { *(again as *const u8).add(MIB - 1) }, 0);
+        // Freeing both arenas of a chunk unmaps it.
+        // SAFETY: arenas from `chunks`, not used afterwards.
+        unsafe {
+            assert!(chunks.free(a as *mut c_void, MIB));
+            assert!(chunks.free(again as *mut c_void, MIB));
+        }
+        assert!(!mapped(a, CHUNK));
+        assert_eq!(chunks.stats(), (4, 1));
+        // SAFETY: as above.
+        assert!(unsafe { chunks.free(c as *mut c_void, MIB) });
+        assert!(!mapped(c, CHUNK));
+        assert_eq!(chunks.stats().1, 0);
+    }
+
+    #[test]
+    fn a_new_chunk_goes_right_below_the_lowest_and_merges_with_it() {
+        // Find 6 MiB of free address space and give it back: the chunks go there.
+        // SAFETY: a fresh inaccessible mapping, unmapped at once.
+        let top = unsafe {
+            let p = map(std::ptr::null_mut(), 3 * CHUNK, 0);
+            assert_ne!(p, libc::MAP_FAILED);
+            libc::munmap(p, 3 * CHUNK);
+            (p as usize + 3 * CHUNK) / CHUNK * CHUNK
+        };
+        let upper = map_chunk(Some(top)).unwrap();
+        let lower = map_chunk(Some(upper)).unwrap();
+        assert_eq!((upper, lower), (top - CHUNK, top - 2 * CHUNK));
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let one = maps.lines().any(|line| {
+            let span = line.split_whitespace().next().unwrap_or("");
+            let (lo, hi) = span.split_once('-').unwrap_or(("0", "0"));
+            let lo = usize::from_str_radix(lo, 16).unwrap_or(usize::MAX);
+            let hi = usize::from_str_radix(hi, 16).unwrap_or(0);
+            lo <= lower && top <= hi
+        });
+        assert!(one, "{lower:x}-{top:x} is not one mapping in:\n{maps}");
+        // SAFETY: the two chunks this test mapped.
+        unsafe { libc::munmap(lower as *mut c_void, 2 * CHUNK) };
+    }
+
+    #[test]
+    fn sizes_that_do_not_divide_a_chunk_and_foreign_memory_are_left_to_the_caller() {
+        let chunks = ArenaChunks::new();
+        assert!(chunks.alloc(3 * MIB).is_none());
+        assert!(chunks.alloc(0).is_none());
+        let chunks = ArenaChunks::new();
+        let a = chunks.alloc(256 << 10).unwrap().as_ptr() as usize;
+        assert_eq!(a % CHUNK, 0);
+        assert!(
+            chunks.alloc(MIB).is_none(),
+            "one arena size per allocator (pymalloc uses one)"
+        );
+        let mut local = [0u8; 64];
+        // SAFETY: not memory the allocator served: it must refuse, touching nothing.
+        assert!(!unsafe { chunks.free(local.as_mut_ptr().cast(), local.len()) });
+        // SAFETY: `a` came from `chunks`.
+        assert!(unsafe { chunks.free(a as *mut c_void, 256 << 10) });
+    }
+}

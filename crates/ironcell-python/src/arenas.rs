@@ -1,0 +1,100 @@
+//! Registers `ironcell_core::arenas::ArenaChunks` as CPython's arena allocator, so that
+//! pymalloc's arenas fill whole 2 MiB ranges the zygote can collapse into huge pages (that
+//! module says why). What the chunks do not serve goes to the interpreter's own allocator.
+
+use std::ffi::c_void;
+
+use ironcell_core::arenas::ArenaChunks;
+
+static CHUNKS: ArenaChunks = ArenaChunks::new();
+
+/// CPython's `PyObjectArenaAllocator` (unchanged since 3.4; not in the limited API).
+#[repr(C)]
+struct ArenaAllocator {
+    ctx: *mut c_void,
+    alloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+}
+
+/// The interpreter's own arena allocator, as it was before [`install`].
+struct Previous {
+    ctx: usize,
+    alloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+}
+
+static PREVIOUS: std::sync::OnceLock<Previous> = std::sync::OnceLock::new();
+
+/// Installs the chunked arena allocator. Returns `false` (and changes nothing) when this
+/// interpreter does not export `PyObject_GetArenaAllocator` and `PyObject_SetArenaAllocator`,
+/// or it was installed already. Call it with the GIL held.
+pub fn install() -> bool {
+    // SAFETY: dlsym on the process's global scope for two functions of the running
+    // interpreter, both `void f(PyObjectArenaAllocator *)`.
+    let (get, set) = unsafe {
+        (
+            libc::dlsym(libc::RTLD_DEFAULT, c"PyObject_GetArenaAllocator".as_ptr()),
+            libc::dlsym(libc::RTLD_DEFAULT, c"PyObject_SetArenaAllocator".as_ptr()),
+        )
+    };
+    if get.is_null() || set.is_null() || PREVIOUS.get().is_some() {
+        return false;
+    }
+    type Accessor = unsafe extern "C" fn(*mut ArenaAllocator);
+    // SAFETY: both symbols are CPython's functions of that signature.
+    let (get, set) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, Accessor>(get),
+            std::mem::transmute::<*mut c_void, Accessor>(set),
+        )
+    };
+    let mut ours = ArenaAllocator {
+        ctx: std::ptr::null_mut(),
+        alloc: arena_alloc,
+        free: arena_free,
+    };
+    let mut theirs = ArenaAllocator {
+        ctx: std::ptr::null_mut(),
+        alloc: arena_alloc,
+        free: arena_free,
+    };
+    // SAFETY: CPython fills the struct with its current allocator, then copies ours in.
+    unsafe { get(&mut theirs) };
+    let _ = PREVIOUS.set(Previous {
+        ctx: theirs.ctx as usize,
+        alloc: theirs.alloc,
+        free: theirs.free,
+    });
+    // SAFETY: as above.
+    unsafe { set(&mut ours) };
+    true
+}
+
+/// Arenas served from chunks so far, and chunks mapped now (for the zygote's log).
+pub fn stats() -> (usize, usize) {
+    CHUNKS.stats()
+}
+
+unsafe extern "C" fn arena_alloc(_ctx: *mut c_void, size: usize) -> *mut c_void {
+    if let Some(arena) = CHUNKS.alloc(size) {
+        return arena.as_ptr();
+    }
+    match PREVIOUS.get() {
+        // SAFETY: the interpreter's own allocator, called as pymalloc would.
+        Some(p) => unsafe { (p.alloc)(p.ctx as *mut c_void, size) },
+        None => std::ptr::null_mut(),
+    }
+}
+
+unsafe extern "C" fn arena_free(_ctx: *mut c_void, ptr: *mut c_void, size: usize) {
+    // SAFETY: pymalloc frees each arena it was given once, with the size it asked for, and
+    // never touches it again.
+    if unsafe { CHUNKS.free(ptr, size) } {
+        return;
+    }
+    // An arena from before `install`, or one the interpreter's allocator mapped.
+    if let Some(p) = PREVIOUS.get() {
+        // SAFETY: as above; this arena came from the interpreter's own allocator.
+        unsafe { (p.free)(p.ctx as *mut c_void, ptr, size) };
+    }
+}
