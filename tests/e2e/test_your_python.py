@@ -69,6 +69,11 @@ def test_core_cases_run_in_each_interpreter(python, state_dir):
         r = srv.call("1/0", session="s")
         assert r.get("isError") and "ZeroDivisionError" in _text(r)
         assert _result(srv.call("print('out'); import json, mcp; 'ok'", session="s")) == "'ok'"
+        # pymalloc's arenas come from ironcell's allocator: ~100 MiB of small objects made,
+        # freed (arenas go back) and made again, in the zygote's interpreter.
+        churn = ("import gc\nxs = [[str(i)] * 3 for i in range(1_000_000)]\nn = len(xs)\ndel xs\ngc.collect()\n"
+                 "ys = [{i: (i,)} for i in range(300_000)]\nn + sum(len(y) for y in ys)")
+        assert _result(srv.call(churn, session="s")) == "1300000"
         # The sandbox holds in every interpreter: no host files, no network.
         r = srv.call("try:\n    open('/etc/passwd').read(); r = 'read'\nexcept PermissionError: r = 'denied'\nr")
         assert _result(r) == "'denied'"

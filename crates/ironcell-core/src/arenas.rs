@@ -11,11 +11,13 @@
 //! below the previous one when that address is free, so neighbouring chunks merge into one
 //! mapping. Chunks are marked `MADV_NOHUGEPAGE`: no fault ever allocates a 2 MiB page for them,
 //! in the zygote or in a worker (which inherits the allocator with the fork); the zygote
-//! collapses its full ones explicitly. A freed arena's pages go back to the kernel
-//! (`MADV_DONTNEED`, as the default allocator's `munmap` would) and its slot is reused first; a
-//! chunk with no arena left is unmapped. What it does not serve (a size that does not divide
-//! 2 MiB, a chunk that cannot be mapped near the address-space limit) the caller maps as
-//! CPython would. `ironcell-python` registers it with `PyObject_SetArenaAllocator`.
+//! collapses its full ones explicitly. A freed arena is unmapped, as CPython's own allocator
+//! does, so the address-space and data limits count what they counted before (at most the
+//! unused rest of the newest chunk more); its slot is mapped again first when the next arena is
+//! needed, unless something else was mapped there meanwhile, and a chunk with no arena left is
+//! gone. What it does not serve (a size that does not divide 2 MiB, a chunk or slot that cannot
+//! be mapped near the limits) the caller maps as CPython would. `ironcell-python` registers it
+//! with `PyObject_SetArenaAllocator`.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -33,14 +35,24 @@ pub struct ArenaChunks(Mutex<Chunks>);
 struct Chunks {
     /// The arena size first asked for; other sizes are not served.
     arena: usize,
-    /// Live arenas per chunk, by the chunk's base address.
-    live: BTreeMap<usize, usize>,
-    /// Arena slots not in use, in chunks that have some arena live; the last is used first.
+    /// The chunks that hold an arena, by base address.
+    chunks: BTreeMap<usize, Chunk>,
+    /// Arena slots not in use, in chunks that hold some arena; the last is used first.
     free_slots: Vec<usize>,
     /// The lowest chunk mapped so far: the next one is tried right below it.
     lowest: Option<usize>,
     /// Arenas served so far, for the zygote's log.
     served: usize,
+}
+
+#[derive(Default)]
+struct Chunk {
+    /// Arenas in use.
+    live: usize,
+    /// Which slots are mapped (bit i: the slot at `base + i * arena`): in use, or never used
+    /// since the chunk was mapped. Only those are ever unmapped: a freed slot's addresses may
+    /// belong to someone else's mapping by the time the chunk goes.
+    mapped: u64,
 }
 
 impl Default for ArenaChunks {
@@ -53,7 +65,7 @@ impl ArenaChunks {
     pub const fn new() -> Self {
         ArenaChunks(Mutex::new(Chunks {
             arena: 0,
-            live: BTreeMap::new(),
+            chunks: BTreeMap::new(),
             free_slots: Vec::new(),
             lowest: None,
             served: 0,
@@ -70,30 +82,57 @@ impl ArenaChunks {
     /// not serve it (then the caller maps one itself).
     pub fn alloc(&self, size: usize) -> Option<NonNull<c_void>> {
         let mut c = self.state();
-        if c.arena == 0 && size > 0 && CHUNK.is_multiple_of(size) {
+        // At most 64 slots a chunk (the `mapped` bits); pymalloc's arenas are 256 KiB or more.
+        if c.arena == 0 && size >= CHUNK / 64 && CHUNK.is_multiple_of(size) {
             c.arena = size;
         }
         if size == 0 || size != c.arena {
             return None;
         }
-        let slot = match c.free_slots.pop() {
-            Some(slot) => slot,
-            None => {
+        let slot = loop {
+            let Some(slot) = c.free_slots.pop() else {
                 let base = map_chunk(c.lowest)?;
                 c.lowest = Some(c.lowest.map_or(base, |l| l.min(base)));
+                c.chunks.insert(
+                    base,
+                    Chunk {
+                        live: 0,
+                        mapped: u64::MAX >> (64 - CHUNK / size),
+                    },
+                );
                 // The chunk's other slots, lowest last: arenas fill a chunk from its start.
                 c.free_slots
                     .extend((1..CHUNK / size).rev().map(|i| base + i * size));
-                base
+                break base;
+            };
+            let bit = 1u64 << ((slot % CHUNK) / size);
+            let chunk = c.chunks.get_mut(&(slot & !(CHUNK - 1)))?;
+            if chunk.mapped & bit != 0 {
+                break slot;
             }
+            // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
+            let p = unsafe { map(slot as *mut c_void, size, libc::MAP_FIXED_NOREPLACE) };
+            if p as usize == slot {
+                // SAFETY: advice on the slot just mapped.
+                unsafe { libc::madvise(p, size, libc::MADV_NOHUGEPAGE) };
+                chunk.mapped |= bit;
+                break slot;
+            }
+            if p != libc::MAP_FAILED {
+                // A kernel before 4.17 takes the address as a hint only.
+                // SAFETY: the mapping just made, unused.
+                unsafe { libc::munmap(p, size) };
+            }
+            // Taken by another mapping (or no room): this slot is lost to the chunk.
         };
-        *c.live.entry(slot & !(CHUNK - 1)).or_insert(0) += 1;
+        c.chunks.get_mut(&(slot & !(CHUNK - 1)))?.live += 1;
         c.served += 1;
         NonNull::new(slot as *mut c_void)
     }
 
-    /// Takes back an arena this allocator served: its pages go back to the kernel, and the whole
-    /// chunk once it holds no arena. Returns `false`, doing nothing, for memory it did not serve.
+    /// Takes back an arena this allocator served, and unmaps it (with the rest of its chunk
+    /// once the chunk holds no arena). Returns `false`, doing nothing, for memory it did not
+    /// serve.
     ///
     /// # Safety
     /// `ptr` must be an arena this allocator returned and not freed since, or memory it never
@@ -101,23 +140,31 @@ impl ArenaChunks {
     pub unsafe fn free(&self, ptr: *mut c_void, size: usize) -> bool {
         let mut c = self.state();
         let base = ptr as usize & !(CHUNK - 1);
-        let Some(live) = c.live.get_mut(&base) else {
+        let arena = c.arena;
+        let Some(chunk) = c.chunks.get_mut(&base) else {
             return false;
         };
-        *live -= 1;
-        if *live == 0 {
-            c.live.remove(&base);
-            c.free_slots.retain(|s| s & !(CHUNK - 1) != base);
-            if c.lowest == Some(base) {
-                c.lowest = c.live.keys().next().copied();
-            }
-            // SAFETY: the whole chunk is this allocator's mapping and holds no arena any more.
-            unsafe { libc::munmap(base as *mut c_void, CHUNK) };
-        } else {
-            // SAFETY: the arena's pages are unused from here on (the caller's promise); reading
-            // them back gives zeros, and pymalloc does not expect a new arena to be zeroed.
-            unsafe { libc::madvise(ptr, size, libc::MADV_DONTNEED) };
+        if size != arena || chunk.live == 0 {
+            return false;
+        }
+        chunk.live -= 1;
+        chunk.mapped &= !(1u64 << ((ptr as usize % CHUNK) / arena));
+        // SAFETY: the arena is this allocator's mapping and unused from here on (the caller's
+        // promise).
+        unsafe { libc::munmap(ptr, size) };
+        if chunk.live > 0 {
             c.free_slots.push(ptr as usize);
+            return true;
+        }
+        let mapped = chunk.mapped;
+        c.chunks.remove(&base);
+        c.free_slots.retain(|s| s & !(CHUNK - 1) != base);
+        for i in (0..CHUNK / arena).filter(|i| mapped & (1 << i) != 0) {
+            // SAFETY: a slot of this chunk still mapped by this allocator, never used.
+            unsafe { libc::munmap((base + i * arena) as *mut c_void, arena) };
+        }
+        if c.lowest == Some(base) {
+            c.lowest = c.chunks.keys().next().copied();
         }
         true
     }
@@ -125,7 +172,7 @@ impl ArenaChunks {
     /// Arenas served so far, and chunks mapped now.
     pub fn stats(&self) -> (usize, usize) {
         let c = self.state();
-        (c.served, c.live.len())
+        (c.served, c.chunks.len())
     }
 }
 
@@ -216,10 +263,10 @@ mod tests {
             bytes[MIB - 1] = 9;
             assert_eq!((bytes[0], bytes[MIB - 1]), (7, 9));
         }
-        // Freeing one arena of a chunk keeps the chunk; its slot comes back next, zeroed.
+        // Freeing one arena of a chunk unmaps that arena only; its slot comes back next, zeroed.
         // SAFETY: `b` came from `chunks` and is not used again before it is handed out anew.
         assert!(unsafe { chunks.free(b as *mut c_void, MIB) });
-        assert!(mapped(a, CHUNK));
+        assert!(mapped(a, MIB) && !mapped(b, MIB));
         let again = chunks.alloc(MIB).unwrap().as_ptr() as usize;
         assert_eq!(again, b);
         // SAFETY: as above.
@@ -240,17 +287,29 @@ mod tests {
 
     #[test]
     fn a_new_chunk_goes_right_below_the_lowest_and_merges_with_it() {
-        // Find 6 MiB of free address space and give it back: the chunks go there.
-        // SAFETY: a fresh inaccessible mapping, unmapped at once.
-        let top = unsafe {
-            let p = map(std::ptr::null_mut(), 3 * CHUNK, 0);
-            assert_ne!(p, libc::MAP_FAILED);
-            libc::munmap(p, 3 * CHUNK);
-            (p as usize + 3 * CHUNK) / CHUNK * CHUNK
-        };
-        let upper = map_chunk(Some(top)).unwrap();
-        let lower = map_chunk(Some(upper)).unwrap();
-        assert_eq!((upper, lower), (top - CHUNK, top - 2 * CHUNK));
+        // Free address space for two chunks, given back just before: another test's thread may
+        // map there in between, so a few tries.
+        let placed = (0..5).find_map(|_| {
+            // SAFETY: a fresh mapping, unmapped at once.
+            let top = unsafe {
+                let p = map(std::ptr::null_mut(), 3 * CHUNK, 0);
+                assert_ne!(p, libc::MAP_FAILED);
+                libc::munmap(p, 3 * CHUNK);
+                (p as usize + 3 * CHUNK) / CHUNK * CHUNK
+            };
+            let upper = map_chunk(Some(top)).unwrap();
+            let lower = map_chunk(Some(upper)).unwrap();
+            if (upper, lower) == (top - CHUNK, top - 2 * CHUNK) {
+                return Some((lower, top));
+            }
+            // SAFETY: the chunks this try mapped.
+            unsafe {
+                libc::munmap(upper as *mut c_void, CHUNK);
+                libc::munmap(lower as *mut c_void, CHUNK);
+            }
+            None
+        });
+        let (lower, top) = placed.expect("each new chunk went right below the last one");
         let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
         let one = maps.lines().any(|line| {
             let span = line.split_whitespace().next().unwrap_or("");
@@ -262,6 +321,38 @@ mod tests {
         assert!(one, "{lower:x}-{top:x} is not one mapping in:\n{maps}");
         // SAFETY: the two chunks this test mapped.
         unsafe { libc::munmap(lower as *mut c_void, 2 * CHUNK) };
+    }
+
+    #[test]
+    fn a_freed_slot_someone_else_mapped_is_skipped_and_left_alone() {
+        let chunks = ArenaChunks::new();
+        let a = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        let b = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        // SAFETY: `b` came from `chunks`; then a mapping of our own where it was.
+        let foreign = unsafe {
+            assert!(chunks.free(b as *mut c_void, MIB));
+            map(b as *mut c_void, MIB, libc::MAP_FIXED_NOREPLACE)
+        };
+        assert_eq!(foreign as usize, b);
+        // SAFETY: the foreign mapping is ours, MIB bytes.
+        unsafe { *(foreign as *mut u8) = 42 };
+        let c = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        assert_ne!(c, b, "a slot another mapping took is not handed out");
+        // SAFETY: arenas from `chunks`, not used afterwards.
+        unsafe {
+            assert!(chunks.free(a as *mut c_void, MIB));
+            assert!(chunks.free(c as *mut c_void, MIB));
+        }
+        assert!(!mapped(a, MIB));
+        assert!(
+            mapped(b, MIB),
+            "the chunk went without unmapping the foreign mapping"
+        );
+        // SAFETY: still the foreign mapping, then unmapped by its owner.
+        unsafe {
+            assert_eq!(*(foreign as *const u8), 42);
+            libc::munmap(foreign, MIB);
+        }
     }
 
     #[test]
@@ -277,8 +368,12 @@ mod tests {
             "one arena size per allocator (pymalloc uses one)"
         );
         let mut local = [0u8; 64];
-        // SAFETY: not memory the allocator served: it must refuse, touching nothing.
-        assert!(!unsafe { chunks.free(local.as_mut_ptr().cast(), local.len()) });
+        // SAFETY: not memory the allocator served (nor a size it serves): it must refuse,
+        // touching nothing.
+        unsafe {
+            assert!(!chunks.free(local.as_mut_ptr().cast(), local.len()));
+            assert!(!chunks.free(a as *mut c_void, MIB));
+        }
         // SAFETY: `a` came from `chunks`.
         assert!(unsafe { chunks.free(a as *mut c_void, 256 << 10) });
     }

@@ -73,8 +73,10 @@ pub fn collapse_anonymous_memory() -> Collapsed {
             } else if out.refused.is_none() {
                 out.refused = Some(std::io::Error::last_os_error());
             }
-            // Whatever happened: no new huge page on a later fault, here or in a worker.
-            libc::madvise(addr, len, libc::MADV_NOHUGEPAGE);
+            // Whatever happened: no new huge page on a later fault, here or in a worker. On the
+            // whole mapping, so that its parts split off by the advice above merge again (a
+            // fork copies every mapping).
+            libc::madvise(start as *mut c_void, end - start, libc::MADV_NOHUGEPAGE);
         }
     }
     out
