@@ -19,7 +19,6 @@
 //! be mapped near the limits) the caller maps as CPython would. `ironcell-python` registers it
 //! with `PyObject_SetArenaAllocator`.
 
-use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Mutex;
@@ -33,27 +32,34 @@ pub const CHUNK: usize = 2 << 20;
 pub struct ArenaChunks(Mutex<Chunks>);
 
 struct Chunks {
-    /// The arena size first asked for; other sizes are not served.
+    /// pymalloc's arena size (256 KiB before 3.10, 1 MiB from it), set by the first request of
+    /// either; nothing else is served (3.11's frame stacks ask this allocator for 16 KiB and
+    /// up, and go to the interpreter's own).
     arena: usize,
-    /// The chunks that hold an arena, by base address.
-    chunks: BTreeMap<usize, Chunk>,
-    /// Arena slots not in use, in chunks that hold some arena; the last is used first.
-    free_slots: Vec<usize>,
+    /// The chunks that hold an arena. A `Vec` reserved before it grows, so that no allocation
+    /// here can abort a worker at its memory limit; searched linearly (a few hundred chunks for
+    /// a worker using 1 GiB of small objects, and arenas come and go rarely).
+    chunks: Vec<Chunk>,
     /// The lowest chunk mapped so far: the next one is tried right below it.
     lowest: Option<usize>,
     /// Arenas served so far, for the zygote's log.
     served: usize,
 }
 
-#[derive(Default)]
 struct Chunk {
-    /// Arenas in use.
-    live: usize,
-    /// Which slots are mapped (bit i: the slot at `base + i * arena`): in use, or never used
-    /// since the chunk was mapped. Only those are ever unmapped: a freed slot's addresses may
-    /// belong to someone else's mapping by the time the chunk goes.
+    base: usize,
+    /// Which slots are handed out (bit i: the arena at `base + i * arena`). Only those are
+    /// taken back: anything else inside the chunk (a fallback arena the kernel placed in a
+    /// freed slot's hole) is not ours.
+    used: u64,
+    /// Which slots are mapped by this allocator: in use, or not used since the chunk was
+    /// mapped. Only those are ever unmapped: a freed slot's addresses may belong to another
+    /// mapping by the time the chunk goes.
     mapped: u64,
 }
+
+/// The two arena sizes pymalloc has used.
+const ARENA_SIZES: [usize; 2] = [256 << 10, 1 << 20];
 
 impl Default for ArenaChunks {
     fn default() -> Self {
@@ -65,8 +71,7 @@ impl ArenaChunks {
     pub const fn new() -> Self {
         ArenaChunks(Mutex::new(Chunks {
             arena: 0,
-            chunks: BTreeMap::new(),
-            free_slots: Vec::new(),
+            chunks: Vec::new(),
             lowest: None,
             served: 0,
         }))
@@ -79,92 +84,101 @@ impl ArenaChunks {
     }
 
     /// An arena of `size` bytes from a chunk, aligned to `size`; `None` when this allocator does
-    /// not serve it (then the caller maps one itself).
+    /// not serve it, or cannot map one now (then the caller maps one itself).
     pub fn alloc(&self, size: usize) -> Option<NonNull<c_void>> {
         let mut c = self.state();
-        // At most 64 slots a chunk (the `mapped` bits); pymalloc's arenas are 256 KiB or more.
-        if c.arena == 0 && size >= CHUNK / 64 && CHUNK.is_multiple_of(size) {
+        if c.arena == 0 && ARENA_SIZES.contains(&size) {
             c.arena = size;
         }
         if size == 0 || size != c.arena {
             return None;
         }
-        let slot = loop {
-            let Some(slot) = c.free_slots.pop() else {
-                let base = map_chunk(c.lowest)?;
-                c.lowest = Some(c.lowest.map_or(base, |l| l.min(base)));
-                c.chunks.insert(
-                    base,
-                    Chunk {
-                        live: 0,
-                        mapped: u64::MAX >> (64 - CHUNK / size),
-                    },
-                );
-                // The chunk's other slots, lowest last: arenas fill a chunk from its start.
-                c.free_slots
-                    .extend((1..CHUNK / size).rev().map(|i| base + i * size));
-                break base;
-            };
-            let bit = 1u64 << ((slot % CHUNK) / size);
-            let chunk = c.chunks.get_mut(&(slot & !(CHUNK - 1)))?;
-            if chunk.mapped & bit != 0 {
-                break slot;
+        let slots = CHUNK / size;
+        // A free slot of an existing chunk, lowest chunk first in the order they were made.
+        for chunk in c.chunks.iter_mut() {
+            for i in 0..slots {
+                let bit = 1u64 << i;
+                if chunk.used & bit != 0 {
+                    continue;
+                }
+                let slot = chunk.base + i * size;
+                if chunk.mapped & bit == 0 {
+                    // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping.
+                    let p = unsafe { map(slot as *mut c_void, size, libc::MAP_FIXED_NOREPLACE) };
+                    if p == libc::MAP_FAILED {
+                        if std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) {
+                            // Another mapping sits there now: maybe free again later.
+                            continue;
+                        }
+                        // Out of address space or data limit: the caller's allocator fails
+                        // the same way, and this slot stays for later.
+                        return None;
+                    }
+                    if p as usize != slot {
+                        // A kernel before 4.17 takes the address as a hint only.
+                        // SAFETY: the mapping just made, unused.
+                        unsafe { libc::munmap(p, size) };
+                        continue;
+                    }
+                    // SAFETY: advice on the slot just mapped.
+                    unsafe { libc::madvise(p, size, libc::MADV_NOHUGEPAGE) };
+                    chunk.mapped |= bit;
+                }
+                chunk.used |= bit;
+                c.served += 1;
+                return NonNull::new(slot as *mut c_void);
             }
-            // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
-            let p = unsafe { map(slot as *mut c_void, size, libc::MAP_FIXED_NOREPLACE) };
-            if p as usize == slot {
-                // SAFETY: advice on the slot just mapped.
-                unsafe { libc::madvise(p, size, libc::MADV_NOHUGEPAGE) };
-                chunk.mapped |= bit;
-                break slot;
-            }
-            if p != libc::MAP_FAILED {
-                // A kernel before 4.17 takes the address as a hint only.
-                // SAFETY: the mapping just made, unused.
-                unsafe { libc::munmap(p, size) };
-            }
-            // Taken by another mapping (or no room): this slot is lost to the chunk.
-        };
-        c.chunks.get_mut(&(slot & !(CHUNK - 1)))?.live += 1;
+        }
+        c.chunks.try_reserve(1).ok()?;
+        let base = map_chunk(c.lowest)?;
+        c.lowest = Some(c.lowest.map_or(base, |l| l.min(base)));
+        c.chunks.push(Chunk {
+            base,
+            used: 1,
+            mapped: u64::MAX >> (64 - slots),
+        });
         c.served += 1;
-        NonNull::new(slot as *mut c_void)
+        NonNull::new(base as *mut c_void)
     }
 
-    /// Takes back an arena this allocator served, and unmaps it (with the rest of its chunk
-    /// once the chunk holds no arena). Returns `false`, doing nothing, for memory it did not
-    /// serve.
+    /// Takes back an arena this allocator handed out, and unmaps it (with the rest of its
+    /// chunk once the chunk holds no arena). Returns `false`, doing nothing, for anything else.
     ///
     /// # Safety
-    /// `ptr` must be an arena this allocator returned and not freed since, or memory it never
-    /// served; nothing may use the arena afterwards.
+    /// If `ptr` is an arena this allocator handed out and has not taken back, nothing may use
+    /// it afterwards.
     pub unsafe fn free(&self, ptr: *mut c_void, size: usize) -> bool {
         let mut c = self.state();
-        let base = ptr as usize & !(CHUNK - 1);
         let arena = c.arena;
-        let Some(chunk) = c.chunks.get_mut(&base) else {
-            return false;
-        };
-        if size != arena || chunk.live == 0 {
+        let (addr, base) = (ptr as usize, ptr as usize & !(CHUNK - 1));
+        if arena == 0 || size != arena || !(addr - base).is_multiple_of(arena) {
             return false;
         }
-        chunk.live -= 1;
-        chunk.mapped &= !(1u64 << ((ptr as usize % CHUNK) / arena));
-        // SAFETY: the arena is this allocator's mapping and unused from here on (the caller's
-        // promise).
+        let bit = 1u64 << ((addr - base) / arena);
+        let Some(at) = c
+            .chunks
+            .iter()
+            .position(|k| k.base == base && k.used & bit != 0)
+        else {
+            return false;
+        };
+        let chunk = &mut c.chunks[at];
+        chunk.used &= !bit;
+        chunk.mapped &= !bit;
+        // SAFETY: a slot this allocator mapped and handed out; unused from here on (the
+        // caller's promise).
         unsafe { libc::munmap(ptr, size) };
-        if chunk.live > 0 {
-            c.free_slots.push(ptr as usize);
+        if chunk.used != 0 {
             return true;
         }
         let mapped = chunk.mapped;
-        c.chunks.remove(&base);
-        c.free_slots.retain(|s| s & !(CHUNK - 1) != base);
         for i in (0..CHUNK / arena).filter(|i| mapped & (1 << i) != 0) {
-            // SAFETY: a slot of this chunk still mapped by this allocator, never used.
+            // SAFETY: a slot of this chunk still mapped by this allocator, never handed out.
             unsafe { libc::munmap((base + i * arena) as *mut c_void, arena) };
         }
+        c.chunks.swap_remove(at);
         if c.lowest == Some(base) {
-            c.lowest = c.chunks.keys().next().copied();
+            c.lowest = c.chunks.iter().map(|k| k.base).min();
         }
         true
     }
@@ -334,8 +348,13 @@ mod tests {
             map(b as *mut c_void, MIB, libc::MAP_FIXED_NOREPLACE)
         };
         assert_eq!(foreign as usize, b);
-        // SAFETY: the foreign mapping is ours, MIB bytes.
-        unsafe { *(foreign as *mut u8) = 42 };
+        // SAFETY: the foreign mapping is ours, MIB bytes; handing it to `free` must not take it
+        // (what a fallback arena the kernel placed in a freed slot's hole looks like).
+        unsafe {
+            *(foreign as *mut u8) = 42;
+            assert!(!chunks.free(foreign, MIB));
+        }
+        assert!(mapped(a, MIB) && mapped(b, MIB));
         let c = chunks.alloc(MIB).unwrap().as_ptr() as usize;
         assert_ne!(c, b, "a slot another mapping took is not handed out");
         // SAFETY: arenas from `chunks`, not used afterwards.
@@ -360,6 +379,10 @@ mod tests {
         let chunks = ArenaChunks::new();
         assert!(chunks.alloc(3 * MIB).is_none());
         assert!(chunks.alloc(0).is_none());
+        assert!(
+            chunks.alloc(32 << 10).is_none(),
+            "a frame stack's 32 KiB is not an arena"
+        );
         let chunks = ArenaChunks::new();
         let a = chunks.alloc(256 << 10).unwrap().as_ptr() as usize;
         assert_eq!(a % CHUNK, 0);

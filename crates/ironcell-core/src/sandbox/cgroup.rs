@@ -57,12 +57,18 @@ pub fn join_new_pids_group(parent: &Path, pid: u32, max_tasks: u64) -> io::Resul
     std::fs::create_dir_all(parent)?;
     let dir = parent.join(format!("w{pid}"));
     // The host's cleanup may remove an empty group between creating and joining it (a reused
-    // pid whose earlier worker's exit is being reported).
+    // pid whose earlier worker's exit is being reported): a file of a removed group is gone
+    // (NotFound), or, opened just before, refuses the write (ENODEV).
     let mut last = None;
     for _ in 0..3 {
         match try_join(&dir, pid, max_tasks) {
             Ok(()) => return Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => last = Some(e),
+            Err(e)
+                if e.kind() == io::ErrorKind::NotFound
+                    || e.raw_os_error() == Some(libc::ENODEV) =>
+            {
+                last = Some(e)
+            }
             Err(e) => return Err(e),
         }
     }
