@@ -103,26 +103,14 @@ impl ArenaChunks {
                 }
                 let slot = chunk.base + i * size;
                 if chunk.mapped & bit == 0 {
-                    // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping.
-                    let p = unsafe { map(slot as *mut c_void, size, libc::MAP_FIXED_NOREPLACE) };
-                    if p == libc::MAP_FAILED {
-                        if std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) {
-                            // Another mapping sits there now: maybe free again later.
-                            continue;
-                        }
+                    match map_at(slot, size) {
+                        Placed::Mapped => chunk.mapped |= bit,
+                        // Another mapping sits there now: maybe free again later.
+                        Placed::Taken => continue,
                         // Out of address space or data limit: the caller's allocator fails
                         // the same way, and this slot stays for later.
-                        return None;
+                        Placed::NoRoom => return None,
                     }
-                    if p as usize != slot {
-                        // A kernel before 4.17 takes the address as a hint only.
-                        // SAFETY: the mapping just made, unused.
-                        unsafe { libc::munmap(p, size) };
-                        continue;
-                    }
-                    // SAFETY: advice on the slot just mapped.
-                    unsafe { libc::madvise(p, size, libc::MADV_NOHUGEPAGE) };
-                    chunk.mapped |= bit;
                 }
                 chunk.used |= bit;
                 c.served += 1;
@@ -193,17 +181,10 @@ impl ArenaChunks {
 /// A 2 MiB-aligned 2 MiB mapping: right below `below` when that address is free (so the
 /// chunks merge into one mapping), otherwise 4 MiB trimmed to the aligned 2 MiB inside.
 fn map_chunk(below: Option<usize>) -> Option<usize> {
-    if let Some(below) = below.and_then(|b| b.checked_sub(CHUNK)) {
-        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
-        let p = unsafe { map(below as *mut c_void, CHUNK, libc::MAP_FIXED_NOREPLACE) };
-        if p as usize == below {
-            return Some(no_huge_pages(below));
-        }
-        if p != libc::MAP_FAILED {
-            // A kernel before 4.17 takes the address as a hint only.
-            // SAFETY: the mapping just made, unused.
-            unsafe { libc::munmap(p, CHUNK) };
-        }
+    if let Some(below) = below.and_then(|b| b.checked_sub(CHUNK))
+        && matches!(map_at(below, CHUNK), Placed::Mapped)
+    {
+        return Some(below);
     }
     // SAFETY: a fresh anonymous mapping, then unmapping its parts outside the aligned chunk.
     unsafe {
@@ -220,14 +201,43 @@ fn map_chunk(below: Option<usize>) -> Option<usize> {
         if tail > 0 {
             libc::munmap((base + CHUNK) as *mut c_void, tail);
         }
-        Some(no_huge_pages(base))
+        no_huge_pages(base, CHUNK);
+        Some(base)
     }
 }
 
-fn no_huge_pages(base: usize) -> usize {
-    // SAFETY: advice on a chunk this allocator just mapped.
-    unsafe { libc::madvise(base as *mut c_void, CHUNK, libc::MADV_NOHUGEPAGE) };
-    base
+/// What [`map_at`] did.
+enum Placed {
+    Mapped,
+    /// Another mapping holds (part of) the range.
+    Taken,
+    /// The kernel refused for another reason (address-space or data limit).
+    NoRoom,
+}
+
+/// Maps `len` bytes at exactly `addr`, never over another mapping, marked `MADV_NOHUGEPAGE`.
+fn map_at(addr: usize, len: usize) -> Placed {
+    // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
+    let p = unsafe { map(addr as *mut c_void, len, libc::MAP_FIXED_NOREPLACE) };
+    if p == libc::MAP_FAILED {
+        return match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EEXIST) => Placed::Taken,
+            _ => Placed::NoRoom,
+        };
+    }
+    if p as usize != addr {
+        // A kernel before 4.17 takes the address as a hint only.
+        // SAFETY: the mapping just made, unused.
+        unsafe { libc::munmap(p, len) };
+        return Placed::Taken;
+    }
+    no_huge_pages(addr, len);
+    Placed::Mapped
+}
+
+fn no_huge_pages(addr: usize, len: usize) {
+    // SAFETY: advice on a range this allocator just mapped.
+    unsafe { libc::madvise(addr as *mut c_void, len, libc::MADV_NOHUGEPAGE) };
 }
 
 /// # Safety

@@ -16,14 +16,13 @@ struct ArenaAllocator {
     free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
 }
 
-/// The interpreter's own arena allocator, as it was before [`install`].
-struct Previous {
-    ctx: usize,
-    alloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
-    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
-}
+// SAFETY: CPython's default arena allocator has no context (`ctx` is NULL) and its functions
+// may be called from any thread holding the GIL; the struct is only read after `install`.
+unsafe impl Send for ArenaAllocator {}
+unsafe impl Sync for ArenaAllocator {}
 
-static PREVIOUS: std::sync::OnceLock<Previous> = std::sync::OnceLock::new();
+/// The interpreter's own arena allocator, as it was before [`install`].
+static PREVIOUS: std::sync::OnceLock<ArenaAllocator> = std::sync::OnceLock::new();
 
 /// Installs the chunked arena allocator. Returns `false` (and changes nothing) when this
 /// interpreter does not export `PyObject_GetArenaAllocator` and `PyObject_SetArenaAllocator`,
@@ -48,25 +47,18 @@ pub fn install() -> bool {
             std::mem::transmute::<*mut c_void, Accessor>(set),
         )
     };
-    let mut ours = ArenaAllocator {
+    let mut allocator = ArenaAllocator {
         ctx: std::ptr::null_mut(),
         alloc: arena_alloc,
         free: arena_free,
     };
-    let mut theirs = ArenaAllocator {
-        ctx: std::ptr::null_mut(),
-        alloc: arena_alloc,
-        free: arena_free,
-    };
-    // SAFETY: CPython fills the struct with its current allocator, then copies ours in.
-    unsafe { get(&mut theirs) };
-    let _ = PREVIOUS.set(Previous {
-        ctx: theirs.ctx as usize,
-        alloc: theirs.alloc,
-        free: theirs.free,
-    });
-    // SAFETY: as above.
-    unsafe { set(&mut ours) };
+    let mut previous = ArenaAllocator { ..allocator };
+    // SAFETY: CPython fills `previous` with its current allocator, then copies ours in.
+    unsafe {
+        get(&mut previous);
+        let _ = PREVIOUS.set(previous);
+        set(&mut allocator);
+    }
     true
 }
 
@@ -81,7 +73,7 @@ unsafe extern "C" fn arena_alloc(_ctx: *mut c_void, size: usize) -> *mut c_void 
     }
     match PREVIOUS.get() {
         // SAFETY: the interpreter's own allocator, called as pymalloc would.
-        Some(p) => unsafe { (p.alloc)(p.ctx as *mut c_void, size) },
+        Some(p) => unsafe { (p.alloc)(p.ctx, size) },
         None => std::ptr::null_mut(),
     }
 }
@@ -95,6 +87,6 @@ unsafe extern "C" fn arena_free(_ctx: *mut c_void, ptr: *mut c_void, size: usize
     // An arena from before `install`, or one the interpreter's allocator mapped.
     if let Some(p) = PREVIOUS.get() {
         // SAFETY: as above; this arena came from the interpreter's own allocator.
-        unsafe { (p.free)(p.ctx as *mut c_void, ptr, size) };
+        unsafe { (p.free)(p.ctx, ptr, size) };
     }
 }

@@ -162,7 +162,7 @@ impl Fixture {
     /// does); remove it once the child is gone, as the host does when the zygote reports an exit.
     pub fn remove_pids_group_of(&self, plan: &SandboxPlan, pid: nix::unistd::Pid) {
         if let Some(parent) = &plan.pids_cgroup_parent {
-            let _ = std::fs::remove_dir(parent.join(format!("w{pid}")));
+            ironcell_core::sandbox::cgroup::remove_group_of(parent, pid.as_raw());
         }
     }
 }
