@@ -378,11 +378,23 @@ impl Zygote {
         Ok(rx)
     }
 
-    /// Kills the zygote (and, through their parent-death signal, all of its workers).
+    /// Kills the zygote (and, through their parent-death signal, all of its workers), then
+    /// removes the pids groups of the workers it had not reported gone, as they exit (waiting a
+    /// second at most: what is left then, the next server's start removes).
     pub fn kill(&self) {
+        // Taken first: once the zygote is gone, the event thread forgets its workers.
+        let live: Vec<i32> = lock(&self.shared.exits).keys().copied().collect();
         let mut child = lock(&self.child);
         let _ = child.kill();
         let _ = child.wait();
+        drop(child);
+        if let Some(parent) = &self.shared.pids_groups {
+            crate::sandbox::cgroup::remove_groups_once_empty(
+                parent,
+                live,
+                std::time::Duration::from_secs(1),
+            );
+        }
     }
 }
 

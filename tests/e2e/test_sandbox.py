@@ -861,8 +861,9 @@ def test_49_without_cgroups_doctor_says_what_caps_threads(state_dir):
 
 def test_49_the_pids_groups_of_gone_workers_are_removed(state_dir):
     # A root worker's thread cap is a pids cgroup of its own, `ironcell/w<pid>` below the
-    # server's: the host removes it once the worker is gone, and at start the ones a server that
-    # died with its workers left behind, so they never accumulate.
+    # server's: the host removes it once the worker is gone, those of its last workers when it
+    # shuts down, and at start the ones a server that died with its workers left behind, so
+    # they never accumulate.
     if not root_threads_capped():
         pytest.skip("no writable pids cgroup here: workers get none")
     own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
@@ -878,10 +879,13 @@ def test_49_the_pids_groups_of_gone_workers_are_removed(state_dir):
         group = parent / f"w{first}"
         assert str(first) in (group / "cgroup.procs").read_text().split()
         assert wait_until(lambda: not stale.exists()), "a group left behind was not removed at start"
-        assert srv.call("1", session="b")["structuredContent"]["status"] == "ok"  # evicts "a"
+        second = int(srv.call("import os\nos.getpid()", session="b")["structuredContent"]["result"])  # evicts "a"
         assert wait_until(lambda: not group.exists(), timeout=10), sorted(p.name for p in parent.iterdir())
+        assert (parent / f"w{second}").is_dir()
     finally:
         srv.close()
+    # A server that shuts down removes the groups of the workers it still had, as they exit.
+    assert not (parent / f"w{second}").exists(), sorted(p.name for p in parent.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------

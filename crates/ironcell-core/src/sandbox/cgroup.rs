@@ -6,8 +6,9 @@
 //! hides it), each worker, still holding its capabilities, makes `ironcell/w<pid>` beneath the
 //! server's own pids cgroup (so a limit set on the server's service still covers its workers),
 //! writes `pids.max` and moves itself in. The host removes a worker's group when the zygote
-//! reports that worker reaped ([`remove_group_of`]), and the groups of workers that are gone
-//! without a report (a zygote that died took its workers along) whenever it starts a zygote
+//! reports that worker reaped ([`remove_group_of`]), those of its live workers when it kills
+//! the zygote, as they exit ([`remove_groups_once_empty`]), and the groups of workers that are
+//! gone without a report (a zygote that died took its workers along) whenever it starts a zygote
 //! ([`remove_groups_of_gone_workers`]). A worker does neither: a scan of the parent in every new
 //! worker cost a `stat` of `/proc/<pid>` per live worker, ~0.2 ms of each worker's start with
 //! 200 sessions (`perf`, bursts of 20).
@@ -19,6 +20,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 const V1_PIDS_ROOT: &str = "/sys/fs/cgroup/pids";
 
@@ -106,6 +108,31 @@ pub fn remove_group_of(parent: &Path, pid: i32) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => tracing::debug!(dir = %dir.display(), error = %e, "pids group not removed"),
+    }
+}
+
+/// Removes the groups of `pids`, workers of this server that are exiting (their zygote was
+/// killed), as each empties: the kernel refuses (`EBUSY`) while a task is still in it. Gives up
+/// after `patience`; a group left then is removed by the next server's start.
+pub fn remove_groups_once_empty(parent: &Path, mut pids: Vec<i32>, patience: Duration) {
+    let deadline = Instant::now() + patience;
+    loop {
+        pids.retain(|pid| {
+            let dir = parent.join(format!("w{pid}"));
+            match std::fs::remove_dir(&dir) {
+                Ok(()) => false,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => true,
+                Err(e) => {
+                    tracing::debug!(dir = %dir.display(), error = %e, "pids group not removed");
+                    false
+                }
+            }
+        });
+        if pids.is_empty() || Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
