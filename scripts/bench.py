@@ -429,6 +429,30 @@ def python_plot_ms(py: str, n: int) -> list[float] | None:
     return proc_ms([py, "-c", code], n)
 
 
+def background_cpu(seconds: float = 1.0) -> tuple[float, float] | None:
+    """How busy this machine's CPUs are with nothing of ours running: the share of CPU time
+    spent outside idle (and of it, stolen by the hypervisor) over `seconds`, from /proc/stat.
+    Printed with the results, so a slow run can be told from a busy machine."""
+    def sample() -> list[int] | None:
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        except OSError:
+            return None
+        return [int(x) for x in fields[1:9]] if fields[0] == "cpu" and len(fields) >= 9 else None
+
+    before = sample()
+    time.sleep(seconds)
+    after = sample()
+    if before is None or after is None:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    total = sum(d)
+    if total <= 0:
+        return None
+    idle = d[3] + d[4]  # idle, iowait
+    return 100.0 * (total - idle) / total, 100.0 * d[7] / total
+
+
 PAUSE_S = 0.01
 
 
@@ -715,6 +739,7 @@ def main() -> int:
             python_how = f"IRONCELL_PYTHON={a.python} (this binary has no --python flag yet)"
     table = Table()
 
+    background = background_cpu()
     # Peers first, on a quiet machine.
     base_c = proc_ms([peer_py, "-c", "print(1)"], n_base)
     bw = bwrap_cmd(peer_py)
@@ -856,7 +881,9 @@ def main() -> int:
     header = (f"ironcell benchmark ({'quick' if q else 'full'}; median / p99 ms unless stated): "
               f"Python {py_version} via {python_how}; peers on {peer_py}; {os.cpu_count()} CPUs; "
               f"n = {n_new} new sessions, {burst_rounds} bursts of 20, {n_warm} warm calls, {n_start} starts, "
-              f"{n_plot} plots each way, {n_base} peer runs")
+              f"{n_plot} plots each way, {n_base} peer runs"
+              + (f"; before the run, with nothing of ours running, the CPUs were {background[0]:.0f}% busy "
+                 f"({background[1]:.0f}% stolen by the hypervisor)" if background else ""))
     table.print(header, a.markdown)
     shutil.rmtree(state, ignore_errors=True)
     return 0
