@@ -472,8 +472,10 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
             }
             ZygoteEvent::Exited { pid, status } => {
                 tracing::debug!(pid, %status, "worker exited");
-                if let Some(parent) = &shared.pids_groups {
-                    crate::sandbox::cgroup::remove_group_of(parent, pid);
+                if let Some(parent) = &shared.pids_groups
+                    && !crate::sandbox::cgroup::remove_group_of(parent, pid)
+                {
+                    tracing::debug!(pid, "pids group not removed: it still has tasks");
                 }
                 if let Some(tx) = lock(&shared.exits).remove(&pid) {
                     let _ = tx.send(status);

@@ -40,8 +40,6 @@ struct Chunks {
     /// here can abort a worker at its memory limit; searched linearly (a few hundred chunks for
     /// a worker using 1 GiB of small objects, and arenas come and go rarely).
     chunks: Vec<Chunk>,
-    /// The lowest chunk mapped so far: the next one is tried right below it.
-    lowest: Option<usize>,
     /// Arenas served so far, for the zygote's log.
     served: usize,
 }
@@ -72,7 +70,6 @@ impl ArenaChunks {
         ArenaChunks(Mutex::new(Chunks {
             arena: 0,
             chunks: Vec::new(),
-            lowest: None,
             served: 0,
         }))
     }
@@ -118,8 +115,8 @@ impl ArenaChunks {
             }
         }
         c.chunks.try_reserve(1).ok()?;
-        let base = map_chunk(c.lowest)?;
-        c.lowest = Some(c.lowest.map_or(base, |l| l.min(base)));
+        // Right below the lowest chunk, so the chunks merge into one mapping.
+        let base = map_chunk(c.chunks.iter().map(|k| k.base).min())?;
         c.chunks.push(Chunk {
             base,
             used: 1,
@@ -165,9 +162,6 @@ impl ArenaChunks {
             unsafe { libc::munmap((base + i * arena) as *mut c_void, arena) };
         }
         c.chunks.swap_remove(at);
-        if c.lowest == Some(base) {
-            c.lowest = c.chunks.iter().map(|k| k.base).min();
-        }
         true
     }
 

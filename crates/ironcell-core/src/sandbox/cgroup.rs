@@ -101,34 +101,27 @@ fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
 /// Removes the pids group of worker `pid` once it is gone (the zygote reaped it). The kernel
 /// refuses (EBUSY) to remove a group that still has tasks, so a pid already reused by a new
 /// worker in that group can never lose its cap; one reused before it joins finds the group gone
-/// and makes it again.
-pub fn remove_group_of(parent: &Path, pid: i32) {
+/// and makes it again. Returns `false` only for that refusal: the group still has tasks.
+pub fn remove_group_of(parent: &Path, pid: i32) -> bool {
     let dir = parent.join(format!("w{pid}"));
     match std::fs::remove_dir(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => tracing::debug!(dir = %dir.display(), error = %e, "pids group not removed"),
+        Ok(()) => true,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => false,
+        Err(e) => {
+            tracing::debug!(dir = %dir.display(), error = %e, "pids group not removed");
+            true
+        }
     }
 }
 
 /// Removes the groups of `pids`, workers of this server that are exiting (their zygote was
-/// killed), as each empties: the kernel refuses (`EBUSY`) while a task is still in it. Gives up
+/// killed), as each empties ([`remove_group_of`], again while it still has tasks). Gives up
 /// after `patience`; a group left then is removed by the next server's start.
 pub fn remove_groups_once_empty(parent: &Path, mut pids: Vec<i32>, patience: Duration) {
     let deadline = Instant::now() + patience;
     loop {
-        pids.retain(|pid| {
-            let dir = parent.join(format!("w{pid}"));
-            match std::fs::remove_dir(&dir) {
-                Ok(()) => false,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => true,
-                Err(e) => {
-                    tracing::debug!(dir = %dir.display(), error = %e, "pids group not removed");
-                    false
-                }
-            }
-        });
+        pids.retain(|&pid| !remove_group_of(parent, pid));
         if pids.is_empty() || Instant::now() >= deadline {
             return;
         }
