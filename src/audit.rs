@@ -41,6 +41,12 @@ pub struct AuditEntry {
     pub refused: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upstream_calls: Vec<Value>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub upstream_calls_omitted: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl AuditEntry {
@@ -68,6 +74,7 @@ impl AuditEntry {
             limits_hit: Vec::new(),
             refused: None,
             upstream_calls: Vec::new(),
+            upstream_calls_omitted: 0,
         };
         match outcome {
             Ok(r) => {
@@ -82,6 +89,7 @@ impl AuditEntry {
                     .iter()
                     .filter_map(|c| serde_json::to_value(c).ok())
                     .collect();
+                e.upstream_calls_omitted = r.upstream_calls_omitted;
             }
             Err(why) => e.refused = Some(why.clone()),
         }
@@ -316,7 +324,7 @@ fn clip(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {
-        s.chars().take(n - 1).collect::<String>() + "…"
+        crate::clip_chars(s, n - 1)
     }
 }
 

@@ -37,6 +37,14 @@
 //! - [`system_info`]: what `system://info` reports.
 //! - `python/`: the boot script, the cell runner and the in-sandbox `mcp` module, embedded.
 
+/// `s` cut to at most `max_chars` characters, with "…" in place of the rest when cut.
+pub(crate) fn clip_chars(s: &str, max_chars: usize) -> String {
+    match s.char_indices().nth(max_chars) {
+        None => s.to_string(),
+        Some((end, _)) => format!("{}…", &s[..end]),
+    }
+}
+
 /// Locks a mutex, carrying on with the data if another thread panicked while holding it: the
 /// tables guarded this way (sessions, jobs, pending spawns) stay consistent between statements.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -5,13 +5,16 @@
 //! with every sandbox layer plus a read-only grant for the tools files, imports them, turns type
 //! hints into JSON schemas (`tools.catalog`), and runs each call (`tools.result`): the host only
 //! generates a one-line cell that names what to do, and reads the answer from a bridge request
-//! of that session, never from printed text. Answers are accepted only from the tools session,
-//! only for a token the host is waiting for, and are size-capped; schemas are checked before they
-//! are listed. Saved tools are files the host writes in `<state dir>/tools/` (names validated,
-//! sizes and counts capped), readable only by the tools session.
+//! of that session, never from printed text. Answers are accepted only from the session the host
+//! asked, only for a token it is waiting for, and are size-capped; schemas are checked before
+//! they are listed. Saved tools are files the host writes in `<state dir>/tools/` (names
+//! validated, sizes and counts capped). They are code a session wrote, so they load and run in a
+//! session of their own ([`SAVED_TOOLS_SESSION`]), readable only there: never in the interpreter
+//! that holds the user's tools files (and their read grant), where a saved tool could read those
+//! files or replace the user's tools. A saved tool named like a file tool is not listed.
 //!
 //! Code in `run_python` reaches the tools with `from mcp import tools; tools.<name>(...)`
-//! (`tools.call` requests), which run in the tools session too.
+//! (`tools.call` requests), which run in the tool's session too.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,8 +33,34 @@ use crate::output::{RunRecord, RunStatus};
 use crate::proxy::ErrorKind;
 use crate::session::{RunRequest, SessionManager};
 
-/// The reserved session whose worker loads and runs the local tools.
+/// The reserved session whose worker loads and runs the tools of the `--tools` files.
 pub const TOOLS_SESSION: &str = "ironcell.tools";
+/// The reserved session whose worker loads and runs the tools saved with `save_tool`.
+pub const SAVED_TOOLS_SESSION: &str = "ironcell.saved-tools";
+
+/// Where a tool comes from, which decides the session that loads and runs it: the host's own
+/// knowledge (which session it asked), never what a worker says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Home {
+    Files,
+    Saved,
+}
+
+impl Home {
+    fn session(self) -> &'static str {
+        match self {
+            Home::Files => TOOLS_SESSION,
+            Home::Saved => SAVED_TOOLS_SESSION,
+        }
+    }
+
+    fn origin(self) -> &'static str {
+        match self {
+            Home::Files => "file",
+            Home::Saved => "saved",
+        }
+    }
+}
 /// Names the MCP surface already uses.
 const RESERVED_NAMES: &[&str] = &["run_python", "run_python_job"];
 /// Most tools listed (from files and saved together).
@@ -78,8 +107,8 @@ struct LocalTool {
     description: String,
     input_schema: JsonObject,
     output_schema: Option<JsonObject>,
-    /// From `--tools` (`file`) or `save_tool` (`saved`).
-    origin: String,
+    /// From `--tools` or `save_tool`.
+    home: Home,
 }
 
 #[derive(Debug, Default)]
@@ -108,17 +137,17 @@ pub struct LocalTools {
     generation: AtomicU64,
     /// Held while loading, so concurrent lists wait for one load.
     catalog: tokio::sync::Mutex<Option<Arc<Catalog>>>,
-    /// Answers the host is waiting for, by token.
-    inbox: Mutex<HashMap<String, Option<Value>>>,
+    /// Answers the host is waiting for, by token: from which tools session, and the answer.
+    inbox: Mutex<HashMap<String, (Home, Option<Value>)>>,
     next_token: AtomicU64,
     /// The client to tell when the list changes.
     peer: Mutex<Option<Peer<RoleServer>>>,
     output_mode: crate::config::OutputMode,
 }
 
-/// Whether `name` is the reserved tools session (refused for `run_python`).
+/// Whether `name` is one of the reserved tools sessions (refused for `run_python`).
 pub fn is_reserved_session(name: &str) -> bool {
-    name == TOOLS_SESSION
+    name == TOOLS_SESSION || name == SAVED_TOOLS_SESSION
 }
 
 /// A tool name the host accepts: a Python identifier in ASCII, at most 64 characters, not one
@@ -184,17 +213,32 @@ impl LocalTools {
         *lock(&self.peer) = Some(peer);
     }
 
-    /// Read-only paths the worker of `session` gets beyond the policy's: the tools files and
-    /// the saved tools, for the tools session only.
+    /// Read-only paths the worker of `session` gets beyond the policy's: the tools files for
+    /// the tools session, the saved tools for the saved tools' session, nothing for any other.
     pub fn read_grants_for(&self, session: &str) -> Vec<PathBuf> {
-        if session != TOOLS_SESSION {
-            return Vec::new();
+        match session {
+            TOOLS_SESSION => self.paths.clone(),
+            SAVED_TOOLS_SESSION if self.saved_dir.is_dir() => vec![self.saved_dir.clone()],
+            _ => Vec::new(),
         }
-        let mut grants = self.paths.clone();
-        if self.saved_dir.is_dir() {
-            grants.push(self.saved_dir.clone());
+    }
+
+    /// What a tools session loads: the `--tools` paths, or the saved tools' folder.
+    fn spec_for(&self, home: Home, token: &str, generation: u64) -> Value {
+        match home {
+            Home::Files => json!({"token": token, "generation": generation,
+                                  "paths": self.paths, "saved_dir": null}),
+            Home::Saved => json!({"token": token, "generation": generation,
+                                  "paths": [], "saved_dir": self.saved_dir}),
         }
-        grants
+    }
+
+    /// Whether `home` has anything to load (no worker is started for it otherwise).
+    fn has_tools_in(&self, home: Home) -> bool {
+        match home {
+            Home::Files => !self.paths.is_empty(),
+            Home::Saved => saved_tool_files(&self.saved_dir).next().is_some(),
+        }
     }
 
     /// The local tools for `tools/list`; empty (and no work at all) when none are in use.
@@ -235,16 +279,23 @@ impl LocalTools {
             tools: Vec::new(),
             errors: self.path_errors.clone(),
         };
+        // The files first: a saved tool cannot take a file tool's name.
+        for home in [Home::Files, Home::Saved] {
+            if self.has_tools_in(home) {
+                self.load_from(home, &mut catalog).await;
+            }
+        }
+        catalog
+    }
+
+    /// Loads the tools of `home` in its session (a fresh interpreter per generation: modules
+    /// re-import, and the grants are current) and adds them to `catalog`.
+    async fn load_from(&self, home: Home, catalog: &mut Catalog) {
         let token = self.new_token();
-        let spec = json!({
-            "token": token,
-            "generation": generation,
-            "paths": self.paths,
-            "saved_dir": self.saved_dir,
-        });
-        // A fresh interpreter per generation: modules re-import, and the grants are current.
+        let spec = self.spec_for(home, &token, catalog.generation);
         let answer = self
             .run_in_tools_session(
+                home,
                 "_tools_catalog",
                 &spec,
                 &token,
@@ -259,12 +310,12 @@ impl LocalTools {
                     .errors
                     .push(session_failure(&record.render(self.output_mode)));
                 catalog.load_failed = true;
-                return catalog;
+                return;
             }
             Err(why) => {
                 catalog.errors.push(session_failure(&why));
                 catalog.load_failed = true;
-                return catalog;
+                return;
             }
         };
         if let Some(errors) = answer.get("errors").and_then(Value::as_array) {
@@ -278,7 +329,7 @@ impl LocalTools {
         }
         let tools = answer.get("tools").and_then(Value::as_array);
         for t in tools.into_iter().flatten() {
-            match checked_tool(t) {
+            match checked_tool(t, home) {
                 Ok(tool) if catalog.tools.iter().any(|x| x.name == tool.name) => {
                     catalog.errors.push(LoadError {
                         file: String::new(),
@@ -302,7 +353,6 @@ impl LocalTools {
                 }),
             }
         }
-        catalog
     }
 
     fn new_token(&self) -> String {
@@ -314,10 +364,11 @@ impl LocalTools {
         format!("t{n}-{nanos:x}-{:x}", std::process::id())
     }
 
-    /// Runs `mcp.<function>(spec)` in the tools session and takes the answer it sends back
-    /// under `token` (None if it sent none: the record says why).
+    /// Runs `mcp.<function>(spec)` in the session of `home` and takes the answer that session
+    /// sends back under `token` (None if it sent none: the record says why).
     async fn run_in_tools_session(
         &self,
+        home: Home,
         function: &str,
         spec: &Value,
         token: &str,
@@ -330,12 +381,12 @@ impl LocalTools {
         // A JSON string literal is a valid Python string literal (serde_json emits no `\/`).
         let literal = serde_json::to_string(&spec.to_string()).map_err(|e| e.to_string())?;
         let code = format!("__import__(\"mcp\").{function}({literal})");
-        lock(&self.inbox).insert(token.to_string(), None);
+        lock(&self.inbox).insert(token.to_string(), (home, None));
         let outcome = sessions
             .run(
                 RunRequest {
                     code,
-                    session: TOOLS_SESSION.to_string(),
+                    session: home.session().to_string(),
                     timeout: None,
                     reset,
                     servers: Vec::new(),
@@ -344,7 +395,7 @@ impl LocalTools {
                 cancel,
             )
             .await;
-        let answer = lock(&self.inbox).remove(token).flatten();
+        let answer = lock(&self.inbox).remove(token).and_then(|(_, a)| a);
         outcome.map(|r| (r, answer)).map_err(|e| e.to_string())
     }
 
@@ -361,7 +412,7 @@ impl LocalTools {
         let catalog = self.ensure_catalog().await;
         let tool = catalog.tools.iter().find(|t| t.name == name)?.clone();
         let args = Value::Object(arguments.cloned().unwrap_or_default());
-        Some(match self.invoke(&tool.name, args, cancel).await {
+        Some(match self.invoke(&tool, args, cancel).await {
             Ok((record, envelope)) => self.tool_result(&tool, record, envelope),
             Err(why) => error_result(format!("the tool {name} could not run: {why}")),
         })
@@ -369,22 +420,17 @@ impl LocalTools {
 
     async fn invoke(
         &self,
-        name: &str,
+        tool: &LocalTool,
         arguments: Value,
         cancel: CancellationToken,
     ) -> Result<(RunRecord, Option<Value>), String> {
         let generation = self.ensure_catalog().await.generation;
         let token = self.new_token();
-        let spec = json!({
-            "token": token,
-            "generation": generation,
-            "paths": self.paths,
-            "saved_dir": self.saved_dir,
-            "name": name,
-            "arguments": arguments,
-        });
+        let mut spec = self.spec_for(tool.home, &token, generation);
+        spec["name"] = json!(tool.name);
+        spec["arguments"] = arguments;
         let (record, answer) = self
-            .run_in_tools_session("_tools_invoke", &spec, &token, false, cancel)
+            .run_in_tools_session(tool.home, "_tools_invoke", &spec, &token, false, cancel)
             .await?;
         let envelope = answer.and_then(|a| a.get("envelope").cloned());
         Ok((record, envelope))
@@ -466,7 +512,7 @@ impl LocalTools {
         op: ToolsOp,
         params: &Value,
     ) -> Result<Value, (ErrorKind, String)> {
-        let from_tools = from == TOOLS_SESSION;
+        let from_tools = is_reserved_session(from);
         match op {
             ToolsOp::Result | ToolsOp::Catalog => {
                 if !from_tools {
@@ -475,7 +521,7 @@ impl LocalTools {
                         "only the tools session answers".into(),
                     ));
                 }
-                self.accept_answer(params).map(|()| Value::Null)
+                self.accept_answer(from, params).map(|()| Value::Null)
             }
             ToolsOp::List | ToolsOp::Call if from_tools => Err((
                 ErrorKind::BadRequest,
@@ -498,7 +544,7 @@ impl LocalTools {
                             "name": t.name,
                             "description": t.description,
                             "inputSchema": t.input_schema,
-                            "origin": t.origin,
+                            "origin": t.home.origin(),
                         });
                         if let Some(o) = &t.output_schema {
                             v["outputSchema"] = Value::Object(o.clone());
@@ -519,7 +565,7 @@ impl LocalTools {
                 } else {
                     Arc::new(Catalog::default())
                 };
-                if !catalog.tools.iter().any(|t| t.name == name) {
+                let Some(tool) = catalog.tools.iter().find(|t| t.name == name) else {
                     let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_str()).collect();
                     return Err((
                         ErrorKind::UnknownTool,
@@ -532,9 +578,9 @@ impl LocalTools {
                             }
                         ),
                     ));
-                }
+                };
                 let (record, envelope) = self
-                    .invoke(name, arguments, CancellationToken::new())
+                    .invoke(tool, arguments, CancellationToken::new())
                     .await
                     .map_err(|why| (ErrorKind::Unavailable, why))?;
                 let Some(env) = envelope else {
@@ -561,6 +607,24 @@ impl LocalTools {
                 }
             }
             ToolsOp::Save => {
+                // The user's tools keep their names: a saved tool of the same name would never
+                // be listed. Asked of the loaded catalog (waiting for a load in progress).
+                let name = params.get("name").and_then(Value::as_str).unwrap_or("");
+                if !self.paths.is_empty()
+                    && self
+                        .ensure_catalog()
+                        .await
+                        .tools
+                        .iter()
+                        .any(|t| t.name == name && t.home == Home::Files)
+                {
+                    return Err((
+                        ErrorKind::BadRequest,
+                        format!(
+                            "a tool named {name:?} comes from the tools files; choose another name"
+                        ),
+                    ));
+                }
                 let message = self.save(params)?;
                 Ok(json!({ "message": message }))
             }
@@ -580,17 +644,23 @@ impl LocalTools {
         }
     }
 
-    /// Takes an answer of the tools session for a token the host is waiting for.
-    fn accept_answer(&self, params: &Value) -> Result<(), (ErrorKind, String)> {
+    /// Takes an answer of the tools session `from` for a token the host is waiting for from it.
+    fn accept_answer(&self, from: &str, params: &Value) -> Result<(), (ErrorKind, String)> {
         let token = params.get("token").and_then(Value::as_str).unwrap_or("");
         let size = params.to_string().len();
         let mut inbox = lock(&self.inbox);
-        let Some(slot) = inbox.get_mut(token) else {
+        let Some((home, slot)) = inbox.get_mut(token) else {
             return Err((
                 ErrorKind::BadRequest,
                 "no answer is expected under that token".into(),
             ));
         };
+        if home.session() != from {
+            return Err((
+                ErrorKind::BadRequest,
+                "no answer is expected from this session under that token".into(),
+            ));
+        }
         if slot.is_some() {
             return Err((
                 ErrorKind::BadRequest,
@@ -632,20 +702,6 @@ impl LocalTools {
             return Err(bad(format!(
                 "the tool's source is {} bytes; the limit is {MAX_SAVED_TOOL_BYTES}",
                 source.len()
-            )));
-        }
-        let file_tool = self
-            .catalog
-            .try_lock()
-            .ok()
-            .and_then(|c| {
-                c.as_ref()
-                    .map(|c| c.tools.iter().any(|t| t.name == name && t.origin == "file"))
-            })
-            .unwrap_or(false);
-        if file_tool {
-            return Err(bad(format!(
-                "a tool named {name:?} comes from the tools files; choose another name"
             )));
         }
         let target = format!("{name}.py");
@@ -751,8 +807,8 @@ fn short(s: &str, max_chars: usize) -> String {
     out
 }
 
-/// Checks one tool of the catalog the tools session sent (it is untrusted data).
-fn checked_tool(t: &Value) -> Result<LocalTool, String> {
+/// Checks one tool of the catalog the tools session of `home` sent (it is untrusted data).
+fn checked_tool(t: &Value, home: Home) -> Result<LocalTool, String> {
     let name = t.get("name").and_then(Value::as_str).unwrap_or("");
     if !valid_tool_name(name) {
         return Err(format!(
@@ -786,16 +842,12 @@ fn checked_tool(t: &Value) -> Result<LocalTool, String> {
     let input_schema =
         schema("inputSchema")?.ok_or_else(|| format!("tool {name} has no inputSchema"))?;
     let output_schema = schema("outputSchema")?;
-    let origin = match t.get("origin").and_then(Value::as_str) {
-        Some("saved") => "saved",
-        _ => "file",
-    };
     Ok(LocalTool {
         name: name.to_string(),
         description,
         input_schema,
         output_schema,
-        origin: origin.to_string(),
+        home,
     })
 }
 
@@ -947,13 +999,53 @@ mod tests {
     #[test]
     fn catalog_entries_from_the_worker_are_checked() {
         let ok = json!({"name": "f", "description": "d", "inputSchema": {"type": "object", "properties": {}}});
-        assert!(checked_tool(&ok).is_ok());
+        assert!(checked_tool(&ok, Home::Files).is_ok());
         let bad_name = json!({"name": "run_python", "inputSchema": {"type": "object"}});
-        assert!(checked_tool(&bad_name).is_err());
+        assert!(checked_tool(&bad_name, Home::Files).is_err());
         let not_object = json!({"name": "f", "inputSchema": {"type": "string"}});
-        assert!(checked_tool(&not_object).is_err());
+        assert!(checked_tool(&not_object, Home::Files).is_err());
         let huge = json!({"name": "f", "inputSchema": {"type": "object", "description": "x".repeat(MAX_SCHEMA_BYTES)}});
-        assert!(checked_tool(&huge).is_err());
+        assert!(checked_tool(&huge, Home::Files).is_err());
+        // Where a tool runs is the host's knowledge of which session listed it, not the
+        // worker's word: a saved tool that claims to come from the files stays a saved tool.
+        let claims_file = json!({"name": "f", "origin": "file", "inputSchema": {"type": "object"}});
+        let tool = checked_tool(&claims_file, Home::Saved).unwrap();
+        assert_eq!(tool.home, Home::Saved);
+        assert_eq!(tool.home.session(), SAVED_TOOLS_SESSION);
+    }
+
+    #[test]
+    fn each_tools_session_is_granted_only_its_own_files() {
+        let dir = std::env::temp_dir().join(format!("ironcell-grants-{}", std::process::id()));
+        let (files, saved) = (dir.join("mytools"), dir.join("state/tools"));
+        std::fs::create_dir_all(&files).unwrap();
+        std::fs::create_dir_all(&saved).unwrap();
+        let tools = LocalTools {
+            sessions: Weak::new(),
+            paths: vec![files.clone()],
+            path_errors: Vec::new(),
+            saved_dir: saved.clone(),
+            listed: AtomicBool::new(true),
+            advertise_list_changed: true,
+            generation: AtomicU64::new(1),
+            catalog: tokio::sync::Mutex::new(None),
+            inbox: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            peer: Mutex::new(None),
+            output_mode: crate::config::OutputMode::Compact,
+        };
+        assert_eq!(tools.read_grants_for(TOOLS_SESSION), vec![files.clone()]);
+        assert_eq!(
+            tools.read_grants_for(SAVED_TOOLS_SESSION),
+            vec![saved.clone()]
+        );
+        assert!(tools.read_grants_for("default").is_empty());
+        // An answer is taken only from the session the host asked.
+        lock(&tools.inbox).insert("t1".into(), (Home::Files, None));
+        let answer = json!({"token": "t1", "tools": []});
+        assert!(tools.accept_answer(SAVED_TOOLS_SESSION, &answer).is_err());
+        assert!(tools.accept_answer(TOOLS_SESSION, &answer).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -22,11 +22,30 @@ pub const MAX_ENTRY_BYTES: usize = 1 << 20;
 pub const MAX_STORE_BYTES: u64 = 32 << 20;
 /// Most entries.
 pub const MAX_ENTRIES: usize = 4096;
+/// Largest metadata of one entry, as JSON: tags and notes, listed with every key.
+pub const MAX_METADATA_BYTES: usize = 4096;
+/// Most metadata one `list` answer carries, as JSON; entries past it are listed without theirs.
+const MAX_LISTED_METADATA_BYTES: usize = 1 << 20;
 
 pub struct MemoryStore {
     dir: PathBuf,
-    /// Serializes writers, so the caps hold across concurrent sessions.
+    /// Serializes writers, so the caps hold across concurrent sessions, and readers: a value
+    /// parsed into a `Value` takes many times its size as JSON, so one read at a time bounds what
+    /// concurrent requests can make the host hold.
     lock: Mutex<()>,
+}
+
+/// What `list` reads of an entry: the stored value is skipped unparsed, the metadata is kept as
+/// text until its size is known.
+#[derive(serde::Deserialize)]
+struct ListedEntry {
+    key: String,
+    #[serde(default)]
+    metadata: Option<Box<serde_json::value::RawValue>>,
+    #[serde(default)]
+    created_at: Value,
+    #[serde(default)]
+    updated_at: Value,
 }
 
 /// A `memory.<op>` bridge request.
@@ -127,6 +146,12 @@ impl MemoryStore {
             .collect()
     }
 
+    /// An entry's key, metadata (as text) and times, its value skipped unparsed.
+    fn read_listed(path: &Path) -> Option<ListedEntry> {
+        let text = std::fs::read_to_string(path).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
     fn read_entry(path: &Path) -> Option<Value> {
         let text = std::fs::read_to_string(path).ok()?;
         serde_json::from_str(&text).ok()
@@ -140,14 +165,22 @@ impl MemoryStore {
             Some(m @ Value::Object(_)) => m.clone(),
             Some(_) => return Err(bad("memory metadata must be a dict".into())),
         };
+        let metadata_bytes = serde_json::to_vec(&metadata).map_or(0, |v| v.len());
+        if metadata_bytes > MAX_METADATA_BYTES {
+            return Err(bad(format!(
+                "the metadata of memory {key:?} is {metadata_bytes} bytes as JSON; the limit is \
+                 {MAX_METADATA_BYTES} bytes (keep large data in the value)"
+            )));
+        }
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
         let _guard = crate::lock(&self.lock);
         self.ensure_dir()?;
-        let created = Self::read_entry(&path)
-            .and_then(|e| e.get("created_at").cloned())
+        let created = Self::read_listed(&path)
+            .map(|e| e.created_at)
+            .filter(|c| !c.is_null())
             .unwrap_or(json!(now));
         let entry = json!({"key": key, "value": value, "metadata": metadata,
                            "created_at": created, "updated_at": now});
@@ -181,6 +214,7 @@ impl MemoryStore {
 
     fn load(&self, params: &Value) -> Result<Value, Refusal> {
         let (_, path) = self.path_for(params)?;
+        let _guard = crate::lock(&self.lock);
         Ok(match Self::read_entry(&path) {
             Some(entry) => json!({"found": true, "entry": entry}),
             None => json!({"found": false}),
@@ -198,16 +232,31 @@ impl MemoryStore {
     }
 
     fn list(&self) -> Result<Value, Refusal> {
-        let mut out: Vec<Value> = self
+        let _guard = crate::lock(&self.lock);
+        let mut listed: Vec<(ListedEntry, u64)> = self
             .entries()
             .into_iter()
-            .filter_map(|(p, size)| {
-                let e = Self::read_entry(&p)?;
-                Some(json!({"key": e.get("key")?, "metadata": e.get("metadata").cloned().unwrap_or(json!({})),
-                            "created_at": e.get("created_at"), "updated_at": e.get("updated_at"), "bytes": size}))
+            .filter_map(|(p, size)| Some((Self::read_listed(&p)?, size)))
+            .collect();
+        listed.sort_by(|a, b| a.0.key.cmp(&b.0.key));
+        let mut metadata_budget = MAX_LISTED_METADATA_BYTES;
+        let out = listed
+            .into_iter()
+            .map(|(e, size)| {
+                let raw = e.metadata.as_deref().map_or("{}", |m| m.get());
+                let mut item = json!({"key": e.key, "metadata": {}, "created_at": e.created_at,
+                                      "updated_at": e.updated_at, "bytes": size});
+                // Entries saved before metadata was capped may carry more: listed without it
+                // (load_memory still returns it), so no list grows past the budget.
+                if raw.len() <= MAX_METADATA_BYTES && raw.len() <= metadata_budget {
+                    metadata_budget -= raw.len();
+                    item["metadata"] = serde_json::from_str(raw).unwrap_or_else(|_| json!({}));
+                } else {
+                    item["metadata_omitted_bytes"] = json!(raw.len());
+                }
+                item
             })
             .collect();
-        out.sort_by(|a, b| a["key"].as_str().cmp(&b["key"].as_str()));
         Ok(Value::Array(out))
     }
 }
@@ -248,6 +297,51 @@ mod tests {
         assert_eq!(
             s.handle(MemoryOp::Load, &json!({"key": "a/b"}))["result"]["found"],
             false
+        );
+    }
+
+    #[test]
+    fn metadata_is_capped_and_a_list_carries_only_small_metadata() {
+        let s = store("meta");
+        let big = json!({"a": vec![0; MAX_METADATA_BYTES]});
+        let r = s.handle(
+            MemoryOp::Save,
+            &json!({"key": "k", "value": 1, "metadata": big}),
+        );
+        assert!(
+            r["error"]["message"].as_str().unwrap().contains("metadata"),
+            "{r}"
+        );
+        let r = s.handle(
+            MemoryOp::Save,
+            &json!({"key": "k", "value": [1, 2], "metadata": {"tag": "x"}}),
+        );
+        assert!(r.get("result").is_some(), "{r}");
+        // An entry written before the cap (or by hand) with 1 MB of metadata: listed without it,
+        // loaded whole.
+        let legacy = json!({"key": "old", "value": 0, "metadata": {"a": vec![0; 500_000]},
+                            "created_at": 1.0, "updated_at": 1.0});
+        std::fs::write(s.dir.join("6f6c64.json"), legacy.to_string()).unwrap();
+        let list = s.handle(MemoryOp::List, &json!({}));
+        let items = list["result"].as_array().unwrap();
+        assert_eq!(items.len(), 2, "{list}");
+        assert_eq!(items[0]["key"], "k");
+        assert_eq!(items[0]["metadata"], json!({"tag": "x"}));
+        assert_eq!(items[1]["key"], "old");
+        assert_eq!(items[1]["metadata"], json!({}));
+        assert!(items[1]["metadata_omitted_bytes"].as_u64().unwrap() > 1_000_000);
+        assert!(
+            list.to_string().len() < 4096,
+            "the list stays small: {}",
+            list.to_string().len()
+        );
+        let r = s.handle(MemoryOp::Load, &json!({"key": "old"}));
+        assert_eq!(
+            r["result"]["entry"]["metadata"]["a"]
+                .as_array()
+                .unwrap()
+                .len(),
+            500_000
         );
     }
 

@@ -89,6 +89,10 @@ pub struct RunRecord {
     /// Calls the code made to proxied MCP servers.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub upstream_calls: Vec<crate::proxy::CallSummary>,
+    /// Proxied calls past the first [`crate::proxy::MAX_CALL_SUMMARIES`] of the run: counted, not
+    /// recorded one by one.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub upstream_calls_omitted: u64,
     /// Figures and images the run produced (shown inline, full size linked).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub images: Vec<ImageRef>,
@@ -524,6 +528,10 @@ fn quote(s: &str) -> String {
     }
     q.push('"');
     q
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]

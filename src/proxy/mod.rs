@@ -167,7 +167,17 @@ pub fn error_payload(kind: ErrorKind, message: &str) -> Value {
     json!({"error": {"kind": kind, "message": message}})
 }
 
-/// One proxied call, for the run record (`upstream_calls`) and the audit log.
+/// Most proxied calls of one run recorded one by one (`upstream_calls`); the rest are counted.
+pub const MAX_CALL_SUMMARIES: usize = 200;
+/// Longest server or tool name, argument name, kept in a call's summary (the worker chose them).
+const MAX_SUMMARY_NAME_CHARS: usize = 128;
+/// Most argument names kept in a call's summary.
+const MAX_SUMMARY_KEYS: usize = 32;
+/// Largest argument values kept in a call's summary (as JSON) where `auditArguments` is on.
+const MAX_AUDITED_ARGUMENT_BYTES: usize = 4096;
+
+/// One proxied call, for the run record (`upstream_calls`) and the audit log. Everything in it
+/// comes from the worker's request, so each field is capped.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CallSummary {
     pub server: String,
@@ -179,6 +189,18 @@ pub struct CallSummary {
     pub argument_keys: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub arguments: Option<Value>,
+}
+
+/// A call's arguments as the audit keeps them: whole up to [`MAX_AUDITED_ARGUMENT_BYTES`] of
+/// JSON, otherwise only their size.
+fn audited_arguments(args: &Value) -> Value {
+    let bytes = serde_json::to_vec(args).map_or(0, |v| v.len());
+    if bytes <= MAX_AUDITED_ARGUMENT_BYTES {
+        return args.clone();
+    }
+    Value::String(format!(
+        "({bytes} bytes of arguments; the audit keeps at most {MAX_AUDITED_ARGUMENT_BYTES})"
+    ))
 }
 
 pub struct Proxy {
@@ -588,14 +610,18 @@ impl Proxy {
                     .cloned()
                     .unwrap_or_else(|| json!({}));
                 let argument_keys = match &args {
-                    Value::Object(m) => m.keys().cloned().collect(),
+                    Value::Object(m) => m
+                        .keys()
+                        .take(MAX_SUMMARY_KEYS)
+                        .map(|k| crate::clip_chars(k, MAX_SUMMARY_NAME_CHARS))
+                        .collect(),
                     _ => Vec::new(),
                 };
                 let audit_values = self
                     .upstreams
                     .get(&server)
                     .is_some_and(|u| u.config.rules.audit_arguments);
-                let arguments = audit_values.then(|| args.clone());
+                let arguments = audit_values.then(|| audited_arguments(&args));
                 let r = self.call(session, &server, &tool, args).await;
                 let outcome = match &r {
                     Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => CallOutcome::ToolError,
@@ -608,8 +634,8 @@ impl Proxy {
                     },
                 };
                 summary = Some(CallSummary {
-                    server,
-                    tool,
+                    server: crate::clip_chars(&server, MAX_SUMMARY_NAME_CHARS),
+                    tool: crate::clip_chars(&tool, MAX_SUMMARY_NAME_CHARS),
                     ok: outcome == CallOutcome::Ok,
                     outcome,
                     duration_ms: (started.elapsed().as_secs_f64() * 1e6).round() / 1000.0,
@@ -677,6 +703,53 @@ mod tests {
                 json!({"error": {"kind": "bad_request", "message": message}})
             );
         }
+    }
+
+    /// The worker chooses a call's server, tool and argument names: the summary that goes into
+    /// the run record and the audit log keeps a bounded part of each, even for an unknown server.
+    #[tokio::test]
+    async fn a_call_summary_is_capped_whatever_the_worker_sent() {
+        let proxy = Proxy::new(
+            config::LoadedConfig::default(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            ApprovalMode::default(),
+        );
+        let arguments: serde_json::Map<String, Value> = (0..1000)
+            .map(|i| (format!("{}{i}", "k".repeat(500)), json!("v".repeat(1000))))
+            .collect();
+        let params = json!({"server": "S".repeat(1_000_000), "tool": "t".repeat(10_000),
+                            "arguments": arguments});
+        let (payload, summary) = proxy.handle("s", ProxyMethod::Call, &params).await;
+        assert_eq!(payload["error"]["kind"], "unknown_server", "{payload}");
+        let summary = summary.expect("a call always leaves a summary");
+        assert_eq!(summary.server.chars().count(), MAX_SUMMARY_NAME_CHARS + 1);
+        assert!(summary.server.ends_with('…'));
+        assert_eq!(summary.tool.chars().count(), MAX_SUMMARY_NAME_CHARS + 1);
+        assert_eq!(summary.argument_keys.len(), MAX_SUMMARY_KEYS);
+        assert!(
+            summary
+                .argument_keys
+                .iter()
+                .all(|k| k.chars().count() <= MAX_SUMMARY_NAME_CHARS + 1)
+        );
+        assert!(serde_json::to_vec(&summary).unwrap().len() < 8 << 10);
+    }
+
+    #[test]
+    fn audited_arguments_are_kept_whole_only_when_small() {
+        let small = json!({"path": "/data/a.csv"});
+        assert_eq!(audited_arguments(&small), small);
+        let big = json!({"text": "x".repeat(MAX_AUDITED_ARGUMENT_BYTES)});
+        let kept = audited_arguments(&big);
+        let note = kept.as_str().expect("a note instead of the values");
+        assert!(
+            note.contains(&format!(
+                "{} bytes",
+                serde_json::to_vec(&big).unwrap().len()
+            )),
+            "{note}"
+        );
     }
 
     /// Every kind the host sends is one the in-sandbox `mcp` module maps to an exception class.

@@ -203,8 +203,11 @@ pub(super) struct CellRun<'a> {
     /// (not as they come: waking this loop for each would cost every proxied call a task
     /// wake-up on the host). The answers themselves go straight to the worker's writer, so the
     /// loop never waits on the worker's socket.
-    summaries_tx: tokio::sync::mpsc::UnboundedSender<CallSummary>,
-    summaries_rx: tokio::sync::mpsc::UnboundedReceiver<CallSummary>,
+    /// Bounded: a run's calls past [`crate::proxy::MAX_CALL_SUMMARIES`] are only counted, so a
+    /// cell making millions of calls cannot grow the host's memory, its answer or the audit log.
+    summaries_tx: tokio::sync::mpsc::Sender<CallSummary>,
+    summaries_rx: tokio::sync::mpsc::Receiver<CallSummary>,
+    summaries_omitted: Arc<AtomicU64>,
     /// The quota is measured in the background; its verdict wakes the loop.
     quota_verdict: tokio::sync::watch::Receiver<Option<String>>,
     cancel: CancellationToken,
@@ -227,7 +230,8 @@ impl<'a> CellRun<'a> {
         let stdout = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
         let (p, d) = spill_location(&session.scratch, run_no, "stderr");
         let stderr = StreamCollector::new(s.inline_output_bytes, s.max_output_bytes, p, d);
-        let (summaries_tx, summaries_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (summaries_tx, summaries_rx) =
+            tokio::sync::mpsc::channel(crate::proxy::MAX_CALL_SUMMARIES);
         let mut quota_verdict = session.over_quota.subscribe();
         // A verdict published before the cell started is acted on at once.
         quota_verdict.mark_changed();
@@ -243,6 +247,7 @@ impl<'a> CellRun<'a> {
             stderr,
             summaries_tx,
             summaries_rx,
+            summaries_omitted: Arc::new(AtomicU64::new(0)),
             quota_verdict,
             cancel,
             progress,
@@ -455,6 +460,7 @@ impl<'a> CellRun<'a> {
         let session_name = self.session.name.clone();
         let changes = m.changes.clone();
         let summaries = self.summaries_tx.clone();
+        let omitted = self.summaries_omitted.clone();
         let answers = worker.answers();
         tokio::spawn(async move {
             use crate::proxy::BridgeMethod;
@@ -494,8 +500,10 @@ impl<'a> CellRun<'a> {
                 }
                 Err(unknown) => (unknown, None),
             };
-            if let Some(call) = summary {
-                let _ = summaries.send(call);
+            if let Some(call) = summary
+                && summaries.try_send(call).is_err()
+            {
+                omitted.fetch_add(1, Ordering::Relaxed);
             }
             match frame::json_body(&ToWorker::Response { id, payload }) {
                 Ok(body) => {
@@ -646,6 +654,7 @@ impl<'a> CellRun<'a> {
             }
         };
         outcome.record.upstream_calls = calls;
+        outcome.record.upstream_calls_omitted = self.summaries_omitted.load(Ordering::Relaxed);
         outcome
     }
 }
@@ -762,6 +771,7 @@ impl CellOutcome {
             stdout_truncated: out_cut,
             stderr_truncated: err_cut,
             upstream_calls: Vec::new(),
+            upstream_calls_omitted: 0,
             images: Vec::new(),
             files: Vec::new(),
             inline_images: Vec::new(),

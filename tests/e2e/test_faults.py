@@ -192,6 +192,58 @@ def test_54_a_run_in_progress_when_the_zygote_dies_finishes_with_a_clear_result(
     assert nxt["status"] == "ok" and nxt["result"] == "2", nxt
 
 
+def test_a_run_of_many_proxied_calls_with_huge_names_leaves_a_bounded_record(host):
+    """Every proxied call leaves a summary in the run's record and the audit line; the worker
+    chooses its server, tool and argument names and how many calls it makes. Past 200 calls a
+    run's calls are only counted, and each name is cut to 128 characters."""
+    code = """
+import asyncio
+name = "S" * 100_000
+async def one():
+    try:
+        await runtime.call_tool(name, "t" * 10_000, {"k" * 1000 + str(i): i for i in range(100)})
+    except Exception:
+        pass
+await asyncio.gather(*(one() for _ in range(260)))
+"done"
+"""
+    r = host.run(code, session="many-calls")
+    assert r["result"] == "'done'", r
+    calls = r["upstream_calls"]
+    assert len(calls) == 200 and r["upstream_calls_omitted"] == 60, (len(calls), r.get("upstream_calls_omitted"))
+    assert all(len(c["server"]) <= 129 and len(c["tool"]) <= 129 for c in calls)
+    assert all(len(c["argument_keys"]) <= 32 and all(len(k) <= 129 for k in c["argument_keys"]) for c in calls)
+    line = (host.dir / "state" / "audit.jsonl").read_text().splitlines()[-1]
+    entry = json.loads(line)
+    assert entry["session"] == "many-calls" and entry["upstream_calls_omitted"] == 60
+    assert len(line) < 1_000_000, len(line)
+
+
+def test_listing_memories_costs_the_host_what_the_list_holds(host):
+    """Metadata is listed with every key, so it is capped at save, and an entry carrying more
+    (saved before the cap) is listed without it: a listing stays small, and the host's memory
+    does not grow by the entries' values."""
+    r = host.run("try:\n    save_memory('big', 1, metadata={'a': [0] * 5000})\nexcept ValueError as e:\n"
+                 "    refused = str(e)\nrefused", session="mem")
+    assert "metadata" in r["result"] and "4096" in r["result"], r
+    # Entries of ~1 MB each (numbers: many times that as parsed JSON) with small metadata.
+    r = host.run("for i in range(20):\n    save_memory(f'k{i}', [0] * 400_000, metadata={'i': i})\n'saved'",
+                 session="mem")
+    assert r["result"] == "'saved'", r
+    peak_before = host_peak_rss_mib(host)
+    r = host.run("rows = list_memories()\n(len(rows), rows[3]['metadata'], rows[3]['bytes'] > 800_000)",
+                 session="mem")
+    assert r["result"] == "(20, {'i': 11}, True)", r
+    # Parsing the 20 values would take the host hundreds of MiB; the list skips them.
+    assert host_peak_rss_mib(host) - peak_before < 64, (peak_before, host_peak_rss_mib(host))
+
+
+def host_peak_rss_mib(host: Host) -> float:
+    with open(f"/proc/{host.srv.proc.pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib / 1024
+
+
 def test_a_worker_killed_mid_run_is_reported_and_the_next_run_is_fresh(host):
     pid = int(host.run("import os\nx = 1\nos.getpid()", session="wk")["result"])
     srv = host.srv
