@@ -168,7 +168,7 @@ pub fn error_payload(kind: ErrorKind, message: &str) -> Value {
 }
 
 /// Most proxied calls of one run recorded one by one (`upstream_calls`); the rest are counted.
-pub const MAX_CALL_SUMMARIES: usize = 200;
+pub const MAX_CALL_SUMMARIES: usize = 1000;
 /// Longest server or tool name, argument name, kept in a call's summary (the worker chose them).
 const MAX_SUMMARY_NAME_CHARS: usize = 128;
 /// Most argument names kept in a call's summary.

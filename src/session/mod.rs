@@ -72,6 +72,8 @@ pub enum RunRefusal {
     WorkerStart(String),
     #[error("{0}")]
     SandboxUnavailable(String),
+    #[error("{0}")]
+    DiskLow(String),
 }
 
 /// What a running cell has done so far: sent as progress notifications and shown by job polls.
@@ -180,6 +182,9 @@ pub struct SessionManager {
     /// How long the last workers took to lock themselves down, in microseconds.
     recent_lockdown_us: Mutex<Vec<u64>>,
     root: PathBuf,
+    /// Why the state dir's disk is below `min_free_disk_bytes`, while it is: running cells stop
+    /// their workers when it is set (see [`SessionManager::guard_free_disk`]).
+    disk_low: tokio::sync::watch::Sender<Option<String>>,
     /// Which files each run created or changed, without walking the session each time.
     changes: Arc<crate::files::ChangeTracker>,
     /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
@@ -271,6 +276,7 @@ impl SessionManager {
             recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
+            disk_low: tokio::sync::watch::Sender::new(None),
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
@@ -505,6 +511,14 @@ impl SessionManager {
         self.sandbox
             .preflight()
             .map_err(RunRefusal::SandboxUnavailable)?;
+        if self.disk_low.borrow().is_some() {
+            match self.free_disk_shortfall() {
+                Some(why) => return Err(RunRefusal::DiskLow(why)),
+                None => {
+                    self.disk_low.send_replace(None);
+                }
+            }
+        }
         let mut notices = Vec::new();
         let unknown = self.proxy.prestart(&req.servers);
         if !unknown.is_empty() {

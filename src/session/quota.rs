@@ -122,6 +122,7 @@ pub(super) fn enforce_scratch_quotas_periodically(manager: &Arc<SessionManager>)
             let Some(manager) = weak.upgrade() else { break };
             manager.changes.drain();
             manager.enforce_scratch_quotas().await;
+            manager.guard_free_disk().await;
         }
     });
 }
@@ -198,6 +199,66 @@ impl SessionManager {
             }
             if let Ok(mut state) = s.state.try_lock() {
                 self.enforce_quota_while_idle(&s, &mut state).await;
+            }
+        }
+    }
+
+    /// Why the state dir's disk is short of the space ironcell keeps free, if it is (`None`
+    /// when the guard is off or the disk cannot be asked).
+    pub(super) fn free_disk_shortfall(&self) -> Option<String> {
+        let floor = self.settings.min_free_disk_bytes;
+        if floor == 0 {
+            return None;
+        }
+        let st = nix::sys::statvfs::statvfs(&self.root).ok()?;
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        (free < floor).then(|| {
+            format!(
+                "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB it keeps free \
+                 (IRONCELL_MIN_FREE_DISK); session workers are stopped while it is, which frees what \
+                 they held (their files are kept). Free some disk space, or lower the setting",
+                self.root.display(),
+                free >> 20,
+                floor >> 20
+            )
+        })
+    }
+
+    /// The free-disk guard, on the quota watch's tick: the scratch quota counts the names in a
+    /// session's directory, so space a worker holds in files it deleted but kept open or mapped
+    /// shows nowhere but in the disk's free space. Below the floor, every session's worker is
+    /// stopped (a running cell by its loop, woken by `disk_low`), which gives that space back.
+    pub(super) async fn guard_free_disk(&self) {
+        let any_worker = lock(&self.sessions)
+            .values()
+            .any(|s| match s.state.try_lock() {
+                Ok(st) => st.worker.is_some(),
+                Err(_) => true,
+            });
+        let low = if any_worker || self.disk_low.borrow().is_some() {
+            self.free_disk_shortfall()
+        } else {
+            None
+        };
+        self.disk_low.send_if_modified(|v| {
+            let changed = *v != low;
+            v.clone_from(&low);
+            changed
+        });
+        let Some(why) = low else {
+            return;
+        };
+        let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
+        for s in sessions {
+            let Ok(mut state) = s.state.try_lock() else {
+                continue; // a run holds it: its cell loop stops the worker
+            };
+            if let Some(w) = state.worker.take() {
+                w.kill().await; // returns its session slot
+                tracing::warn!(session = %s.name, "worker stopped between runs: {why}");
+                state.pending_notice = Some(format!(
+                    "this session's worker was stopped between runs: {why}; variables and imports were lost"
+                ));
             }
         }
     }
