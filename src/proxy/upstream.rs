@@ -32,7 +32,6 @@ use rmcp::service::{
 };
 use rmcp::transport::TokioChildProcess;
 use rmcp::{ClientHandler, RoleClient};
-use tokio::io::AsyncBufReadExt;
 
 use super::ProxyError;
 use super::config::ServerConfig;
@@ -65,6 +64,44 @@ impl ClientHandler for Handler {
 }
 
 /// A server's tool list, and the same tools indexed for search.
+/// Longest line of a proxied server's stderr that ironcell logs.
+const MAX_SERVER_LOG_LINE: usize = 16 << 10;
+
+/// Logs a proxied server's stderr line by line until it closes. A server may log what a worker
+/// sent it, so a line is as long as the worker likes: at most [`MAX_SERVER_LOG_LINE`] bytes of
+/// one are kept, and a longer one is skipped (and said so). Reading never stops early: a server
+/// whose stderr nobody drained would block, or fail, writing to it.
+async fn log_server_stderr(name: String, mut stderr: impl tokio::io::AsyncRead + Unpin) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 8192];
+    let mut line: Vec<u8> = Vec::new();
+    let mut too_long = false;
+    while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+        for piece in buf[..n].split_inclusive(|&b| b == b'\n') {
+            let (body, ends) = match piece.strip_suffix(b"\n") {
+                Some(body) => (body, true),
+                None => (piece, false),
+            };
+            if !too_long && line.len() + body.len() > MAX_SERVER_LOG_LINE {
+                too_long = true;
+                line = Vec::new();
+            }
+            if !too_long {
+                line.extend_from_slice(body);
+            }
+            if ends {
+                if too_long {
+                    tracing::info!(server = %name, "(a log line longer than {MAX_SERVER_LOG_LINE} bytes, skipped)");
+                } else {
+                    tracing::info!(server = %name, "{}", String::from_utf8_lossy(&line));
+                }
+                line.clear();
+                too_long = false;
+            }
+        }
+    }
+}
+
 pub struct ToolCatalog {
     pub tools: Vec<Tool>,
     pub index: Vec<super::search::Indexed>,
@@ -371,12 +408,7 @@ impl Upstream {
             })?;
         if let Some(stderr) = stderr {
             let name = c.name.clone();
-            tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    tracing::info!(server = %name, "{line}");
-                }
-            });
+            tokio::spawn(log_server_stderr(name, stderr));
         }
         let tools = Arc::new(ToolState::new());
         let handler = Handler {

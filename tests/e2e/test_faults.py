@@ -313,6 +313,15 @@ def proxied():
     h.close()
 
 
+def test_a_proxied_servers_log_line_of_64_mib_is_skipped_not_held(proxied):
+    """A server may log what a worker sent it: the host keeps at most 16 KiB of a line."""
+    before = host_peak_rss_mib(proxied)
+    rec = proxied.run("await mcp_test_server.log_line(megabytes=64)", session="loud-server")
+    assert rec["status"] == "ok", rec
+    assert wait_until(lambda: "log line longer than" in (proxied.dir / "raw-server.log").read_text(errors="replace"))
+    assert host_peak_rss_mib(proxied) - before < 32, (before, host_peak_rss_mib(proxied))
+
+
 def test_52_five_hundred_gathered_calls_complete(proxied):
     code = """
 import asyncio

@@ -80,6 +80,17 @@ def huge(megabytes: int) -> str:
 
 
 @server.tool()
+def log_line(megabytes: int) -> int:
+    """Writes one line of `megabytes` MiB to stderr (a server logging what it was sent)."""
+    chunk = "y" * (1 << 20)
+    for _ in range(megabytes):
+        sys.stderr.write(chunk)
+    sys.stderr.write("\n")
+    sys.stderr.flush()
+    return megabytes
+
+
+@server.tool()
 def structured(n: int) -> dict:
     """Returns structured content: n and its square."""
     return {"n": n, "square": n * n}
