@@ -279,10 +279,23 @@ impl LocalTools {
             tools: Vec::new(),
             errors: self.path_errors.clone(),
         };
-        // The files first: a saved tool cannot take a file tool's name.
-        for home in [Home::Files, Home::Saved] {
-            if self.has_tools_in(home) {
-                self.load_from(home, &mut catalog).await;
+        // The files first: a saved tool cannot take a file tool's name. Nor while the files
+        // cannot be loaded (their session failed, or was stopped, say by the free-disk guard):
+        // the saved tools then wait for the next load, instead of being listed under names
+        // that may be the user's.
+        if self.has_tools_in(Home::Files) {
+            self.load_from(Home::Files, &mut catalog).await;
+        }
+        if self.has_tools_in(Home::Saved) {
+            if catalog.load_failed {
+                catalog.errors.push(LoadError {
+                    file: self.saved_dir.display().to_string(),
+                    line: None,
+                    reason: "the saved tools are not listed while the tools files cannot be loaded"
+                        .into(),
+                });
+            } else {
+                self.load_from(Home::Saved, &mut catalog).await;
             }
         }
         catalog
@@ -606,6 +619,12 @@ impl LocalTools {
                     _ => Err((ErrorKind::Unavailable, message.to_string())),
                 }
             }
+            ToolsOp::Save | ToolsOp::Delete if from_tools => Err((
+                ErrorKind::BadRequest,
+                "a tool cannot save or delete tools (its save would reload the tools, which runs it \
+                 again); do it from a run_python session"
+                    .into(),
+            )),
             ToolsOp::Save => {
                 // The user's tools keep their names: a saved tool of the same name would never
                 // be listed. Asked of the loaded catalog (waiting for a load in progress).

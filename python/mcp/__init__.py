@@ -1445,6 +1445,8 @@ def save_tool(func, name=None, description=None):
     stdlib = set(getattr(sys, "stdlib_module_names", ())) | {"typing", "collections", "dataclasses", "enum"}
     this = sys.modules[__name__]
     for gname, value in sorted(needed.items()):
+        if gname.startswith("__") and gname.endswith("__"):
+            continue  # `type(e).__name__` and the like: every module has its own
         module = getattr(value, "__module__", None) or ""
         real_name = getattr(value, "__name__", None) or getattr(value, "_name", None)
         if isinstance(value, types.ModuleType):

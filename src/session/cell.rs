@@ -610,7 +610,7 @@ impl<'a> CellRun<'a> {
             return ControlFlow::Continue(());
         }
         // Asked again: the guard's last look may predate space given back since.
-        let Some(why) = self.manager.free_disk_shortfall() else {
+        let Some(why) = self.manager.free_disk_shortfall().await else {
             return ControlFlow::Continue(());
         };
         kill_worker(state).await;

@@ -511,8 +511,10 @@ impl SessionManager {
         self.sandbox
             .preflight()
             .map_err(RunRefusal::SandboxUnavailable)?;
-        if self.disk_low.borrow().is_some() {
-            match self.free_disk_shortfall() {
+        // A reset run goes ahead: clearing the session's files is how space comes back.
+        let disk_low = self.disk_low.borrow().is_some();
+        if disk_low && !req.reset {
+            match self.free_disk_shortfall().await {
                 Some(why) => return Err(RunRefusal::DiskLow(why)),
                 None => {
                     self.disk_low.send_replace(None);

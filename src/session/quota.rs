@@ -204,19 +204,27 @@ impl SessionManager {
     }
 
     /// Why the state dir's disk is short of the space ironcell keeps free, if it is (`None`
-    /// when the guard is off or the disk cannot be asked).
-    pub(super) fn free_disk_shortfall(&self) -> Option<String> {
+    /// when the guard is off or the disk cannot be asked). Asked off the async runtime: a state
+    /// dir on a hung network file system must not stall it.
+    pub(super) async fn free_disk_shortfall(&self) -> Option<String> {
         let floor = self.settings.min_free_disk_bytes;
         if floor == 0 {
             return None;
         }
-        let st = nix::sys::statvfs::statvfs(&self.root).ok()?;
-        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let root = self.root.clone();
+        let free = tokio::task::spawn_blocking(move || {
+            let st = nix::sys::statvfs::statvfs(&root).ok()?;
+            Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+        })
+        .await
+        .ok()
+        .flatten()?;
         (free < floor).then(|| {
             format!(
                 "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB it keeps free \
                  (IRONCELL_MIN_FREE_DISK); session workers are stopped while it is, which frees what \
-                 they held (their files are kept). Free some disk space, or lower the setting",
+                 they held (their files are kept; a run with reset=true clears a session's files). \
+                 Free some disk space, or lower the setting",
                 self.root.display(),
                 free >> 20,
                 floor >> 20
@@ -236,7 +244,7 @@ impl SessionManager {
                 Err(_) => true,
             });
         let low = if any_worker || self.disk_low.borrow().is_some() {
-            self.free_disk_shortfall()
+            self.free_disk_shortfall().await
         } else {
             None
         };

@@ -284,6 +284,33 @@ time.sleep(120)
         h.close()
 
 
+def test_when_named_files_fill_the_disk_a_reset_run_still_clears_them():
+    """Files within the quota can bring the disk under the floor too; runs are then refused,
+    except a reset, which is how a session gives its space back."""
+    import shutil
+
+    floor = shutil.disk_usage("/tmp").free - (300 << 20)
+    h = Host("root", IRONCELL_MIN_FREE_DISK=str(floor))
+    try:
+        code = "import os\nfor i in range(4):\n    fd = os.open(f'big{i}', os.O_RDWR | os.O_CREAT)\n" \
+               "    os.posix_fallocate(fd, 0, 100 << 20)\n    os.close(fd)\n'written'"
+        first = h.run(code, session="filler")
+        assert first["status"] in ("ok", "scratch_quota"), first
+        refused = {}
+
+        def is_refused() -> bool:  # once the guard's next tick has seen the disk
+            refused.update(h.srv.call("1", session="filler"))
+            return bool(refused.get("isError"))
+
+        assert wait_until(is_refused, timeout=5), refused
+        assert "reset=true" in json.dumps(refused), refused
+        cleared = h.run("import os\nsorted(os.listdir('.'))", session="filler", reset=True)
+        assert cleared["status"] == "ok" and "big0" not in cleared["result"], cleared
+        assert shutil.disk_usage("/tmp").free > floor
+    finally:
+        h.close()
+
+
 def test_a_worker_killed_mid_run_is_reported_and_the_next_run_is_fresh(host):
     pid = int(host.run("import os\nx = 1\nos.getpid()", session="wk")["result"])
     srv = host.srv
