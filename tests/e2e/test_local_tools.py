@@ -484,8 +484,8 @@ def peek(path: str) -> str:
     """Read a file from inside a saved tool."""
     try:
         return "ok:" + open(path).read()[:200]
-    except PermissionError as e:
-        return f"PermissionError:{e.errno}"
+    except OSError as e:  # type(e).__name__ is no session global (save_tool used to refuse it)
+        return f"{type(e).__name__}:{e.errno}"
 
 
 def hijack() -> str:
