@@ -160,10 +160,10 @@ pub struct Settings {
     )]
     pub approval: crate::proxy::rules::ApprovalMode,
 
-    /// Free space kept on the disk of the state dir (`256m`; `0` turns the guard off). Below
-    /// it, every session's worker is stopped, which frees what it held (files it deleted but
-    /// kept open or mapped, which no quota sees; its session's files are kept), and runs are
-    /// refused with a message until space is back.
+    /// Free space kept on the disk of the state dir (`256m`; `0` turns the guard off). When free
+    /// space falls under it (and again each time it falls a further 64 MiB), every session's
+    /// worker is stopped, which frees what it held (files it deleted but kept open or mapped,
+    /// which no quota sees; its session's files are kept). Runs are never refused.
     #[arg(long, global = true, env = "IRONCELL_MIN_FREE_DISK", default_value = "256m", value_parser = parse_size)]
     pub min_free_disk_bytes: u64,
 

@@ -279,19 +279,22 @@ impl LocalTools {
             tools: Vec::new(),
             errors: self.path_errors.clone(),
         };
-        // The files first: a saved tool cannot take a file tool's name. Nor while the files
-        // cannot be loaded (their session failed, or was stopped, say by the free-disk guard):
-        // the saved tools then wait for the next load, instead of being listed under names
-        // that may be the user's.
+        // The files first: a saved tool cannot take a file tool's name. Nor while any of the
+        // files, or any tool in them, could not be loaded (a file that raised or took too long
+        // at import, a session that failed or was stopped, say by the free-disk guard, a
+        // `--tools` path that is gone): the names they define are then unknown, so the saved
+        // tools wait until every file loads, instead of being listed under names that may be
+        // the user's.
         if self.has_tools_in(Home::Files) {
             self.load_from(Home::Files, &mut catalog).await;
         }
         if self.has_tools_in(Home::Saved) {
-            if catalog.load_failed {
+            if catalog.load_failed || !catalog.errors.is_empty() {
                 catalog.errors.push(LoadError {
                     file: self.saved_dir.display().to_string(),
                     line: None,
-                    reason: "the saved tools are not listed while the tools files cannot be loaded"
+                    reason: "the saved tools are not listed while a tools file (or a tool in one) \
+                             cannot be loaded: fix the errors above"
                         .into(),
                 });
             } else {

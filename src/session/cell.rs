@@ -166,8 +166,8 @@ pub(super) enum CellEvent {
     Progress,
     /// The background quota measurement published a verdict.
     QuotaCheck,
-    /// The free-disk guard changed its mind (see [`SessionManager::guard_free_disk`]).
-    DiskLow,
+    /// The free-disk guard stopped the workers (see [`SessionManager::guard_free_disk`]).
+    DiskStop,
     /// The client cancelled the call (only listened for while [`Phase::Running`]).
     Cancel,
 }
@@ -212,7 +212,7 @@ pub(super) struct CellRun<'a> {
     summaries_omitted: Arc<AtomicU64>,
     /// The quota is measured in the background; its verdict wakes the loop.
     quota_verdict: tokio::sync::watch::Receiver<Option<String>>,
-    disk_low: tokio::sync::watch::Receiver<Option<String>>,
+    disk_stops: tokio::sync::watch::Receiver<(u64, String)>,
     cancel: CancellationToken,
     progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
     progress_tick: tokio::time::Interval,
@@ -238,8 +238,8 @@ impl<'a> CellRun<'a> {
         let mut quota_verdict = session.over_quota.subscribe();
         // A verdict published before the cell started is acted on at once.
         quota_verdict.mark_changed();
-        let mut disk_low = manager.disk_low.subscribe();
-        disk_low.mark_changed();
+        // Stops before this cell began are not its business (its worker is newer, or survived).
+        let disk_stops = manager.disk_stops.subscribe();
         let started = tokio::time::Instant::now();
         CellRun {
             manager,
@@ -254,7 +254,7 @@ impl<'a> CellRun<'a> {
             summaries_rx,
             summaries_omitted: Arc::new(AtomicU64::new(0)),
             quota_verdict,
-            disk_low,
+            disk_stops,
             cancel,
             progress,
             progress_tick: tokio::time::interval_at(started + PROGRESS_EVERY, PROGRESS_EVERY),
@@ -317,7 +317,7 @@ impl<'a> CellRun<'a> {
                 CellEvent::Wake => self.on_wake(state).await,
                 CellEvent::Progress => self.on_progress(),
                 CellEvent::QuotaCheck => self.on_quota_check(state).await,
-                CellEvent::DiskLow => self.on_disk_low(state).await,
+                CellEvent::DiskStop => self.on_disk_stop(state).await,
                 CellEvent::Cancel => self.on_cancel(state),
             };
             if let ControlFlow::Break(ending) = flow {
@@ -334,7 +334,7 @@ impl<'a> CellRun<'a> {
             _ = tokio::time::sleep_until(self.phase.wake_at()) => CellEvent::Wake,
             _ = self.progress_tick.tick(), if self.progress.is_some() => CellEvent::Progress,
             Ok(()) = self.quota_verdict.changed() => CellEvent::QuotaCheck,
-            Ok(()) = self.disk_low.changed() => CellEvent::DiskLow,
+            Ok(()) = self.disk_stops.changed() => CellEvent::DiskStop,
             _ = self.cancel.cancelled(), if listen_for_cancel => CellEvent::Cancel,
         }
     }
@@ -603,18 +603,11 @@ impl<'a> CellRun<'a> {
         })
     }
 
-    /// The free-disk guard is in force: the worker goes (its session's files stay), freeing
-    /// whatever it held.
-    async fn on_disk_low(&mut self, state: &mut SessionState) -> ControlFlow<Ending> {
-        if self.disk_low.borrow_and_update().is_none() {
-            return ControlFlow::Continue(());
-        }
-        // Asked again: the guard's last look may predate space given back since.
-        let Some(why) = self.manager.free_disk_shortfall().await else {
-            return ControlFlow::Continue(());
-        };
+    /// The free-disk guard stopped every worker: this one goes too (its session's files stay),
+    /// freeing whatever it held.
+    async fn on_disk_stop(&mut self, state: &mut SessionState) -> ControlFlow<Ending> {
+        let why = format!("killed: {}", self.disk_stops.borrow_and_update().1);
         kill_worker(state).await;
-        let why = format!("killed: {why}");
         ControlFlow::Break(Ending::Lost {
             status: RunStatus::ScratchQuota,
             message: why.clone(),

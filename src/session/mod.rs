@@ -72,8 +72,6 @@ pub enum RunRefusal {
     WorkerStart(String),
     #[error("{0}")]
     SandboxUnavailable(String),
-    #[error("{0}")]
-    DiskLow(String),
 }
 
 /// What a running cell has done so far: sent as progress notifications and shown by job polls.
@@ -182,9 +180,12 @@ pub struct SessionManager {
     /// How long the last workers took to lock themselves down, in microseconds.
     recent_lockdown_us: Mutex<Vec<u64>>,
     root: PathBuf,
-    /// Why the state dir's disk is below `min_free_disk_bytes`, while it is: running cells stop
-    /// their workers when it is set (see [`SessionManager::guard_free_disk`]).
-    disk_low: tokio::sync::watch::Sender<Option<String>>,
+    /// The free-disk guard's stop events (see [`SessionManager::guard_free_disk`]): a count, and
+    /// why the last one happened; a running cell stops its worker when the count moves.
+    disk_stops: tokio::sync::watch::Sender<(u64, String)>,
+    /// The most free space seen on the state dir's disk since the guard last stopped the
+    /// workers, while it is under the floor (`None` above it).
+    disk_reference: Mutex<Option<u64>>,
     /// Which files each run created or changed, without walking the session each time.
     changes: Arc<crate::files::ChangeTracker>,
     /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
@@ -276,7 +277,8 @@ impl SessionManager {
             recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
-            disk_low: tokio::sync::watch::Sender::new(None),
+            disk_stops: tokio::sync::watch::Sender::new((0, String::new())),
+            disk_reference: Mutex::new(None),
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
@@ -511,16 +513,6 @@ impl SessionManager {
         self.sandbox
             .preflight()
             .map_err(RunRefusal::SandboxUnavailable)?;
-        // A reset run goes ahead: clearing the session's files is how space comes back.
-        let disk_low = self.disk_low.borrow().is_some();
-        if disk_low && !req.reset {
-            match self.free_disk_shortfall().await {
-                Some(why) => return Err(RunRefusal::DiskLow(why)),
-                None => {
-                    self.disk_low.send_replace(None);
-                }
-            }
-        }
         let mut notices = Vec::new();
         let unknown = self.proxy.prestart(&req.servers);
         if !unknown.is_empty() {

@@ -95,6 +95,10 @@ pub(super) fn removal_outcome(removal: &host_fs::Removal) -> String {
     }
 }
 
+/// How much further free space must fall, under the floor, before the free-disk guard stops the
+/// workers again.
+const DISK_STOP_STEP: u64 = 64 << 20;
+
 /// Removes a directory tree off the async runtime, fd-relative and without following
 /// symlinks, and logs what could not be removed.
 pub(super) async fn remove_scratch(dir: PathBuf) -> host_fs::Removal {
@@ -203,39 +207,31 @@ impl SessionManager {
         }
     }
 
-    /// Why the state dir's disk is short of the space ironcell keeps free, if it is (`None`
-    /// when the guard is off or the disk cannot be asked). Asked off the async runtime: a state
-    /// dir on a hung network file system must not stall it.
-    pub(super) async fn free_disk_shortfall(&self) -> Option<String> {
-        let floor = self.settings.min_free_disk_bytes;
-        if floor == 0 {
+    /// Free bytes on the state dir's disk (`None` when the guard is off or the disk cannot be
+    /// asked). Asked off the async runtime: a state dir on a hung network file system must not
+    /// stall it.
+    async fn free_disk_bytes(&self) -> Option<u64> {
+        if self.settings.min_free_disk_bytes == 0 {
             return None;
         }
         let root = self.root.clone();
-        let free = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             let st = nix::sys::statvfs::statvfs(&root).ok()?;
             Some(st.blocks_available() as u64 * st.fragment_size() as u64)
         })
         .await
         .ok()
-        .flatten()?;
-        (free < floor).then(|| {
-            format!(
-                "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB it keeps free \
-                 (IRONCELL_MIN_FREE_DISK); session workers are stopped while it is, which frees what \
-                 they held (their files are kept; a run with reset=true clears a session's files). \
-                 Free some disk space, or lower the setting",
-                self.root.display(),
-                free >> 20,
-                floor >> 20
-            )
-        })
+        .flatten()
     }
 
-    /// The free-disk guard, on the quota watch's tick: the scratch quota counts the names in a
-    /// session's directory, so space a worker holds in files it deleted but kept open or mapped
-    /// shows nowhere but in the disk's free space. Below the floor, every session's worker is
-    /// stopped (a running cell by its loop, woken by `disk_low`), which gives that space back.
+    /// The free-disk guard, on the quota watch's tick while any session has a worker. The
+    /// scratch quota counts the names in a session's directory, so space a worker holds in
+    /// files it deleted but kept open or mapped shows nowhere but in the disk's free space.
+    /// When free space falls under the floor, and again each time it falls a further
+    /// [`DISK_STOP_STEP`] below the most seen since the last stop, every session's worker is
+    /// stopped (a running cell by its loop, woken by `disk_stops`; files are kept), which gives
+    /// that space back. Runs are never refused: named files within the quotas may keep the disk
+    /// under the floor, and one session must not lock the others out by that.
     pub(super) async fn guard_free_disk(&self) {
         let any_worker = lock(&self.sessions)
             .values()
@@ -243,19 +239,47 @@ impl SessionManager {
                 Ok(st) => st.worker.is_some(),
                 Err(_) => true,
             });
-        let low = if any_worker || self.disk_low.borrow().is_some() {
-            self.free_disk_shortfall().await
-        } else {
-            None
-        };
-        self.disk_low.send_if_modified(|v| {
-            let changed = *v != low;
-            v.clone_from(&low);
-            changed
-        });
-        let Some(why) = low else {
+        if !any_worker {
+            return;
+        }
+        let Some(free) = self.free_disk_bytes().await else {
             return;
         };
+        let floor = self.settings.min_free_disk_bytes;
+        let stop = {
+            let mut reference = lock(&self.disk_reference);
+            match *reference {
+                _ if free >= floor => {
+                    *reference = None;
+                    false
+                }
+                Some(most) if free + DISK_STOP_STEP > most => {
+                    *reference = Some(most.max(free));
+                    false
+                }
+                _ => {
+                    *reference = Some(free);
+                    true
+                }
+            }
+        };
+        if !stop {
+            return;
+        }
+        let why = format!(
+            "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB it keeps \
+             free (IRONCELL_MIN_FREE_DISK): every session's worker was stopped, which frees space \
+             held in files code deleted but kept open (files were kept). If it stays low, free some \
+             disk space (a run with reset=true clears a session's files)",
+            self.root.display(),
+            free >> 20,
+            floor >> 20
+        );
+        tracing::warn!("{why}");
+        self.disk_stops.send_modify(|(n, w)| {
+            *n += 1;
+            w.clone_from(&why);
+        });
         let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
         for s in sessions {
             let Ok(mut state) = s.state.try_lock() else {
@@ -263,7 +287,6 @@ impl SessionManager {
             };
             if let Some(w) = state.worker.take() {
                 w.kill().await; // returns its session slot
-                tracing::warn!(session = %s.name, "worker stopped between runs: {why}");
                 state.pending_notice = Some(format!(
                     "this session's worker was stopped between runs: {why}; variables and imports were lost"
                 ));

@@ -562,13 +562,16 @@ def test_a_saved_tool_that_saves_tools_when_imported_cannot_make_the_tools_reloa
     assert r["structuredContent"]["result"] == "'deleted'", r
 
 
-def test_saved_tools_are_not_listed_while_the_tools_files_cannot_be_loaded():
-    """The files are loaded first so that no saved tool takes a name of the user's; if their
-    session fails (here a file ends it at import), the saved tools wait too, instead of being
-    listed under names that may be the user's."""
+@pytest.mark.parametrize("broken", ["import os\nos._exit(1)\n", "raise ImportError('no network')\n"],
+                         ids=["ends_its_session", "raises"])
+def test_saved_tools_are_not_listed_while_the_tools_files_cannot_be_loaded(broken):
+    """The files are loaded first so that no saved tool takes a name of the user's; if one of
+    them cannot be loaded (here one ends the tools session at import, or raises), the names it
+    defines are unknown, so the saved tools wait too, instead of being listed under names that
+    may be the user's (here `userfn`, which the broken file would have defined)."""
     tools = make_tools_dir({
-        "a_user.py": "from mcp import tool\n\n@tool\ndef userfn(x: int) -> str:\n    \"\"\"The user's.\"\"\"\n    return 'user'\n",
-        "b_crash.py": "import os\nos._exit(1)\n",
+        "a_user.py": "from mcp import tool\n\n@tool\ndef other(x: int) -> str:\n    \"\"\"The user's.\"\"\"\n    return 'user'\n",
+        "b_broken.py": broken + "from mcp import tool\n\n@tool\ndef userfn(x: int) -> str:\n    \"\"\"The user's.\"\"\"\n    return 'user'\n",
     })
     base = tools.parent
     (base / "state").mkdir(mode=0o777)
@@ -582,7 +585,7 @@ def test_saved_tools_are_not_listed_while_the_tools_files_cannot_be_loaded():
         listed = srv.request("tools/list", {}, timeout=60)["result"]["tools"]
         assert not any(t["name"] == "userfn" for t in listed), listed
         r = srv.call("from mcp import tools\ntools.errors")
-        assert "not listed while the tools files cannot be loaded" in r["structuredContent"]["result"], r
+        assert "not listed while a tools file" in r["structuredContent"]["result"], r
     finally:
         srv.close()
         shutil.rmtree(base, ignore_errors=True)
