@@ -239,7 +239,9 @@ impl SessionManager {
                 Ok(st) => st.worker.is_some(),
                 Err(_) => true,
             });
-        if !any_worker {
+        // Under the floor it keeps looking with no worker left too: the stop gives space back
+        // after it, and the reference must see that before the next worker can take it again.
+        if !any_worker && lock(&self.disk_reference).is_none() {
             return;
         }
         let Some(free) = self.free_disk_bytes().await else {

@@ -284,6 +284,40 @@ time.sleep(120)
         h.close()
 
 
+def test_a_session_that_takes_the_space_back_after_a_stop_is_stopped_again():
+    """After a stop the held space comes back while no worker runs; the guard keeps looking
+    then, so a new worker that takes it again is stopped again (before, the guard measured from
+    the low point and let it hold all of it)."""
+    import shutil
+
+    floor = shutil.disk_usage("/tmp").free - (100 << 20)
+    h = Host("root", IRONCELL_MIN_FREE_DISK=str(floor))
+    fill = """
+import os, mmap
+maps = globals().setdefault("maps", [])
+for i in range(3):
+    fd = os.open(f"held{i}", os.O_RDWR | os.O_CREAT)
+    os.posix_fallocate(fd, 0, 200 << 20)
+    maps.append(mmap.mmap(fd, 4096))
+    os.close(fd)
+    os.unlink(f"held{i}")
+len(maps)
+"""
+    try:
+        h.run(fill, session="hog")
+        assert wait_until(lambda: shutil.disk_usage("/tmp").free > floor, timeout=10)
+        time.sleep(1)
+        h.run(fill, session="hog")
+
+        def stopped_again() -> bool:
+            return h.run("len(globals().get('maps', []))", session="hog").get("result") == "0"
+
+        assert wait_until(stopped_again, timeout=5)
+        assert wait_until(lambda: shutil.disk_usage("/tmp").free > floor, timeout=10)
+    finally:
+        h.close()
+
+
 def test_named_files_under_the_floor_lock_no_session_out():
     """Files within the quota can keep the disk under the floor too. The guard stops the workers
     when the disk crosses the floor (and again only if it falls a further 64 MiB), never refuses
