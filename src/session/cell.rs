@@ -42,8 +42,13 @@ impl SessionManager {
             timeout,
             cancel,
             progress,
+            disk_stops_seen,
         } = cell;
         let mut run = CellRun::new(self, session, run_no, timeout, cancel, progress);
+        // A stop since the run began skipped this session (the run held it): act on it here.
+        if run.disk_stops.borrow().0 != disk_stops_seen {
+            run.disk_stops.mark_changed();
+        }
         let ending = match run.send_code(state, code).await {
             ControlFlow::Continue(()) => run.run_to_end(state).await,
             ControlFlow::Break(ending) => ending,
@@ -760,6 +765,8 @@ pub(super) struct Cell<'a> {
     pub(super) timeout: Duration,
     pub(super) cancel: CancellationToken,
     pub(super) progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
+    /// The free-disk guard's stop count when the run began (before it took the session).
+    pub(super) disk_stops_seen: u64,
 }
 
 pub(super) struct CellOutcome {

@@ -66,6 +66,7 @@ impl SessionManager {
         let mut state = session.state.lock().await;
         state.worker = Some(worker);
         let started = Instant::now();
+        let disk_stops_seen = self.disk_stops.borrow().0;
         let outcome = self
             .drive_cell(
                 &session,
@@ -76,6 +77,7 @@ impl SessionManager {
                     timeout: Duration::from_secs(120),
                     cancel: CancellationToken::new(),
                     progress: None,
+                    disk_stops_seen,
                 },
             )
             .await;

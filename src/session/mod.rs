@@ -186,6 +186,9 @@ pub struct SessionManager {
     /// The most free space seen on the state dir's disk since the guard last stopped the
     /// workers, while it is under the floor (`None` above it).
     disk_reference: Mutex<Option<u64>>,
+    /// Whether the guard has read the disk yet: a disk already under the floor at its first
+    /// look did not cross it, so nothing is stopped for it.
+    disk_looked: std::sync::atomic::AtomicBool,
     /// Which files each run created or changed, without walking the session each time.
     changes: Arc<crate::files::ChangeTracker>,
     /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
@@ -279,6 +282,7 @@ impl SessionManager {
             root,
             disk_stops: tokio::sync::watch::Sender::new((0, String::new())),
             disk_reference: Mutex::new(None),
+            disk_looked: std::sync::atomic::AtomicBool::new(false),
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
@@ -534,6 +538,9 @@ impl SessionManager {
             None => self.settings.default_timeout,
         };
         let session = self.session(&req.session);
+        // Read before the lock: a free-disk stop from here on skips this session (its lock is
+        // taken), so this run acts on it (see `guard_free_disk`).
+        let disk_stops_seen = self.disk_stops.borrow().0;
         let mut state = session.state.lock().await;
         *lock(&session.last_used) = Instant::now();
 
@@ -607,6 +614,7 @@ impl SessionManager {
                     timeout,
                     cancel,
                     progress: req.progress.as_ref(),
+                    disk_stops_seen,
                 },
             )
             .await;
@@ -630,6 +638,18 @@ impl SessionManager {
         };
         notices.append(&mut record.notices);
         record.notices = notices;
+        // A free-disk stop after the cell ended (its loop no longer listens) still stops this
+        // worker, before the session is let go.
+        let stop = self.disk_stops.borrow().clone();
+        if stop.0 != disk_stops_seen
+            && let Some(w) = state.worker.take()
+        {
+            w.kill().await; // returns its session slot
+            state.pending_notice = Some(format!(
+                "this session's worker was stopped after its last run: {}; variables and imports were lost",
+                stop.1
+            ));
+        }
         if outcome.worker_lost {
             state.pending_notice = Some(format!(
                 "this session's previous worker was lost ({}); variables and imports start fresh (files are kept)",

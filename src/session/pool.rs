@@ -256,6 +256,7 @@ impl SessionManager {
         let mut state = spare.state.lock().await;
         worker.bind = Some(hand_off(name, scratch));
         state.worker = Some(worker);
+        let disk_stops_seen = self.disk_stops.borrow().0;
         let outcome = self
             .drive_cell(
                 &spare,
@@ -266,6 +267,7 @@ impl SessionManager {
                     timeout: Duration::from_secs(10),
                     cancel: self.stop.child_token(),
                     progress: None,
+                    disk_stops_seen,
                 },
             )
             .await;

@@ -241,18 +241,37 @@ impl SessionManager {
             });
         // Under the floor it keeps looking with no worker left too: the stop gives space back
         // after it, and the reference must see that before the next worker can take it again.
-        if !any_worker && lock(&self.disk_reference).is_none() {
+        // And it looks once at start, worker or not, so a disk already under the floor then is
+        // not taken for a crossing later.
+        if !any_worker
+            && lock(&self.disk_reference).is_none()
+            && self.disk_looked.load(Ordering::SeqCst)
+        {
             return;
         }
         let Some(free) = self.free_disk_bytes().await else {
             return;
         };
         let floor = self.settings.min_free_disk_bytes;
+        let first_look = !self.disk_looked.swap(true, Ordering::SeqCst);
         let stop = {
             let mut reference = lock(&self.disk_reference);
             match *reference {
                 _ if free >= floor => {
                     *reference = None;
+                    false
+                }
+                _ if first_look => {
+                    tracing::warn!(
+                        "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB \
+                         it keeps free (IRONCELL_MIN_FREE_DISK): session workers are stopped if it \
+                         falls another {} MiB",
+                        self.root.display(),
+                        free >> 20,
+                        floor >> 20,
+                        DISK_STOP_STEP >> 20
+                    );
+                    *reference = Some(free);
                     false
                 }
                 Some(most) if free + DISK_STOP_STEP > most => {
@@ -278,14 +297,10 @@ impl SessionManager {
             floor >> 20
         );
         tracing::warn!("{why}");
-        self.disk_stops.send_modify(|(n, w)| {
-            *n += 1;
-            w.clone_from(&why);
-        });
         let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
         for s in sessions {
             let Ok(mut state) = s.state.try_lock() else {
-                continue; // a run holds it: its cell loop stops the worker
+                continue; // a run holds it: the run stops the worker (the count moves below)
             };
             if let Some(w) = state.worker.take() {
                 w.kill().await; // returns its session slot
@@ -294,6 +309,12 @@ impl SessionManager {
                 ));
             }
         }
+        // After the idle ones: a run that took its session meanwhile read the count before
+        // (`run` reads it before the lock), so it sees this move and stops its own worker.
+        self.disk_stops.send_modify(|(n, w)| {
+            *n += 1;
+            w.clone_from(&why);
+        });
     }
 
     /// Acts on the quota watch's verdict between runs: kills the session's worker, removes the

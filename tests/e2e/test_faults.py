@@ -318,6 +318,21 @@ len(maps)
         h.close()
 
 
+def test_a_disk_already_under_the_floor_at_start_stops_nothing():
+    """The guard stops workers when the disk crosses the floor; a disk already under it when the
+    server starts was not crossed by anyone, so the first session keeps its worker."""
+    import shutil
+
+    h = Host("root", IRONCELL_MIN_FREE_DISK=str(shutil.disk_usage("/tmp").free + (100 << 20)))
+    try:
+        assert h.run("x = 1\n'ok'", session="first")["result"] == "'ok'"
+        time.sleep(0.5)  # several of the guard's looks
+        r = h.run("x", session="first")
+        assert r["status"] == "ok" and r["result"] == "1", r
+    finally:
+        h.close()
+
+
 def test_named_files_under_the_floor_lock_no_session_out():
     """Files within the quota can keep the disk under the floor too. The guard stops the workers
     when the disk crosses the floor (and again only if it falls a further 64 MiB), never refuses
