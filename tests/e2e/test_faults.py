@@ -244,6 +244,22 @@ def host_peak_rss_mib(host: Host) -> float:
     return kib / 1024
 
 
+def hold_deleted_space(files: int, start: str, end: str) -> str:
+    """A cell that holds `files` x 200 MiB in files it deletes at once, each kept alive by a
+    4 KiB `mmap` in `maps` (no fd, no name: the scratch quota cannot see them)."""
+    return f"""
+import os, mmap
+{start}
+for i in range({files}):
+    fd = os.open(f"held{{i}}", os.O_RDWR | os.O_CREAT)
+    os.posix_fallocate(fd, 0, 200 << 20)
+    maps.append(mmap.mmap(fd, 4096))
+    os.close(fd)
+    os.unlink(f"held{{i}}")
+{end}
+"""
+
+
 @pytest.mark.parametrize("as_user", ["root", "nobody"])
 def test_space_held_in_deleted_files_is_given_back_when_the_disk_runs_low(as_user):
     """The scratch quota counts the names in a session's directory; a worker can hold disk space
@@ -256,17 +272,7 @@ def test_space_held_in_deleted_files_is_given_back_when_the_disk_runs_low(as_use
     h = Host(as_user, IRONCELL_MIN_FREE_DISK=str(floor))
     try:
         h.run("open('kept.txt', 'w').write('mine')\n'ok'", session="hog")
-        code = """
-import os, mmap, time
-maps = []
-for i in range(4):
-    fd = os.open(f"held{i}", os.O_RDWR | os.O_CREAT)
-    os.posix_fallocate(fd, 0, 200 << 20)
-    maps.append(mmap.mmap(fd, 4096))
-    os.close(fd)
-    os.unlink(f"held{i}")
-time.sleep(120)
-"""
+        code = hold_deleted_space(4, "maps = []", "import time\ntime.sleep(120)")
         started = time.monotonic()
         r = h.run(code, session="hog", timeout_s=300)
         assert r["status"] == "scratch_quota", r
@@ -292,17 +298,7 @@ def test_a_session_that_takes_the_space_back_after_a_stop_is_stopped_again():
 
     floor = shutil.disk_usage("/tmp").free - (100 << 20)
     h = Host("root", IRONCELL_MIN_FREE_DISK=str(floor))
-    fill = """
-import os, mmap
-maps = globals().setdefault("maps", [])
-for i in range(3):
-    fd = os.open(f"held{i}", os.O_RDWR | os.O_CREAT)
-    os.posix_fallocate(fd, 0, 200 << 20)
-    maps.append(mmap.mmap(fd, 4096))
-    os.close(fd)
-    os.unlink(f"held{i}")
-len(maps)
-"""
+    fill = hold_deleted_space(3, 'maps = globals().setdefault("maps", [])', "len(maps)")
     try:
         h.run(fill, session="hog")
         assert wait_until(lambda: shutil.disk_usage("/tmp").free > floor, timeout=10)
