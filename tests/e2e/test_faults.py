@@ -8,9 +8,12 @@ sessions and the server keep serving. Forged frames are tried as root and as `no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,8 +62,8 @@ FORGERIES = [
 class Host:
     """A server run as `as_user` in a directory that user can use."""
 
-    def __init__(self, as_user: str = "root", **env: str):
-        self.dir = shared_tmp_dir()
+    def __init__(self, as_user: str = "root", base: Path | None = None, **env: str):
+        self.dir = shared_tmp_dir(str(base or "/tmp"))
         (self.dir / "state").mkdir(mode=0o777)
         os.chmod(self.dir / "state", 0o777)
         self.srv = RawServer(self.dir, as_user=as_user, MCP_BRIDGE_STATE_DIR=str(self.dir / "state"), **env)
@@ -260,109 +263,130 @@ for i in range({files}):
 """
 
 
+@contextlib.contextmanager
+def own_disk(mib: int):
+    """A file system of `mib` MiB that only this test writes to (a tmpfs), for the free-disk
+    tests: on the shared disk, space that other work frees or takes meanwhile (a finished test's
+    workers exiting late, the build) moves the free space these tests set their floor from."""
+    d = shared_tmp_dir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0777", "ironcell-test-disk", str(d)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a tmpfs for a disk of the test's own: {mounted.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "--lazy", str(d)], check=True)
+        d.rmdir()
+
+
+def free(disk: Path) -> int:
+    return shutil.disk_usage(disk).free
+
+
 @pytest.mark.parametrize("as_user", ["root", "nobody"])
 def test_space_held_in_deleted_files_is_given_back_when_the_disk_runs_low(as_user):
     """The scratch quota counts the names in a session's directory; a worker can hold disk space
     in files it deleted but kept mapped (no fd, no name). The free-disk guard sees the disk's
     free space fall below IRONCELL_MIN_FREE_DISK, stops the worker (which gives the space back)
     and says why; the session then runs again with its files."""
-    import shutil
+    with own_disk(1200) as disk:
+        floor = free(disk) - (400 << 20)  # the cell takes 800 MiB
+        h = Host(as_user, base=disk, IRONCELL_MIN_FREE_DISK=str(floor))
+        try:
+            h.run("open('kept.txt', 'w').write('mine')\n'ok'", session="hog")
+            code = hold_deleted_space(4, "maps = []", "import time\ntime.sleep(120)")
+            started = time.monotonic()
+            r = h.run(code, session="hog", timeout_s=300)
+            assert r["status"] == "scratch_quota", r
+            assert "IRONCELL_MIN_FREE_DISK" in json.dumps(r) and time.monotonic() - started < 60, r
+            assert wait_until(lambda: free(disk) > floor, timeout=30)
+            nxt = {}
 
-    floor = shutil.disk_usage("/tmp").free - (400 << 20)  # the cell takes 800 MiB
-    h = Host(as_user, IRONCELL_MIN_FREE_DISK=str(floor))
-    try:
-        h.run("open('kept.txt', 'w').write('mine')\n'ok'", session="hog")
-        code = hold_deleted_space(4, "maps = []", "import time\ntime.sleep(120)")
-        started = time.monotonic()
-        r = h.run(code, session="hog", timeout_s=300)
-        assert r["status"] == "scratch_quota", r
-        assert "IRONCELL_MIN_FREE_DISK" in json.dumps(r) and time.monotonic() - started < 60, r
-        assert wait_until(lambda: shutil.disk_usage("/tmp").free > floor, timeout=30)
-        nxt = {}
+            def runs_again() -> bool:
+                nxt.update(h.run("open('kept.txt').read()", session="hog"))
+                return nxt.get("status") == "ok"
 
-        def runs_again() -> bool:
-            nxt.update(h.run("open('kept.txt').read()", session="hog"))
-            return nxt.get("status") == "ok"
-
-        assert wait_until(runs_again, timeout=10), nxt
-        assert nxt["result"] == "'mine'", nxt
-    finally:
-        h.close()
+            assert wait_until(runs_again, timeout=10), nxt
+            assert nxt["result"] == "'mine'", nxt
+        finally:
+            h.close()
 
 
 def test_a_session_that_takes_the_space_back_after_a_stop_is_stopped_again():
     """After a stop the held space comes back while no worker runs; the guard keeps looking
     then, so a new worker that takes it again is stopped again (before, the guard measured from
     the low point and let it hold all of it)."""
-    import shutil
+    with own_disk(1000) as disk:
+        floor = free(disk) - (100 << 20)
+        h = Host("root", base=disk, IRONCELL_MIN_FREE_DISK=str(floor))
+        fill = hold_deleted_space(3, 'maps = globals().setdefault("maps", [])', "len(maps)")
+        try:
+            h.run(fill, session="hog")
+            assert wait_until(lambda: free(disk) > floor, timeout=10)
+            time.sleep(1)
+            h.run(fill, session="hog")
 
-    floor = shutil.disk_usage("/tmp").free - (100 << 20)
-    h = Host("root", IRONCELL_MIN_FREE_DISK=str(floor))
-    fill = hold_deleted_space(3, 'maps = globals().setdefault("maps", [])', "len(maps)")
-    try:
-        h.run(fill, session="hog")
-        assert wait_until(lambda: shutil.disk_usage("/tmp").free > floor, timeout=10)
-        time.sleep(1)
-        h.run(fill, session="hog")
+            def stopped_again() -> bool:
+                return h.run("len(globals().get('maps', []))", session="hog").get("result") == "0"
 
-        def stopped_again() -> bool:
-            return h.run("len(globals().get('maps', []))", session="hog").get("result") == "0"
-
-        assert wait_until(stopped_again, timeout=5)
-        assert wait_until(lambda: shutil.disk_usage("/tmp").free > floor, timeout=10)
-    finally:
-        h.close()
+            assert wait_until(stopped_again, timeout=5)
+            assert wait_until(lambda: free(disk) > floor, timeout=10)
+        finally:
+            h.close()
 
 
 def test_a_disk_already_under_the_floor_at_start_stops_nothing():
     """The guard stops workers when the disk crosses the floor; a disk already under it when the
     server starts was not crossed by anyone, so the first session keeps its worker."""
-    import shutil
-
-    h = Host("root", IRONCELL_MIN_FREE_DISK=str(shutil.disk_usage("/tmp").free + (100 << 20)))
-    try:
-        assert h.run("x = 1\n'ok'", session="first")["result"] == "'ok'"
-        time.sleep(0.5)  # several of the guard's looks
-        r = h.run("x", session="first")
-        assert r["status"] == "ok" and r["result"] == "1", r
-    finally:
-        h.close()
+    with own_disk(256) as disk:
+        h = Host("root", base=disk, IRONCELL_MIN_FREE_DISK=str(free(disk) + (100 << 20)))
+        try:
+            assert h.run("x = 1\n'ok'", session="first")["result"] == "'ok'"
+            time.sleep(0.5)  # several of the guard's looks
+            r = h.run("x", session="first")
+            assert r["status"] == "ok" and r["result"] == "1", r
+        finally:
+            h.close()
 
 
 def test_named_files_under_the_floor_lock_no_session_out():
     """Files within the quota can keep the disk under the floor too. The guard stops the workers
     when the disk crosses the floor (and again only if it falls a further 64 MiB), never refuses
     runs: one session filling the disk within its quota cannot lock the others out."""
-    import shutil
+    with own_disk(1000) as disk:
+        floor = free(disk) - (300 << 20)
+        h = Host("root", base=disk, IRONCELL_MIN_FREE_DISK=str(floor))
+        try:
+            assert h.run("x = 1\n'ok'", session="victim")["result"] == "'ok'"
+            code = "import os\nfor i in range(4):\n    fd = os.open(f'big{i}', os.O_RDWR | os.O_CREAT)\n" \
+                   "    os.posix_fallocate(fd, 0, 100 << 20)\n    os.close(fd)\n'written'"
+            h.run(code, session="filler")
+            assert wait_until(lambda: free(disk) < floor)
+            # The crossing stops every worker once (the victim's idle one too: it says so)...
+            stopped = {}
 
-    floor = shutil.disk_usage("/tmp").free - (300 << 20)
-    h = Host("root", IRONCELL_MIN_FREE_DISK=str(floor))
-    try:
-        assert h.run("x = 1\n'ok'", session="victim")["result"] == "'ok'"
-        code = "import os\nfor i in range(4):\n    fd = os.open(f'big{i}', os.O_RDWR | os.O_CREAT)\n" \
-               "    os.posix_fallocate(fd, 0, 100 << 20)\n    os.close(fd)\n'written'"
-        h.run(code, session="filler")
-        assert wait_until(lambda: shutil.disk_usage("/tmp").free < floor)
-        # The crossing stops every worker once (the victim's idle one too: it says so)...
-        stopped = {}
+            def victim_was_stopped() -> bool:
+                stopped.update(h.run("'x' in globals()", session="victim"))
+                return stopped.get("result") == "False"
 
-        def victim_was_stopped() -> bool:
-            stopped.update(h.run("'x' in globals()", session="victim"))
-            return stopped.get("result") == "False"
-
-        assert wait_until(victim_was_stopped, timeout=5), stopped
-        assert any("IRONCELL_MIN_FREE_DISK" in n for n in stopped["notices"]), stopped
-        # ...then the sessions run, and keep their state, while the files keep the disk low.
-        assert h.run("y = 2\n'ok'", session="victim")["status"] == "ok"
-        time.sleep(0.5)
-        again = h.run("y", session="victim")
-        assert again["status"] == "ok" and again["result"] == "2", again
-        assert shutil.disk_usage("/tmp").free < floor
-        cleared = h.run("import os\nsorted(os.listdir('.'))", session="filler", reset=True)
-        assert cleared["status"] == "ok" and "big0" not in cleared["result"], cleared
-        assert shutil.disk_usage("/tmp").free > floor
-    finally:
-        h.close()
+            assert wait_until(victim_was_stopped, timeout=5), stopped
+            assert any("IRONCELL_MIN_FREE_DISK" in n for n in stopped["notices"]), stopped
+            # ...then the sessions run, and keep their state, while the files keep the disk low.
+            assert h.run("y = 2\n'ok'", session="victim")["status"] == "ok"
+            time.sleep(0.5)
+            again = h.run("y", session="victim")
+            assert again["status"] == "ok" and again["result"] == "2", again
+            assert free(disk) < floor
+            cleared = h.run("import os\nsorted(os.listdir('.'))", session="filler", reset=True)
+            assert cleared["status"] == "ok" and "big0" not in cleared["result"], cleared
+            assert free(disk) > floor
+        finally:
+            h.close()
 
 
 def test_a_worker_killed_mid_run_is_reported_and_the_next_run_is_fresh(host):
