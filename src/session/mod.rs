@@ -183,12 +183,8 @@ pub struct SessionManager {
     /// The free-disk guard's stop events (see [`SessionManager::guard_free_disk`]): a count, and
     /// why the last one happened; a running cell stops its worker when the count moves.
     disk_stops: tokio::sync::watch::Sender<(u64, String)>,
-    /// The most free space seen on the state dir's disk since the guard last stopped the
-    /// workers, while it is under the floor (`None` above it).
-    disk_reference: Mutex<Option<u64>>,
-    /// Whether the guard has read the disk yet: a disk already under the floor at its first
-    /// look did not cross it, so nothing is stopped for it.
-    disk_looked: std::sync::atomic::AtomicBool,
+    /// What the free-disk guard knows of the state dir's disk (see [`quota::DiskWatch`]).
+    disk_watch: Mutex<quota::DiskWatch>,
     /// Which files each run created or changed, without walking the session each time.
     changes: Arc<crate::files::ChangeTracker>,
     /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
@@ -281,8 +277,7 @@ impl SessionManager {
             run_counter: AtomicU64::new(0),
             root,
             disk_stops: tokio::sync::watch::Sender::new((0, String::new())),
-            disk_reference: Mutex::new(None),
-            disk_looked: std::sync::atomic::AtomicBool::new(false),
+            disk_watch: Mutex::new(quota::DiskWatch::Unread),
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),

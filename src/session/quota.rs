@@ -96,8 +96,46 @@ pub(super) fn removal_outcome(removal: &host_fs::Removal) -> String {
 }
 
 /// How much further free space must fall, under the floor, before the free-disk guard stops the
-/// workers again.
+/// workers again; and how far above the floor it must come back before the next fall under the
+/// floor counts as a new crossing (a disk hovering at the floor does not stop them each time).
 const DISK_STOP_STEP: u64 = 64 << 20;
+
+/// What the free-disk guard knows of the state dir's disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DiskWatch {
+    /// Not read yet.
+    Unread,
+    /// Clear of the floor: the next fall under it is a crossing, which stops the workers.
+    Armed,
+    /// Under the floor, or less than a step above it, since a stop (or since a first look that
+    /// found the disk under the floor): the most free space seen since then.
+    Low { most: u64 },
+}
+
+impl DiskWatch {
+    /// The guard's state after reading `free` bytes free against `floor`, and whether the
+    /// workers must be stopped now.
+    pub(super) fn next(self, free: u64, floor: u64) -> (DiskWatch, bool) {
+        if free >= floor.saturating_add(DISK_STOP_STEP) {
+            return (DiskWatch::Armed, false);
+        }
+        match self {
+            DiskWatch::Unread if free >= floor => (DiskWatch::Armed, false),
+            DiskWatch::Unread => (DiskWatch::Low { most: free }, false),
+            DiskWatch::Armed if free >= floor => (DiskWatch::Armed, false),
+            DiskWatch::Armed => (DiskWatch::Low { most: free }, true),
+            DiskWatch::Low { most } if free < floor && free + DISK_STOP_STEP <= most => {
+                (DiskWatch::Low { most: free }, true)
+            }
+            DiskWatch::Low { most } => (
+                DiskWatch::Low {
+                    most: most.max(free),
+                },
+                false,
+            ),
+        }
+    }
+}
 
 /// Removes a directory tree off the async runtime, fd-relative and without following
 /// symlinks, and logs what could not be removed.
@@ -228,8 +266,9 @@ impl SessionManager {
     /// scratch quota counts the names in a session's directory, so space a worker holds in
     /// files it deleted but kept open or mapped shows nowhere but in the disk's free space.
     /// When free space falls under the floor, and again each time it falls a further
-    /// [`DISK_STOP_STEP`] below the most seen since the last stop, every session's worker is
-    /// stopped (a running cell by its loop, woken by `disk_stops`; files are kept), which gives
+    /// [`DISK_STOP_STEP`] below the most seen since the last stop (a new crossing only once
+    /// the disk has come back a step above the floor: see [`DiskWatch`]), every session's worker
+    /// is stopped (a running cell by its loop, woken by `disk_stops`; files are kept), which gives
     /// that space back. Runs are never refused: named files within the quotas may keep the disk
     /// under the floor, and one session must not lock the others out by that.
     pub(super) async fn guard_free_disk(&self) {
@@ -239,50 +278,34 @@ impl SessionManager {
                 Ok(st) => st.worker.is_some(),
                 Err(_) => true,
             });
-        // Under the floor it keeps looking with no worker left too: the stop gives space back
-        // after it, and the reference must see that before the next worker can take it again.
-        // And it looks once at start, worker or not, so a disk already under the floor then is
-        // not taken for a crossing later.
-        if !any_worker
-            && lock(&self.disk_reference).is_none()
-            && self.disk_looked.load(Ordering::SeqCst)
-        {
+        // Near the floor it keeps looking with no worker left too: the stop gives space back
+        // after it, and the guard must see that before the next worker can take it again. And
+        // it looks once at start, worker or not, so a disk already under the floor then is not
+        // taken for a crossing later.
+        let watch = *lock(&self.disk_watch);
+        if !any_worker && watch == DiskWatch::Armed {
             return;
         }
         let Some(free) = self.free_disk_bytes().await else {
             return;
         };
         let floor = self.settings.min_free_disk_bytes;
-        let first_look = !self.disk_looked.swap(true, Ordering::SeqCst);
         let stop = {
-            let mut reference = lock(&self.disk_reference);
-            match *reference {
-                _ if free >= floor => {
-                    *reference = None;
-                    false
-                }
-                _ if first_look => {
-                    tracing::warn!(
-                        "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB \
-                         it keeps free (IRONCELL_MIN_FREE_DISK): session workers are stopped if it \
-                         falls another {} MiB",
-                        self.root.display(),
-                        free >> 20,
-                        floor >> 20,
-                        DISK_STOP_STEP >> 20
-                    );
-                    *reference = Some(free);
-                    false
-                }
-                Some(most) if free + DISK_STOP_STEP > most => {
-                    *reference = Some(most.max(free));
-                    false
-                }
-                _ => {
-                    *reference = Some(free);
-                    true
-                }
+            let mut watch = lock(&self.disk_watch);
+            let (next, stop) = watch.next(free, floor);
+            if *watch == DiskWatch::Unread && free < floor {
+                tracing::warn!(
+                    "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB \
+                     it keeps free (IRONCELL_MIN_FREE_DISK): session workers are stopped if it \
+                     falls another {} MiB",
+                    self.root.display(),
+                    free >> 20,
+                    floor >> 20,
+                    DISK_STOP_STEP >> 20
+                );
             }
+            *watch = next;
+            stop
         };
         if !stop {
             return;
@@ -368,6 +391,52 @@ mod tests {
             0
         );
         Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    /// Feeds the guard a series of free-space readings (MiB) against a 1,000 MiB floor and
+    /// returns the readings at which it stopped the workers.
+    fn stops(readings: &[u64]) -> Vec<u64> {
+        let mut watch = DiskWatch::Unread;
+        let mut at = Vec::new();
+        for &free in readings {
+            let (next, stop) = watch.next(free * MIB, 1000 * MIB);
+            if stop {
+                at.push(free);
+            }
+            watch = next;
+        }
+        at
+    }
+
+    #[test]
+    fn the_disk_guard_stops_on_a_crossing_and_each_further_step_down() {
+        assert_eq!(
+            stops(&[2000, 990, 960, 930, 920, 880, 850]),
+            [990, 920, 850]
+        );
+        // Space given back after a stop moves the reference up, so taking it again stops again.
+        assert_eq!(stops(&[2000, 990, 950, 1030, 960]), [990, 960]);
+        assert_eq!(stops(&[2000, 900, 1200, 990]), [900, 990]);
+    }
+
+    #[test]
+    fn a_disk_hovering_at_the_floor_stops_the_workers_once() {
+        assert_eq!(stops(&[2000, 990, 1040, 990, 1050, 995, 1010, 999]), [990]);
+        // Coming back a whole step above the floor re-arms it.
+        assert_eq!(stops(&[2000, 990, 1064, 999]), [990, 999]);
+    }
+
+    #[test]
+    fn a_disk_under_the_floor_at_the_first_look_is_no_crossing() {
+        assert_eq!(stops(&[900, 880, 850, 830]), [830]);
+        assert_eq!(
+            stops(&[1010, 990]),
+            [990],
+            "above the floor at first: armed"
+        );
+        assert_eq!(stops(&[]), [] as [u64; 0]);
     }
 
     #[test]
