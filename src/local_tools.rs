@@ -337,9 +337,15 @@ impl LocalTools {
         if let Some(errors) = answer.get("errors").and_then(Value::as_array) {
             for e in errors.iter().take(MAX_LOAD_ERRORS) {
                 catalog.errors.push(LoadError {
-                    file: short(e.get("file").and_then(Value::as_str).unwrap_or("?"), 4096),
+                    file: crate::clip_chars(
+                        e.get("file").and_then(Value::as_str).unwrap_or("?"),
+                        4096,
+                    ),
                     line: e.get("line").and_then(Value::as_u64),
-                    reason: short(e.get("reason").and_then(Value::as_str).unwrap_or("?"), 2048),
+                    reason: crate::clip_chars(
+                        e.get("reason").and_then(Value::as_str).unwrap_or("?"),
+                        2048,
+                    ),
                 });
             }
         }
@@ -363,7 +369,10 @@ impl LocalTools {
                     reason: format!("more than {MAX_TOOLS} tools; {:?} is skipped", tool.name),
                 }),
                 Err(why) => catalog.errors.push(LoadError {
-                    file: short(t.get("file").and_then(Value::as_str).unwrap_or("?"), 4096),
+                    file: crate::clip_chars(
+                        t.get("file").and_then(Value::as_str).unwrap_or("?"),
+                        4096,
+                    ),
                     line: t.get("line").and_then(Value::as_u64),
                     reason: why,
                 }),
@@ -488,12 +497,12 @@ impl LocalTools {
             Some("raised") => {
                 record.status = RunStatus::Error;
                 record.error = Some(crate::frame::PyErrorInfo {
-                    kind: short(
+                    kind: crate::clip_chars(
                         env.get("type").and_then(Value::as_str).unwrap_or("Error"),
                         256,
                     ),
-                    message: short(&message, 8192),
-                    traceback: short(
+                    message: crate::clip_chars(&message, 8192),
+                    traceback: crate::clip_chars(
                         env.get("traceback").and_then(Value::as_str).unwrap_or(""),
                         16384,
                     ),
@@ -815,18 +824,9 @@ fn session_failure(why: &str) -> LoadError {
         line: None,
         reason: format!(
             "the tools session could not load the tools: {}",
-            short(why, 4096)
+            crate::clip_chars(why, 4096)
         ),
     }
-}
-
-fn short(s: &str, max_chars: usize) -> String {
-    if s.chars().count() <= max_chars {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(max_chars).collect();
-    out.push_str("...");
-    out
 }
 
 /// Checks one tool of the catalog the tools session of `home` sent (it is untrusted data).
@@ -835,12 +835,12 @@ fn checked_tool(t: &Value, home: Home) -> Result<LocalTool, String> {
     if !valid_tool_name(name) {
         return Err(format!(
             "tool name {:?} is not usable: use a Python identifier of at most 64 ASCII characters, other than {}",
-            short(name, 80),
+            crate::clip_chars(name, 80),
             RESERVED_NAMES.join(" and ")
         ));
     }
     let description = t.get("description").and_then(Value::as_str).unwrap_or("");
-    let description = short(description, MAX_DESCRIPTION_CHARS);
+    let description = crate::clip_chars(description, MAX_DESCRIPTION_CHARS);
     let schema = |key: &str| -> Result<Option<JsonObject>, String> {
         match t.get(key) {
             None | Some(Value::Null) => Ok(None),
