@@ -524,8 +524,14 @@ impl LocalTools {
     }
 
     /// Answers one `tools.<op>` bridge request of the worker of session `from`.
-    pub async fn handle(&self, from: &str, op: ToolsOp, params: &Value) -> Value {
-        match self.handle_op(from, op, params).await {
+    pub async fn handle(
+        &self,
+        from: &str,
+        op: ToolsOp,
+        params: &Value,
+        cancel: CancellationToken,
+    ) -> Value {
+        match self.handle_op(from, op, params, cancel).await {
             Ok(result) => json!({ "result": result }),
             Err((kind, message)) => crate::proxy::error_payload(kind, &message),
         }
@@ -536,6 +542,7 @@ impl LocalTools {
         from: &str,
         op: ToolsOp,
         params: &Value,
+        cancel: CancellationToken,
     ) -> Result<Value, (ErrorKind, String)> {
         let from_tools = is_reserved_session(from);
         match op {
@@ -605,7 +612,7 @@ impl LocalTools {
                     ));
                 };
                 let (record, envelope) = self
-                    .invoke(tool, arguments, CancellationToken::new())
+                    .invoke(tool, arguments, cancel)
                     .await
                     .map_err(|why| (ErrorKind::Unavailable, why))?;
                 let Some(env) = envelope else {
@@ -806,10 +813,11 @@ pub fn handle_request(
     from: String,
     op: ToolsOp,
     params: Value,
+    cancel: CancellationToken,
 ) -> futures::future::BoxFuture<'static, Value> {
     Box::pin(async move {
         match tools {
-            Some(t) => t.handle(&from, op, &params).await,
+            Some(t) => t.handle(&from, op, &params, cancel).await,
             None => crate::proxy::error_payload(
                 ErrorKind::Unavailable,
                 "local tools are only available under `ironcell serve`",

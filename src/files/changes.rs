@@ -89,6 +89,13 @@ pub struct Changes {
     pub method: &'static str,
 }
 
+/// Whether a proper ancestor of the relative path `rel` is in `dirs`: one lookup per level of
+/// `rel` (not one comparison per directory: a session can create tens of thousands).
+fn beneath_any(rel: &str, dirs: &HashSet<String>) -> bool {
+    rel.match_indices('/')
+        .any(|(i, _)| dirs.contains(&rel[..i]))
+}
+
 fn hidden(rel: &str) -> bool {
     rel.split('/').any(|c| c.starts_with('.'))
 }
@@ -132,9 +139,12 @@ impl ChangeTracker {
 
     /// Reads every queued event and files it under its session. Cheap; call it often enough
     /// that the kernel's queue does not overflow.
+    /// Skipped while a listing holds the tracker (the events wait in the kernel's queue): the
+    /// quota watch calls it on the async runtime, and a listing can take a while.
     pub fn drain(&self) {
-        let mut inner = lock(&self.inner);
-        self.drain_locked(&mut inner);
+        if let Ok(mut inner) = self.inner.try_lock() {
+            self.drain_locked(&mut inner);
+        }
     }
 
     fn drain_locked(&self, inner: &mut Inner) {
@@ -370,7 +380,7 @@ impl ChangeTracker {
             let touched = std::mem::take(&mut t.touched);
             let new_dirs = std::mem::take(&mut t.new_dirs);
             for dir in &new_dirs {
-                if hidden(dir) || new_dirs.iter().any(|d| dir.starts_with(&format!("{d}/"))) {
+                if hidden(dir) || beneath_any(dir, &new_dirs) {
                     continue; // an ancestor is walked (and watched) whole
                 }
                 if let Ok(d) = host_fs::open_beneath(
@@ -384,7 +394,7 @@ impl ChangeTracker {
                 }
             }
             for rel in touched {
-                if hidden(&rel) || new_dirs.iter().any(|d| rel.starts_with(&format!("{d}/"))) {
+                if hidden(&rel) || beneath_any(&rel, &new_dirs) {
                     continue;
                 }
                 reg.consider_path(root_fd.as_fd(), &rel);
@@ -552,5 +562,26 @@ fn walk_listing(root: &Path, session: &str, since: SystemTime, limit: usize) -> 
         files,
         incomplete,
         method: "walk",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_is_beneath_a_new_directory_only_through_whole_names() {
+        let dirs: HashSet<String> = ["a", "x/y"].map(String::from).into();
+        assert!(beneath_any("a/f", &dirs));
+        assert!(beneath_any("a/b/c/f", &dirs));
+        assert!(beneath_any("x/y/f", &dirs));
+        assert!(
+            !beneath_any("a", &dirs),
+            "a directory is not beneath itself"
+        );
+        assert!(!beneath_any("ab/f", &dirs));
+        assert!(!beneath_any("x/f", &dirs));
+        assert!(!beneath_any("x/yz/f", &dirs));
+        assert!(!beneath_any("f", &dirs));
     }
 }

@@ -475,61 +475,95 @@ impl<'a> CellRun<'a> {
         let summaries = self.summaries_tx.clone();
         let omitted = self.summaries_omitted.clone();
         let answers = worker.answers();
+        let gone = worker.gone();
+        let tools_turn = worker.tools_turn();
+        let tools_request = matches!(
+            crate::proxy::BridgeMethod::parse(&method),
+            Ok(crate::proxy::BridgeMethod::Tools(_))
+        );
         tokio::spawn(async move {
             use crate::proxy::BridgeMethod;
-            let (payload, summary) = match BridgeMethod::parse(&method) {
-                // The host does the file I/O, off the async runtime.
-                Ok(BridgeMethod::Memory(op)) => {
-                    let answer = tokio::task::spawn_blocking(move || memory.handle(op, &params))
-                        .await
-                        .unwrap_or_else(|e| {
-                            crate::proxy::error_payload(
-                                crate::proxy::ErrorKind::Unavailable,
-                                &e.to_string(),
-                            )
-                        });
-                    (answer, None)
+            let work = async {
+                let (payload, summary) = match BridgeMethod::parse(&method) {
+                    // The host does the file I/O, off the async runtime.
+                    Ok(BridgeMethod::Memory(op)) => {
+                        let answer =
+                            tokio::task::spawn_blocking(move || memory.handle(op, &params))
+                                .await
+                                .unwrap_or_else(|e| {
+                                    crate::proxy::error_payload(
+                                        crate::proxy::ErrorKind::Unavailable,
+                                        &e.to_string(),
+                                    )
+                                });
+                        (answer, None)
+                    }
+                    Ok(BridgeMethod::Tools(op)) => {
+                        use crate::local_tools::ToolsOp;
+                        // Answers from the tools sessions never wait (the runs they answer do).
+                        let _turn = match op {
+                            ToolsOp::Result | ToolsOp::Catalog => None,
+                            _ => tokio::select! {
+                                turn = tools_turn.acquire_owned() => turn.ok(),
+                                () = gone.cancelled() => return,
+                            },
+                        };
+                        let answer = crate::local_tools::handle_request(
+                            local_tools,
+                            session_name,
+                            op,
+                            params,
+                            gone.clone(),
+                        );
+                        (answer.await, None)
+                    }
+                    Ok(BridgeMethod::Proxy(m)) => proxy.handle(&session_name, m, &params).await,
+                    Ok(BridgeMethod::ChangedFiles) => {
+                        // Names only, from the host's own watches: nothing is opened here.
+                        let limit = CHANGED_FILES_HINT_LIMIT;
+                        let pending = match changes.try_pending(&session_name, limit) {
+                            Ok(pending) => pending,
+                            // Another session's listing holds the tracker: wait off the runtime.
+                            Err(()) => tokio::task::spawn_blocking(move || {
+                                changes.pending(&session_name, limit)
+                            })
+                            .await
+                            .ok()
+                            .flatten(),
+                        };
+                        (changed_files_answer(pending), None)
+                    }
+                    Err(unknown) => (unknown, None),
+                };
+                if let Some(call) = summary
+                    && summaries.try_send(call).is_err()
+                {
+                    omitted.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(BridgeMethod::Tools(op)) => {
-                    let answer =
-                        crate::local_tools::handle_request(local_tools, session_name, op, params);
-                    (answer.await, None)
+                match frame::json_body(&ToWorker::Response { id, payload }) {
+                    Ok(body) => {
+                        // The writer task's queue, not the socket: this never waits on the worker
+                        // reading (a full queue waits here, in this task, not in the cell's loop).
+                        let _ = answers
+                            .send(Outgoing {
+                                body,
+                                _slot: Some(slot),
+                            })
+                            .await;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
                 }
-                Ok(BridgeMethod::Proxy(m)) => proxy.handle(&session_name, m, &params).await,
-                Ok(BridgeMethod::ChangedFiles) => {
-                    // Names only, from the host's own watches: nothing is opened here.
-                    let limit = CHANGED_FILES_HINT_LIMIT;
-                    let pending = match changes.try_pending(&session_name, limit) {
-                        Ok(pending) => pending,
-                        // Another session's listing holds the tracker: wait off the runtime.
-                        Err(()) => tokio::task::spawn_blocking(move || {
-                            changes.pending(&session_name, limit)
-                        })
-                        .await
-                        .ok()
-                        .flatten(),
-                    };
-                    (changed_files_answer(pending), None)
-                }
-                Err(unknown) => (unknown, None),
             };
-            if let Some(call) = summary
-                && summaries.try_send(call).is_err()
-            {
-                omitted.fetch_add(1, Ordering::Relaxed);
-            }
-            match frame::json_body(&ToWorker::Response { id, payload }) {
-                Ok(body) => {
-                    // The writer task's queue, not the socket: this never waits on the worker
-                    // reading (a full queue waits here, in this task, not in the cell's loop).
-                    let _ = answers
-                        .send(Outgoing {
-                            body,
-                            _slot: Some(slot),
-                        })
-                        .await;
+            // The worker gone, its request's work (and its parameters) goes too. A local tool's
+            // run is not dropped midway (its session would be left mid-cell): it is cancelled
+            // through `gone`, as a client's cancel would, and ends by itself.
+            if tools_request {
+                work.await;
+            } else {
+                tokio::select! {
+                    () = gone.cancelled() => {}
+                    () = work => {}
                 }
-                Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
             }
         });
         Ok(())

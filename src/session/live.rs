@@ -10,6 +10,8 @@
 //!   awaits a write, so a worker that stops reading its socket cannot stall timeouts, cancels
 //!   or output collection; the queue is bounded because open bridge requests are (each queued
 //!   answer holds its request slot).
+//! - The work a worker's bridge requests started is cancelled when the handle goes
+//!   ([`LiveWorker::gone`]): a worker that queued requests and died leaves nothing running.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +22,7 @@ use nix::sys::signal::Signal;
 use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
 
 use crate::frame::{self, MAX_INFLIGHT_REQUESTS};
 use crate::zygote::{ExitInfo, SpawnedWorker};
@@ -69,6 +72,13 @@ pub(super) struct LiveWorker {
     requests: Arc<Semaphore>,
     /// This worker's place under the cap on live sessions.
     _session_slot: OwnedSemaphorePermit,
+    /// Cancelled when the host lets go of the worker: the work its bridge requests started
+    /// (a proxied call, a local tool's run, a wait for the tools catalog) ends with it.
+    gone: CancellationToken,
+    /// One local-tools request (a call, list, save or delete) at a time per worker: the tools
+    /// sessions run one call at a time for everyone, so a worker's requests wait here, not
+    /// ahead of other sessions' and the client's own calls in their queue.
+    tools_turn: Arc<Semaphore>,
 }
 
 impl LiveWorker {
@@ -105,7 +115,19 @@ impl LiveWorker {
             exit: Some(exit),
             requests: Arc::new(Semaphore::new(MAX_INFLIGHT_REQUESTS)),
             _session_slot: session_slot,
+            gone: CancellationToken::new(),
+            tools_turn: Arc::new(Semaphore::new(1)),
         })
+    }
+
+    /// Cancelled when this handle is dropped (the worker is killed or gone).
+    pub fn gone(&self) -> CancellationToken {
+        self.gone.clone()
+    }
+
+    /// This worker's turn for local-tools requests (see the field).
+    pub fn tools_turn(&self) -> Arc<Semaphore> {
+        self.tools_turn.clone()
     }
 
     /// Moves the worker under another cap (a spare of the pool becoming a session's worker);
@@ -203,6 +225,7 @@ impl LiveWorker {
 
 impl Drop for LiveWorker {
     fn drop(&mut self) {
+        self.gone.cancel();
         // Only a worker whose exit was not reported can still run; one the zygote reaped must
         // not be signalled (its pid may belong to someone else by now).
         if let Some(rx) = self.exit.as_mut()

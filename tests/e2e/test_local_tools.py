@@ -562,6 +562,54 @@ def test_a_saved_tool_that_saves_tools_when_imported_cannot_make_the_tools_reloa
     assert r["structuredContent"]["result"] == "'deleted'", r
 
 
+QUEUE_SLOW_CALLS = """
+import threading
+from mcp import save_tool, tools
+def slow(n: int) -> int:
+    \"\"\"Sleep a while.\"\"\"
+    import time
+    time.sleep(2)
+    return n
+def spare_tool() -> int:
+    \"\"\"Deleted below, which reloads the tools.\"\"\"
+    return 1
+save_tool(slow)
+save_tool(spare_tool)
+tools.list()
+done = []
+calls = [threading.Thread(target=lambda i=i: done.append(tools.slow(n=i))) for i in range(8)]
+for t in calls:
+    t.start()
+import time, mcp
+time.sleep(0.5)
+threading.Thread(target=lambda: mcp._request_sync("tools.delete", {"name": "spare_tool"})).start()
+'queued'
+"""
+
+
+def test_a_sessions_queued_tool_calls_do_not_hold_the_users_tools(raw_tools_server):
+    """A session can leave many local-tool calls in flight (threads, or raw frames) and then make
+    the tools reload (a save or a delete). Each worker's tools requests now go one at a time, so
+    the reload (and every other caller) no longer waits behind that whole queue: the user's own
+    tool answers while the session's calls are still running (before: after all of them)."""
+    srv, tools, base = raw_tools_server
+    r = srv.call(QUEUE_SLOW_CALLS, session="attacker")
+    assert r["structuredContent"]["result"] == "'queued'", r
+    time.sleep(1)
+    answered = call_tool(srv, "list_dir", path=str(tools))
+    assert "attack.py" in tool_text(answered), answered
+    r = srv.call("len(done)", session="attacker")
+    assert int(r["structuredContent"]["result"]) <= 3, r
+    # A worker that goes takes its queued calls with it: a reset leaves nothing in the queue.
+    r = srv.call("import threading\nfrom mcp import tools\n"
+                 "[threading.Thread(target=lambda: tools.slow(n=1)).start() for _ in range(8)]\n'again'",
+                 session="attacker")
+    assert srv.call("1", session="attacker", reset=True)["structuredContent"]["result"] == "1"
+    time.sleep(3)  # the call the saved-tools session was running ends; nothing is left behind it
+    r = srv.call("from mcp import tools\ntools.slow(n=5)", session="other", timeout_s=10)
+    assert r["structuredContent"]["result"] == "5", r
+
+
 @pytest.mark.parametrize("broken", ["import os\nos._exit(1)\n", "raise ImportError('no network')\n"],
                          ids=["ends_its_session", "raises"])
 def test_saved_tools_are_not_listed_while_the_tools_files_cannot_be_loaded(broken):
