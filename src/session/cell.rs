@@ -439,6 +439,21 @@ impl<'a> CellRun<'a> {
                 frame::MAX_INFLIGHT_REQUESTS
             )));
         };
+        let values = json_value_count(&params);
+        let Some(room) = worker.request_values(values) else {
+            // An answer, not a violation: a program may send large requests in parallel.
+            let message = format!(
+                "this request carries {values} JSON values (a string counts one per 64 bytes), \
+                 more than its worker's open bridge requests may hold together ({}): send less \
+                 at once (a large input can go through a file in the session directory)",
+                frame::MAX_OPEN_REQUEST_VALUES
+            );
+            drop(params);
+            let payload =
+                crate::proxy::error_payload(crate::proxy::ErrorKind::BadRequest, &message);
+            answer_now(worker, id, payload, slot);
+            return Ok(());
+        };
         let m = self.manager;
         // The worker's image search asks this after every run in a session of many
         // directories: answered here from the tracker's events when they are at hand, without
@@ -448,24 +463,7 @@ impl<'a> CellRun<'a> {
                 .changes
                 .try_pending(&self.session.name, CHANGED_FILES_HINT_LIMIT)
         {
-            let payload = changed_files_answer(pending);
-            match frame::json_body(&ToWorker::Response { id, payload }) {
-                Ok(body) => {
-                    let answers = worker.answers();
-                    let answer = Outgoing {
-                        body,
-                        _slot: Some(slot),
-                    };
-                    if let Err(full_or_closed) = answers.try_send(answer) {
-                        // The worker is not reading: wait for room in a task, never here.
-                        let answer = full_or_closed.into_inner();
-                        tokio::spawn(async move {
-                            let _ = answers.send(answer).await;
-                        });
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
-            }
+            answer_now(worker, id, changed_files_answer(pending), slot);
             return Ok(());
         }
         let (proxy, memory) = (m.proxy.clone(), m.memory.clone());
@@ -483,6 +481,7 @@ impl<'a> CellRun<'a> {
         );
         tokio::spawn(async move {
             use crate::proxy::BridgeMethod;
+            let _room = room; // until answered (or the worker is gone)
             let work = async {
                 let (payload, summary) = match BridgeMethod::parse(&method) {
                     // The host does the file I/O, off the async runtime.
@@ -887,6 +886,48 @@ impl CellOutcome {
 
 /// The answer to `files.changed`: names only, from the host's own watches (nothing is opened),
 /// or "not complete" when the tracker cannot vouch for them (the worker then scans itself).
+/// Queues the answer to request `id` at once, without a task unless the worker stopped reading
+/// (then a task waits for room, never the caller). `slot` is freed when the answer is written.
+fn answer_now(
+    worker: &LiveWorker,
+    id: u64,
+    payload: serde_json::Value,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) {
+    match frame::json_body(&ToWorker::Response { id, payload }) {
+        Ok(body) => {
+            let answers = worker.answers();
+            let answer = Outgoing {
+                body,
+                _slot: Some(slot),
+            };
+            if let Err(full_or_closed) = answers.try_send(answer) {
+                let answer = full_or_closed.into_inner();
+                tokio::spawn(async move {
+                    let _ = answers.send(answer).await;
+                });
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
+    }
+}
+
+/// How many JSON values `v` holds (itself included), a string counting one more per 64 bytes
+/// (and a key per 64 bytes of it): what the host holds for it, in values.
+fn json_value_count(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::Array(a) => 1 + a.iter().map(json_value_count).sum::<usize>(),
+        serde_json::Value::Object(o) => {
+            1 + o
+                .iter()
+                .map(|(k, v)| k.len() / 64 + json_value_count(v))
+                .sum::<usize>()
+        }
+        serde_json::Value::String(s) => 1 + s.len() / 64,
+        _ => 1,
+    }
+}
+
 fn changed_files_answer(pending: Option<(Vec<String>, Vec<String>)>) -> serde_json::Value {
     match pending {
         Some((files, dirs)) => serde_json::json!({"complete": true, "files": files, "dirs": dirs}),

@@ -79,6 +79,8 @@ pub(super) struct LiveWorker {
     /// sessions run one call at a time for everyone, so a worker's requests wait here, not
     /// ahead of other sessions' and the client's own calls in their queue.
     tools_turn: Arc<Semaphore>,
+    /// JSON values the open bridge requests may hold in all ([`frame::MAX_OPEN_REQUEST_VALUES`]).
+    request_values: Arc<Semaphore>,
 }
 
 impl LiveWorker {
@@ -117,12 +119,20 @@ impl LiveWorker {
             _session_slot: session_slot,
             gone: CancellationToken::new(),
             tools_turn: Arc::new(Semaphore::new(1)),
+            request_values: Arc::new(Semaphore::new(frame::MAX_OPEN_REQUEST_VALUES)),
         })
     }
 
     /// Cancelled when this handle is dropped (the worker is killed or gone).
     pub fn gone(&self) -> CancellationToken {
         self.gone.clone()
+    }
+
+    /// Room for a request of `values` JSON values among the open ones; `None` if there is none
+    /// now.
+    pub fn request_values(&self, values: usize) -> Option<OwnedSemaphorePermit> {
+        let n = u32::try_from(values).ok()?;
+        self.request_values.clone().try_acquire_many_owned(n).ok()
     }
 
     /// This worker's turn for local-tools requests (see the field).

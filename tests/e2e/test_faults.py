@@ -56,6 +56,11 @@ FORGERIES = [
     ("ready_mid_run", "frame(b'J', b'{\"op\":\"ready\",\"pid\":1}')", "a `ready` message in the middle of a run"),
     ("bad_method", "frame(b'J', b'{\"op\":\"request\",\"id\":1,\"method\":\"../x\",\"params\":{}}')",
      "invalid method name"),
+    # 2.2 MB of zeros: the host would hold ~75 MB parsed; refused before it is parsed.
+    ("million_values",
+     "frame(b'J', b'{\"op\":\"request\",\"id\":1,\"method\":\"memory.list\",\"params\":{\"p\":[' "
+     "+ b'0,' * 1_100_000 + b'0]}}')",
+     "JSON values"),
 ]
 
 
@@ -425,6 +430,37 @@ def test_a_proxied_servers_log_line_of_64_mib_is_skipped_not_held(proxied):
     assert rec["status"] == "ok", rec
     assert wait_until(lambda: "log line longer than" in (proxied.dir / "raw-server.log").read_text(errors="replace"))
     assert host_peak_rss_mib(proxied) - before < 32, (before, host_peak_rss_mib(proxied))
+
+
+def test_open_bridge_requests_may_hold_only_so_many_json_values(proxied):
+    """Parsed, a request's parameters cost the host tens of bytes per JSON value, and it keeps
+    them until the request is answered: a worker's open requests may hold 500,000 values in all.
+    One past that is answered with an error at once (not held, the worker not killed); the
+    open one is answered as usual."""
+    code = """
+import threading, time, mcp
+pad = [0] * 300_000
+res = {}
+def first():
+    res["first"] = mcp._request_sync("call", {"server": "test-server", "tool": "sleep",
+                                              "arguments": {"seconds": 3}, "pad": pad})
+t = threading.Thread(target=first)
+t.start()
+time.sleep(1)
+try:
+    mcp._request_sync("call", {"server": "test-server", "tool": "sleep", "arguments": {"seconds": 0}, "pad": pad})
+    second = "answered"
+except Exception as e:
+    second = f"{type(e).__name__}: {e}"
+t.join()
+(second, "first" in res)
+"""
+    rec = proxied.run(code, session="big-params", timeout_s=60)
+    assert rec["status"] == "ok", rec
+    second, first_answered = eval(rec["result"])
+    assert "JSON values" in second and "500000" in second, second
+    assert first_answered
+    assert proxied.run("1", session="big-params")["session_state"] != "lost"
 
 
 def test_52_five_hundred_gathered_calls_complete(proxied):

@@ -32,6 +32,13 @@ pub const MAX_PATH_BYTES: usize = 4096;
 /// Most bridge requests a worker may have waiting for an answer at once. The worker's bridge
 /// queues calls beyond this itself; a worker that sends more anyway breaks the protocol.
 pub const MAX_INFLIGHT_REQUESTS: usize = 64;
+/// Most JSON values one message from a worker may hold. Parsed, a value costs the host tens of
+/// bytes however short its text (`0,` is two bytes), so a frame's byte cap alone let one 22 MB
+/// request of zeros take ~750 MB of the host's memory.
+pub const MAX_MESSAGE_VALUES: usize = 1_000_000;
+/// Most JSON values the open bridge requests of one worker may hold in all (the host keeps each
+/// request's parameters until it is answered).
+pub const MAX_OPEN_REQUEST_VALUES: usize = 500_000;
 /// Image types a `done` frame may name (what the runner detects by suffix or renders).
 pub const IMAGE_MIME_TYPES: &[&str] = &["image/png", "image/jpeg", "image/gif", "image/webp"];
 
@@ -181,6 +188,12 @@ pub fn decode_worker_frame(
         KIND_STDOUT => Ok(WorkerFrame::Stdout(payload)),
         KIND_STDERR => Ok(WorkerFrame::Stderr(payload)),
         KIND_JSON => {
+            let values = json_values(payload);
+            if values > MAX_MESSAGE_VALUES {
+                return violation(format!(
+                    "a control frame of about {values} JSON values (at most {MAX_MESSAGE_VALUES})"
+                ));
+            }
             let msg: FromWorker = serde_json::from_slice(payload).or_else(|e| {
                 violation(format!("a control frame that is not a valid message ({e})"))
             })?;
@@ -189,6 +202,30 @@ pub fn decode_worker_frame(
         }
         other => violation(format!("a frame of unknown kind {other:#04x}")),
     }
+}
+
+/// About how many JSON values `text` holds, counted without parsing it: one, plus one per
+/// comma and per opening bracket outside strings (exact for well-formed arrays and objects of
+/// scalars; an object's keys are not counted).
+pub fn json_values(text: &[u8]) -> usize {
+    let (mut count, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in text {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b',' | b'[' | b'{' => count += 1,
+                _ => {}
+            }
+        }
+    }
+    count
 }
 
 /// Checks every field of a worker's message against its cap.
@@ -398,6 +435,22 @@ pub fn json_body<T: Serialize>(msg: &T) -> io::Result<bytes::Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_values_are_counted_without_parsing_and_strings_count_once() {
+        assert_eq!(json_values(b"[0,0,0]"), 4);
+        assert_eq!(json_values(br#"{"a":1,"b":[2,3]}"#), 5);
+        assert_eq!(json_values(br#"{"s":"a,b,[c{\",d"}"#), 2);
+        assert_eq!(json_values(b"7"), 1);
+        let zeros = format!(
+            "{{\"op\":\"request\",\"id\":1,\"method\":\"memory.list\",\"params\":{{\"p\":[{}0]}}}}",
+            "0,".repeat(MAX_MESSAGE_VALUES)
+        );
+        let mut frame = vec![KIND_JSON];
+        frame.extend_from_slice(zeros.as_bytes());
+        let err = decode_worker_frame(&frame, 0).unwrap_err();
+        assert!(err.0.contains("JSON values"), "{err}");
+    }
 
     #[test]
     fn a_frame_written_by_the_worker_reads_back_whole() {
