@@ -386,22 +386,59 @@ impl SessionManager {
     /// Files of every session: (session, relative path, size), at most `limit`. The walks run
     /// off the async runtime and stop after a bounded number of entries.
     pub async fn session_files(&self, limit: usize) -> Vec<(String, String, u64)> {
-        let sessions: Vec<(String, PathBuf)> = lock(&self.sessions)
+        let mut sessions: Vec<(String, PathBuf)> = lock(&self.sessions)
             .values()
             .map(|s| (s.name.clone(), s.scratch.clone()))
             .collect();
+        sessions.sort();
         let walked = tokio::task::spawn_blocking(move || {
-            let mut out = Vec::new();
-            for (name, dir) in sessions {
-                let listing = crate::files::list(&dir, limit.saturating_sub(out.len()));
+            // Each session gets an equal share first, so one with many files cannot push the
+            // others out; what the small ones leave goes to the others, in name order.
+            let share = limit / sessions.len().max(1);
+            let mut listed: Vec<Vec<(String, u64)>> = sessions
+                .iter()
+                .map(|(name, dir)| {
+                    let listing = crate::files::list(dir, share.max(1));
+                    if let Some(why) = listing.incomplete {
+                        tracing::debug!(session = %name, "listing session files: {why}");
+                    }
+                    listing
+                        .files
+                        .into_iter()
+                        .map(|(rel, size, _)| (rel, size))
+                        .collect()
+                })
+                .collect();
+            let mut room = limit.saturating_sub(listed.iter().map(Vec::len).sum());
+            for ((name, dir), files) in sessions.iter().zip(listed.iter_mut()) {
+                if room == 0 {
+                    break;
+                }
+                if files.len() < share.max(1) {
+                    continue; // listed whole
+                }
+                let listing = crate::files::list(dir, files.len() + room);
+                room += files.len();
+                *files = listing
+                    .files
+                    .into_iter()
+                    .map(|(rel, size, _)| (rel, size))
+                    .collect();
+                room -= files.len();
                 if let Some(why) = listing.incomplete {
                     tracing::warn!(session = %name, "listing session files: {why}");
                 }
-                for (rel, size, _) in listing.files {
-                    out.push((name.clone(), rel, size));
-                }
             }
-            out
+            sessions
+                .into_iter()
+                .zip(listed)
+                .flat_map(|((name, _), files)| {
+                    files
+                        .into_iter()
+                        .map(move |(rel, size)| (name.clone(), rel, size))
+                })
+                .take(limit)
+                .collect()
         })
         .await;
         walked.unwrap_or_else(|e| {
