@@ -255,20 +255,33 @@ impl LocalTools {
 
     /// The catalog of the current generation, loading it in the tools session if needed.
     async fn ensure_catalog(&self) -> Arc<Catalog> {
-        let mut slot = self.catalog.lock().await;
+        self.ensure_catalog_unless(&CancellationToken::new())
+            .await
+            .unwrap_or_default()
+    }
+
+    /// [`Self::ensure_catalog`] for a worker's request: `None` if `cancel` fires (the worker is
+    /// gone) while it waits for the catalog, so a dead worker's request does not sit, with its
+    /// parameters, behind a load. A load it started runs to its end (it is a run in a tools
+    /// session, which must not be dropped midway).
+    async fn ensure_catalog_unless(&self, cancel: &CancellationToken) -> Option<Arc<Catalog>> {
+        let mut slot = tokio::select! {
+            slot = self.catalog.lock() => slot,
+            () = cancel.cancelled() => return None,
+        };
         let generation = self.generation.load(Ordering::SeqCst);
         let fresh = |c: &&Arc<Catalog>| {
             c.generation == generation
                 && (!c.load_failed || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD))
         };
         if let Some(c) = slot.as_ref().filter(fresh) {
-            return c.clone();
+            return Some(c.clone());
         }
         let mut catalog = self.load_catalog(generation).await;
         catalog.loaded_at = Some(std::time::Instant::now());
         let catalog = Arc::new(catalog);
         *slot = Some(catalog.clone());
-        catalog
+        Some(catalog)
     }
 
     async fn load_catalog(&self, generation: u64) -> Catalog {
@@ -449,7 +462,11 @@ impl LocalTools {
         arguments: Value,
         cancel: CancellationToken,
     ) -> Result<(RunRecord, Option<Value>), String> {
-        let generation = self.ensure_catalog().await.generation;
+        let generation = self
+            .ensure_catalog_unless(&cancel)
+            .await
+            .ok_or("the caller is gone")?
+            .generation;
         let token = self.new_token();
         let mut spec = self.spec_for(tool.home, &token, generation);
         spec["name"] = json!(tool.name);
@@ -561,7 +578,7 @@ impl LocalTools {
             )),
             ToolsOp::List => {
                 let catalog = if self.listed.load(Ordering::SeqCst) {
-                    self.ensure_catalog().await
+                    self.ensure_catalog_unless(&cancel).await.ok_or_else(gone)?
                 } else {
                     Arc::new(Catalog {
                         errors: self.path_errors.clone(),
@@ -593,7 +610,7 @@ impl LocalTools {
                     return Err((ErrorKind::BadRequest, "the arguments must be a dict".into()));
                 }
                 let catalog = if self.listed.load(Ordering::SeqCst) {
-                    self.ensure_catalog().await
+                    self.ensure_catalog_unless(&cancel).await.ok_or_else(gone)?
                 } else {
                     Arc::new(Catalog::default())
                 };
@@ -650,8 +667,9 @@ impl LocalTools {
                 let name = params.get("name").and_then(Value::as_str).unwrap_or("");
                 if !self.paths.is_empty()
                     && self
-                        .ensure_catalog()
+                        .ensure_catalog_unless(&cancel)
                         .await
+                        .ok_or_else(gone)?
                         .tools
                         .iter()
                         .any(|t| t.name == name && t.home == Home::Files)
@@ -824,6 +842,11 @@ pub fn handle_request(
             ),
         }
     })
+}
+
+/// The error of a request whose worker went while it waited (nobody reads it).
+fn gone() -> (ErrorKind, String) {
+    (ErrorKind::Unavailable, "the caller is gone".into())
 }
 
 fn session_failure(why: &str) -> LoadError {

@@ -443,7 +443,7 @@ impl<'a> CellRun<'a> {
         let Some(room) = worker.request_values(values) else {
             // An answer, not a violation: a program may send large requests in parallel.
             let message = format!(
-                "this request carries {values} JSON values (a string counts one per 64 bytes), \
+                "this request carries {values} JSON values (a string counts one per 32 bytes, an object's entry two), \
                  more than its worker's open bridge requests may hold together ({}): send less \
                  at once (a large input can go through a file in the session directory)",
                 frame::MAX_OPEN_REQUEST_VALUES
@@ -912,18 +912,19 @@ fn answer_now(
     }
 }
 
-/// How many JSON values `v` holds (itself included), a string counting one more per 64 bytes
-/// (and a key per 64 bytes of it): what the host holds for it, in values.
+/// What the host holds for `v` parsed, in values of a few dozen bytes: one per value (itself
+/// included), one more per 32 bytes of a string, and for an object's entry two plus one per 32
+/// bytes of its key (the map's own node).
 fn json_value_count(v: &serde_json::Value) -> usize {
     match v {
         serde_json::Value::Array(a) => 1 + a.iter().map(json_value_count).sum::<usize>(),
         serde_json::Value::Object(o) => {
             1 + o
                 .iter()
-                .map(|(k, v)| k.len() / 64 + json_value_count(v))
+                .map(|(k, v)| 2 + k.len() / 32 + json_value_count(v))
                 .sum::<usize>()
         }
-        serde_json::Value::String(s) => 1 + s.len() / 64,
+        serde_json::Value::String(s) => 1 + s.len() / 32,
         _ => 1,
     }
 }

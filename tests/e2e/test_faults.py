@@ -434,12 +434,12 @@ def test_a_proxied_servers_log_line_of_64_mib_is_skipped_not_held(proxied):
 
 def test_open_bridge_requests_may_hold_only_so_many_json_values(proxied):
     """Parsed, a request's parameters cost the host tens of bytes per JSON value, and it keeps
-    them until the request is answered: a worker's open requests may hold 500,000 values in all.
+    them until the request is answered: a worker's open requests may hold 1,000,000 values in all.
     One past that is answered with an error at once (not held, the worker not killed); the
     open one is answered as usual."""
     code = """
 import threading, time, mcp
-pad = [0] * 300_000
+pad = [0] * 600_000
 res = {}
 def first():
     res["first"] = mcp._request_sync("call", {"server": "test-server", "tool": "sleep",
@@ -458,7 +458,7 @@ t.join()
     rec = proxied.run(code, session="big-params", timeout_s=60)
     assert rec["status"] == "ok", rec
     second, first_answered = eval(rec["result"])
-    assert "JSON values" in second and "500000" in second, second
+    assert "JSON values" in second and "1000000" in second, second
     assert first_answered
     assert proxied.run("1", session="big-params")["session_state"] != "lost"
 

@@ -38,7 +38,7 @@ pub const MAX_INFLIGHT_REQUESTS: usize = 64;
 pub const MAX_MESSAGE_VALUES: usize = 1_000_000;
 /// Most JSON values the open bridge requests of one worker may hold in all (the host keeps each
 /// request's parameters until it is answered).
-pub const MAX_OPEN_REQUEST_VALUES: usize = 500_000;
+pub const MAX_OPEN_REQUEST_VALUES: usize = 1_000_000;
 /// Image types a `done` frame may name (what the runner detects by suffix or renders).
 pub const IMAGE_MIME_TYPES: &[&str] = &["image/png", "image/jpeg", "image/gif", "image/webp"];
 
