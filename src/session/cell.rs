@@ -475,15 +475,13 @@ impl<'a> CellRun<'a> {
         let answers = worker.answers();
         let gone = worker.gone();
         let tools_turn = worker.tools_turn();
-        let tools_request = matches!(
-            crate::proxy::BridgeMethod::parse(&method),
-            Ok(crate::proxy::BridgeMethod::Tools(_))
-        );
+        let parsed = crate::proxy::BridgeMethod::parse(&method);
+        let tools_request = matches!(parsed, Ok(crate::proxy::BridgeMethod::Tools(_)));
         tokio::spawn(async move {
             use crate::proxy::BridgeMethod;
             let _room = room; // until answered (or the worker is gone)
             let work = async {
-                let (payload, summary) = match BridgeMethod::parse(&method) {
+                let (payload, summary) = match parsed {
                     // The host does the file I/O, off the async runtime.
                     Ok(BridgeMethod::Memory(op)) => {
                         let answer =
@@ -884,8 +882,6 @@ impl CellOutcome {
     }
 }
 
-/// The answer to `files.changed`: names only, from the host's own watches (nothing is opened),
-/// or "not complete" when the tracker cannot vouch for them (the worker then scans itself).
 /// Queues the answer to request `id` at once, without a task unless the worker stopped reading
 /// (then a task waits for room, never the caller). `slot` is freed when the answer is written.
 fn answer_now(
@@ -929,6 +925,8 @@ fn json_value_count(v: &serde_json::Value) -> usize {
     }
 }
 
+/// The answer to `files.changed`: names only, from the host's own watches (nothing is opened),
+/// or "not complete" when the tracker cannot vouch for them (the worker then scans itself).
 fn changed_files_answer(pending: Option<(Vec<String>, Vec<String>)>) -> serde_json::Value {
     match pending {
         Some((files, dirs)) => serde_json::json!({"complete": true, "files": files, "dirs": dirs}),

@@ -394,19 +394,15 @@ impl SessionManager {
         let walked = tokio::task::spawn_blocking(move || {
             // Each session gets an equal share first, so one with many files cannot push the
             // others out; what the small ones leave goes to the others, in name order.
-            let share = limit / sessions.len().max(1);
-            let mut listed: Vec<Vec<(String, u64)>> = sessions
+            let share = (limit / sessions.len().max(1)).max(1);
+            let mut listed: Vec<_> = sessions
                 .iter()
                 .map(|(name, dir)| {
-                    let listing = crate::files::list(dir, share.max(1));
+                    let listing = crate::files::list(dir, share);
                     if let Some(why) = listing.incomplete {
                         tracing::debug!(session = %name, "listing session files: {why}");
                     }
-                    listing
-                        .files
-                        .into_iter()
-                        .map(|(rel, size, _)| (rel, size))
-                        .collect()
+                    listing.files
                 })
                 .collect();
             let mut room = limit.saturating_sub(listed.iter().map(Vec::len).sum());
@@ -414,16 +410,12 @@ impl SessionManager {
                 if room == 0 {
                     break;
                 }
-                if files.len() < share.max(1) {
+                if files.len() < share {
                     continue; // listed whole
                 }
                 let listing = crate::files::list(dir, files.len() + room);
                 room += files.len();
-                *files = listing
-                    .files
-                    .into_iter()
-                    .map(|(rel, size, _)| (rel, size))
-                    .collect();
+                *files = listing.files;
                 room -= files.len();
                 if let Some(why) = listing.incomplete {
                     tracing::warn!(session = %name, "listing session files: {why}");
@@ -435,7 +427,7 @@ impl SessionManager {
                 .flat_map(|((name, _), files)| {
                     files
                         .into_iter()
-                        .map(move |(rel, size)| (name.clone(), rel, size))
+                        .map(move |(rel, size, _)| (name.clone(), rel, size))
                 })
                 .take(limit)
                 .collect()
