@@ -125,6 +125,10 @@ pub struct Session {
     last_quota_walk: Mutex<Duration>,
     /// Its worker's CPU time when its last measurement began (see `quota.rs`).
     quota_mark: Mutex<Option<quota::WorkerMark>>,
+    /// Its idle worker's CPU time at the free-disk guard's last two looks, older first: a
+    /// worker whose clock has not moved since the older one wrote nothing since (see
+    /// `SessionManager::guard_free_disk`).
+    disk_marks: Mutex<[Option<quota::WorkerMark>; 2]>,
 }
 
 impl Session {
@@ -143,6 +147,7 @@ impl Session {
             next_quota_check: Mutex::new(Instant::now()),
             last_quota_walk: Mutex::new(Duration::ZERO),
             quota_mark: Mutex::new(None),
+            disk_marks: Mutex::new([None, None]),
         }
     }
 }
@@ -185,6 +190,8 @@ pub struct SessionManager {
     disk_stops: tokio::sync::watch::Sender<(u64, String)>,
     /// What the free-disk guard knows of the state dir's disk (see [`quota::DiskWatch`]).
     disk_watch: Mutex<quota::DiskWatch>,
+    /// When the free-disk guard last stopped only some workers, and last stopped them all.
+    disk_stops_done: Mutex<quota::DiskStops>,
     /// Which files each run created or changed, without walking the session each time.
     changes: Arc<crate::files::ChangeTracker>,
     /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
@@ -278,6 +285,7 @@ impl SessionManager {
             root,
             disk_stops: tokio::sync::watch::Sender::new((0, String::new())),
             disk_watch: Mutex::new(quota::DiskWatch::Unread),
+            disk_stops_done: Mutex::new(quota::DiskStops::default()),
             changes: Arc::new(crate::files::ChangeTracker::new()),
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),

@@ -9,6 +9,7 @@
 //! [`QUOTA_RESYNC_EVERY`], in case anything else grew the tree.
 
 use super::*;
+use std::collections::HashSet;
 
 /// What a session's last measurement saw of its worker, taken just before its walk began.
 #[derive(Debug, Clone, Copy)]
@@ -32,6 +33,27 @@ impl WorkerMark {
     /// The same worker, and it has not run since `self` was taken.
     fn unchanged_since(&self, earlier: &WorkerMark) -> bool {
         self.pid == earlier.pid && self.cpu_ns == earlier.cpu_ns
+    }
+}
+
+impl Session {
+    /// For the free-disk guard: reads this session's idle worker's CPU clock, keeps it as the
+    /// newer of its two marks, and says whether the worker ran since the older one (or is new
+    /// to the guard). `false` with no idle worker: none, or a run holds the session (a running
+    /// cell is stopped through `disk_stops` instead).
+    fn idle_worker_ran_since_the_look_before_last(&self) -> bool {
+        let pid = match self.state.try_lock() {
+            Ok(st) => st.worker.as_ref().map(|w| w.pid),
+            Err(_) => None,
+        };
+        let mut marks = lock(&self.disk_marks);
+        let Some(now) = pid.and_then(WorkerMark::now) else {
+            *marks = [None, None];
+            return false;
+        };
+        let ran = !marks[0].is_some_and(|older| now.unchanged_since(&older));
+        *marks = [marks[1].or(Some(now)), Some(now)];
+        ran
     }
 }
 
@@ -133,6 +155,72 @@ impl DiskWatch {
                 },
                 false,
             ),
+        }
+    }
+}
+
+/// After the free-disk guard stopped the workers that were writing, how long it waits for the
+/// disk to come back above the floor before it stops every worker.
+const ESCALATE_AFTER: Duration = Duration::from_secs(2);
+/// The free-disk guard stops every session's worker at most once in this long.
+const STOP_EVERYONE_EVERY: Duration = Duration::from_secs(600);
+
+/// Which workers the free-disk guard stops at one look.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StopScope {
+    Nobody,
+    /// Running cells' workers, and idle workers that ran since the guard's look before last.
+    Writers,
+    Everyone,
+}
+
+/// When the free-disk guard last stopped workers.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct DiskStops {
+    /// Its last stop of the writers, while the disk has not come back above the floor since.
+    writers_at: Option<Instant>,
+    /// Its last stop of every worker.
+    everyone_at: Option<Instant>,
+}
+
+impl DiskStops {
+    /// Whom to stop at a look that found `free` bytes free against `floor`, where `crossing`
+    /// is [`DiskWatch::next`]'s verdict.
+    pub(super) fn scope(
+        &mut self,
+        crossing: bool,
+        free: u64,
+        floor: u64,
+        now: Instant,
+    ) -> StopScope {
+        if crossing {
+            self.writers_at = Some(now);
+            return StopScope::Writers;
+        }
+        if free >= floor {
+            self.writers_at = None;
+            return StopScope::Nobody;
+        }
+        match self.writers_at {
+            Some(at) if now.duration_since(at) >= ESCALATE_AFTER => {
+                self.writers_at = None;
+                if self
+                    .everyone_at
+                    .is_none_or(|e| now.duration_since(e) >= STOP_EVERYONE_EVERY)
+                {
+                    self.everyone_at = Some(now);
+                    StopScope::Everyone
+                } else {
+                    tracing::info!(
+                        "the disk stays under IRONCELL_MIN_FREE_DISK after the writing workers \
+                         were stopped; every worker was stopped less than {} minutes ago, so the \
+                         others keep running",
+                        STOP_EVERYONE_EVERY.as_secs() / 60
+                    );
+                    StopScope::Nobody
+                }
+            }
+            _ => StopScope::Nobody,
         }
     }
 }
@@ -267,17 +355,22 @@ impl SessionManager {
     /// files it deleted but kept open or mapped shows nowhere but in the disk's free space.
     /// When free space falls under the floor, and again each time it falls a further
     /// [`DISK_STOP_STEP`] below the most seen since the last stop (a new crossing only once
-    /// the disk has come back a step above the floor: see [`DiskWatch`]), every session's worker
-    /// is stopped (a running cell by its loop, woken by `disk_stops`; files are kept), which gives
-    /// that space back. Runs are never refused: named files within the quotas may keep the disk
-    /// under the floor, and one session must not lock the others out by that.
+    /// the disk has come back a step above the floor: see [`DiskWatch`]), the guard stops the
+    /// workers that can have taken the space: every running cell's (by its loop, woken by
+    /// `disk_stops`) and every idle worker whose CPU clock moved since the guard's look before
+    /// last (a write costs CPU time; a worker that ran nothing wrote nothing). Files are kept;
+    /// a stop gives back what the worker held. If the disk is still under the floor
+    /// [`ESCALATE_AFTER`] later, the space was taken before (or by something else): it stops
+    /// every worker, at most once per [`STOP_EVERYONE_EVERY`], so a session that fills and
+    /// frees the disk over and over cannot stop the idle sessions each time. Runs are never
+    /// refused: named files within the quotas may keep the disk under the floor, and one
+    /// session must not lock the others out by that.
     pub(super) async fn guard_free_disk(&self) {
-        let any_worker = lock(&self.sessions)
-            .values()
-            .any(|s| match s.state.try_lock() {
-                Ok(st) => st.worker.is_some(),
-                Err(_) => true,
-            });
+        let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
+        let any_worker = sessions.iter().any(|s| match s.state.try_lock() {
+            Ok(st) => st.worker.is_some(),
+            Err(_) => true,
+        });
         // Near the floor it keeps looking with no worker left too: the stop gives space back
         // after it, and the guard must see that before the next worker can take it again. And
         // it looks once at start, worker or not, so a disk already under the floor then is not
@@ -289,6 +382,13 @@ impl SessionManager {
         let Some(free) = self.free_disk_bytes().await else {
             return;
         };
+        // Read after the free space: a write that the next look finds is after this look's
+        // clock readings, so it shows against the older of the two marks.
+        let wrote: HashSet<String> = sessions
+            .iter()
+            .filter(|s| s.idle_worker_ran_since_the_look_before_last())
+            .map(|s| s.name.clone())
+            .collect();
         let floor = self.settings.min_free_disk_bytes;
         let stop = {
             let mut watch = lock(&self.disk_watch);
@@ -307,21 +407,33 @@ impl SessionManager {
             *watch = next;
             stop
         };
-        if !stop {
-            return;
-        }
+        let scope = lock(&self.disk_stops_done).scope(stop, free, floor, Instant::now());
+        let (whom, targets) = match scope {
+            StopScope::Nobody => return,
+            StopScope::Writers => (
+                "the workers that were running or writing as it fell were stopped",
+                Some(&wrote),
+            ),
+            StopScope::Everyone => (
+                "it stayed there after the workers that were writing were stopped, so every \
+                 session's worker was stopped",
+                None,
+            ),
+        };
         let why = format!(
             "the disk holding ironcell's state dir ({}) has {} MiB free, under the {} MiB it keeps \
-             free (IRONCELL_MIN_FREE_DISK): every session's worker was stopped, which frees space \
-             held in files code deleted but kept open (files were kept). If it stays low, free some \
-             disk space (a run with reset=true clears a session's files)",
+             free (IRONCELL_MIN_FREE_DISK): {whom}, which frees space held in files code deleted \
+             but kept open (files were kept). If it stays low, free some disk space (a run with \
+             reset=true clears a session's files)",
             self.root.display(),
             free >> 20,
             floor >> 20
         );
-        tracing::warn!("{why}");
-        let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
+        tracing::warn!(stopped_idle = targets.map(|t| t.len()), "{why}");
         for s in sessions {
+            if targets.is_some_and(|t| !t.contains(&s.name)) {
+                continue;
+            }
             let Ok(mut state) = s.state.try_lock() else {
                 continue; // a run holds it: the run stops the worker (the count moves below)
             };
@@ -437,6 +549,66 @@ mod tests {
             "above the floor at first: armed"
         );
         assert_eq!(stops(&[]), [] as [u64; 0]);
+    }
+
+    /// The scopes of a run of looks, `step` apart: (free MiB, a crossing).
+    fn scopes(step: Duration, looks: &[(u64, bool)]) -> Vec<StopScope> {
+        let (mut done, start) = (DiskStops::default(), Instant::now());
+        looks
+            .iter()
+            .enumerate()
+            .map(|(i, &(free, crossing))| {
+                done.scope(crossing, free << 20, 1000 << 20, start + step * i as u32)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_disk_guard_stops_the_writers_first_and_everyone_only_if_the_disk_stays_low() {
+        use StopScope::*;
+        let s = Duration::from_secs(1);
+        // Given back by the writers' stop: nobody else is stopped.
+        assert_eq!(
+            scopes(
+                s,
+                &[(900, true), (900, false), (1100, false), (1100, false)]
+            ),
+            [Writers, Nobody, Nobody, Nobody]
+        );
+        // Still low ESCALATE_AFTER later: everyone, once.
+        assert_eq!(
+            scopes(
+                s,
+                &[
+                    (900, true),
+                    (900, false),
+                    (900, false),
+                    (900, false),
+                    (900, false)
+                ]
+            ),
+            [Writers, Nobody, Everyone, Nobody, Nobody]
+        );
+    }
+
+    #[test]
+    fn the_disk_guard_stops_everyone_at_most_once_per_period() {
+        use StopScope::*;
+        // A session that takes the space, is stopped, frees it and takes it again, every
+        // 4 s: the idle sessions are stopped at the first round, not at the next ones.
+        let rounds = (STOP_EVERYONE_EVERY.as_secs() / 4 - 1) as usize;
+        let mut looks = Vec::new();
+        for _ in 0..rounds {
+            looks.extend([(900, true), (900, false), (900, false), (1100, false)]);
+        }
+        let got = scopes(Duration::from_secs(1), &looks);
+        assert_eq!(got.iter().filter(|&&x| x == Everyone).count(), 1);
+        assert_eq!(got.iter().filter(|&&x| x == Writers).count(), rounds);
+        // The period over, everyone again.
+        looks.extend([(1100, false); 8]);
+        looks.extend([(900, true), (900, false), (900, false)]);
+        let got = scopes(Duration::from_secs(1), &looks);
+        assert_eq!(got.iter().filter(|&&x| x == Everyone).count(), 2);
     }
 
     #[test]

@@ -345,6 +345,30 @@ def test_a_session_that_takes_the_space_back_after_a_stop_is_stopped_again():
             h.close()
 
 
+@pytest.mark.parametrize("as_user", ["root", "nobody"])
+def test_a_session_that_takes_the_disk_again_and_again_does_not_stop_the_idle_ones(as_user):
+    """The guard stops the workers that were running or writing as the disk fell. A session
+    that takes the space and is stopped, round after round, does not stop an idle session's
+    worker each time (before, every crossing stopped every worker)."""
+    with own_disk(1000) as disk:
+        floor = free(disk) - (100 << 20)
+        h = Host(as_user, base=disk, IRONCELL_MIN_FREE_DISK=str(floor))
+        fill = hold_deleted_space(3, 'maps = globals().setdefault("maps", [])', "len(maps)")
+        try:
+            assert h.run("x = 1\n'ok'", session="idle")["result"] == "'ok'"
+            time.sleep(0.5)  # several of the guard's looks: the idle worker's clock stands still
+            for round_no in range(3):
+                h.run(fill, session="hog")
+                assert wait_until(lambda: free(disk) > floor, timeout=10), round_no
+                r = h.run("len(globals().get('maps', []))", session="hog")
+                assert r["result"] == "0" and any("IRONCELL_MIN_FREE_DISK" in n for n in r["notices"]), r
+                time.sleep(0.5)
+            r = h.run("x", session="idle")
+            assert r["status"] == "ok" and r["result"] == "1" and not r.get("notices"), r
+        finally:
+            h.close()
+
+
 def test_a_disk_already_under_the_floor_at_start_stops_nothing():
     """The guard stops workers when the disk crosses the floor; a disk already under it when the
     server starts was not crossed by anyone, so the first session keeps its worker."""
@@ -360,9 +384,10 @@ def test_a_disk_already_under_the_floor_at_start_stops_nothing():
 
 
 def test_named_files_under_the_floor_lock_no_session_out():
-    """Files within the quota can keep the disk under the floor too. The guard stops the workers
-    when the disk crosses the floor (and again only if it falls a further 64 MiB), never refuses
-    runs: one session filling the disk within its quota cannot lock the others out."""
+    """Files within the quota can keep the disk under the floor too. The guard stops the writer
+    when the disk crosses the floor, every worker when the disk stays low after that (and again
+    only if it falls a further 64 MiB), and never refuses runs: one session filling the disk
+    within its quota cannot lock the others out."""
     with own_disk(1000) as disk:
         floor = free(disk) - (300 << 20)
         h = Host("root", base=disk, IRONCELL_MIN_FREE_DISK=str(floor))
@@ -372,7 +397,8 @@ def test_named_files_under_the_floor_lock_no_session_out():
                    "    os.posix_fallocate(fd, 0, 100 << 20)\n    os.close(fd)\n'written'"
             h.run(code, session="filler")
             assert wait_until(lambda: free(disk) < floor)
-            # The crossing stops every worker once (the victim's idle one too: it says so)...
+            # The disk stays low after the filler's stop: every worker is stopped once (the
+            # victim's idle one too: it says so)...
             stopped = {}
 
             def victim_was_stopped() -> bool:
