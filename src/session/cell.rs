@@ -26,6 +26,9 @@ use super::*;
 /// At most this many changed names go back to a worker asking which files its run changed
 /// (`files.changed`); past it the worker searches its directory itself.
 const CHANGED_FILES_HINT_LIMIT: usize = 2_000;
+/// The least an output frame counts toward the output limit, in bytes (the worker's pump sends
+/// what the pipe holds, so a program's frames are this small only while it prints slowly).
+const OUTPUT_FRAME_CHARGE: u64 = 64;
 
 impl SessionManager {
     /// Feeds one cell to the session's worker and collects everything until it is done, dead,
@@ -206,6 +209,10 @@ pub(super) struct CellRun<'a> {
     phase: Phase,
     stdout: StreamCollector,
     stderr: StreamCollector,
+    /// Output frames so far: each counts [`OUTPUT_FRAME_CHARGE`] bytes at least toward the
+    /// output limit, so a stream of empty or one-byte frames cannot keep the host busy for the
+    /// whole run.
+    output_frames: u64,
     /// Where the tasks answering proxied calls send their summaries, read when the cell ends
     /// (not as they come: waking this loop for each would cost every proxied call a task
     /// wake-up on the host). The answers themselves go straight to the worker's writer, so the
@@ -255,6 +262,7 @@ impl<'a> CellRun<'a> {
             },
             stdout,
             stderr,
+            output_frames: 0,
             summaries_tx,
             summaries_rx,
             summaries_omitted: Arc::new(AtomicU64::new(0)),
@@ -356,10 +364,12 @@ impl<'a> CellRun<'a> {
         let message = match frame::decode_worker_frame(&f, worker.image_budget_bytes) {
             Ok(WorkerFrame::Stdout(b)) => {
                 self.stdout.push(b);
+                self.output_frames += 1;
                 None
             }
             Ok(WorkerFrame::Stderr(b)) => {
                 self.stderr.push(b);
+                self.output_frames += 1;
                 None
             }
             Ok(WorkerFrame::Message(m)) => Some(m),
@@ -411,7 +421,8 @@ impl<'a> CellRun<'a> {
                 return ControlFlow::Break(end_for_violation(state, v).await);
             }
         }
-        let total = self.stdout.total() + self.stderr.total();
+        let total = (self.stdout.total() + self.stderr.total())
+            .max(self.output_frames.saturating_mul(OUTPUT_FRAME_CHARGE));
         if total > self.manager.settings.max_output_bytes
             && self.phase.interrupt(
                 RunStatus::OutputLimit,
@@ -475,24 +486,37 @@ impl<'a> CellRun<'a> {
         let answers = worker.answers();
         let gone = worker.gone();
         let tools_turn = worker.tools_turn();
+        let blocking_turn = worker.blocking_turn();
+        let blocking_io = m.blocking_requests.clone();
         let parsed = crate::proxy::BridgeMethod::parse(&method);
         let tools_request = matches!(parsed, Ok(crate::proxy::BridgeMethod::Tools(_)));
         tokio::spawn(async move {
             use crate::proxy::BridgeMethod;
-            let _room = room; // until answered (or the worker is gone)
+            let mut room = Some(room); // until answered (or the worker is gone)
             let work = async {
+                let mut answer_turn = None;
                 let (payload, summary) = match parsed {
                     // The host does the file I/O, off the async runtime.
                     Ok(BridgeMethod::Memory(op)) => {
-                        let answer =
-                            tokio::task::spawn_blocking(move || memory.handle(op, &params))
-                                .await
-                                .unwrap_or_else(|e| {
-                                    crate::proxy::error_payload(
-                                        crate::proxy::ErrorKind::Unavailable,
-                                        &e.to_string(),
-                                    )
-                                });
+                        let Some(turns) = blocking_turns(&blocking_turn, &blocking_io, &gone).await
+                        else {
+                            return;
+                        };
+                        let (mine, io) = turns;
+                        answer_turn = Some(mine);
+                        let room = room.take();
+                        let answer = tokio::task::spawn_blocking(move || {
+                            // Counted in the worker's budget until the parameters are freed.
+                            let _held = (io, room);
+                            memory.handle(op, &params)
+                        })
+                        .await
+                        .unwrap_or_else(|e| {
+                            crate::proxy::error_payload(
+                                crate::proxy::ErrorKind::Unavailable,
+                                &e.to_string(),
+                            )
+                        });
                         (answer, None)
                     }
                     Ok(BridgeMethod::Tools(op)) => {
@@ -521,12 +545,22 @@ impl<'a> CellRun<'a> {
                         let pending = match changes.try_pending(&session_name, limit) {
                             Ok(pending) => pending,
                             // Another session's listing holds the tracker: wait off the runtime.
-                            Err(()) => tokio::task::spawn_blocking(move || {
-                                changes.pending(&session_name, limit)
-                            })
-                            .await
-                            .ok()
-                            .flatten(),
+                            Err(()) => {
+                                let Some(turns) =
+                                    blocking_turns(&blocking_turn, &blocking_io, &gone).await
+                                else {
+                                    return;
+                                };
+                                let (mine, io) = turns;
+                                answer_turn = Some(mine);
+                                tokio::task::spawn_blocking(move || {
+                                    let _io = io;
+                                    changes.pending(&session_name, limit)
+                                })
+                                .await
+                                .ok()
+                                .flatten()
+                            }
                         };
                         (changed_files_answer(pending), None)
                     }
@@ -545,6 +579,7 @@ impl<'a> CellRun<'a> {
                             .send(Outgoing {
                                 body,
                                 _slot: Some(slot),
+                                _turn: answer_turn,
                             })
                             .await;
                     }
@@ -882,6 +917,29 @@ impl CellOutcome {
     }
 }
 
+/// A bridge request's turns for work on a blocking thread (which cannot be dropped once it has
+/// started): the worker's own, held until the answer is written to the socket, so a worker that
+/// stops reading holds one such answer on the host; and one of the host's
+/// [`BLOCKING_REQUESTS_AT_ONCE`]. `None` when the worker went while the request waited: the
+/// waiting happens here, where it ends with the worker (parameters and all), never in the
+/// blocking pool, whose threads the quota watch, the free-disk guard and file reads need.
+async fn blocking_turns(
+    worker_turn: &Arc<tokio::sync::Semaphore>,
+    host_turns: &Arc<tokio::sync::Semaphore>,
+    gone: &tokio_util::sync::CancellationToken,
+) -> Option<(
+    tokio::sync::OwnedSemaphorePermit,
+    tokio::sync::OwnedSemaphorePermit,
+)> {
+    tokio::select! {
+        turns = async {
+            let mine = worker_turn.clone().acquire_owned().await.ok()?;
+            Some((mine, host_turns.clone().acquire_owned().await.ok()?))
+        } => turns,
+        () = gone.cancelled() => None,
+    }
+}
+
 /// Queues the answer to request `id` at once, without a task unless the worker stopped reading
 /// (then a task waits for room, never the caller). `slot` is freed when the answer is written.
 fn answer_now(
@@ -896,6 +954,7 @@ fn answer_now(
             let answer = Outgoing {
                 body,
                 _slot: Some(slot),
+                _turn: None,
             };
             if let Err(full_or_closed) = answers.try_send(answer) {
                 let answer = full_or_closed.into_inner();

@@ -34,10 +34,12 @@ const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
 const OUTBOX_FRAMES: usize = MAX_INFLIGHT_REQUESTS + 4;
 
 /// A frame on its way to the worker. `_slot` is the bridge-request slot its answer used, freed
-/// when the writer takes the frame.
+/// when the writer takes the frame; `_turn`, a turn the answer holds until it is written (the
+/// worker's turn for blocking work: see [`LiveWorker::blocking_turn`]).
 pub(super) struct Outgoing {
     pub body: Bytes,
     pub _slot: Option<OwnedSemaphorePermit>,
+    pub _turn: Option<OwnedSemaphorePermit>,
 }
 
 /// What is known about whether the worker still runs.
@@ -79,6 +81,10 @@ pub(super) struct LiveWorker {
     /// sessions run one call at a time for everyone, so a worker's requests wait here, not
     /// ahead of other sessions' and the client's own calls in their queue.
     tools_turn: Arc<Semaphore>,
+    /// One bridge request doing blocking work (memory file I/O, a wait for the change tracker)
+    /// at a time per worker, from its start until its answer is written to the socket: a
+    /// worker that stops reading holds one such answer on the host, not one per slot.
+    blocking_turn: Arc<Semaphore>,
     /// JSON values the open bridge requests may hold in all ([`frame::MAX_OPEN_REQUEST_VALUES`]).
     request_values: Arc<Semaphore>,
 }
@@ -119,6 +125,7 @@ impl LiveWorker {
             _session_slot: session_slot,
             gone: CancellationToken::new(),
             tools_turn: Arc::new(Semaphore::new(1)),
+            blocking_turn: Arc::new(Semaphore::new(1)),
             request_values: Arc::new(Semaphore::new(frame::MAX_OPEN_REQUEST_VALUES)),
         })
     }
@@ -138,6 +145,11 @@ impl LiveWorker {
     /// This worker's turn for local-tools requests (see the field).
     pub fn tools_turn(&self) -> Arc<Semaphore> {
         self.tools_turn.clone()
+    }
+
+    /// This worker's turn for bridge requests doing blocking work (see the field).
+    pub fn blocking_turn(&self) -> Arc<Semaphore> {
+        self.blocking_turn.clone()
     }
 
     /// Moves the worker under another cap (a spare of the pool becoming a session's worker);
@@ -189,7 +201,11 @@ impl LiveWorker {
     /// Queues a frame for the worker without waiting.
     pub fn send(&self, body: Bytes) -> Result<(), SendError> {
         self.outbox
-            .try_send(Outgoing { body, _slot: None })
+            .try_send(Outgoing {
+                body,
+                _slot: None,
+                _turn: None,
+            })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => SendError::NotReading,
                 mpsc::error::TrySendError::Closed(_) => SendError::Gone,
@@ -263,7 +279,12 @@ async fn write_frames_to_worker(
     mut sink: FramedWrite<tokio::net::unix::OwnedWriteHalf, LengthDelimitedCodec>,
     mut queued: mpsc::Receiver<Outgoing>,
 ) {
-    while let Some(Outgoing { body, _slot: slot }) = queued.recv().await {
+    while let Some(Outgoing {
+        body,
+        _slot: slot,
+        _turn: turn,
+    }) = queued.recv().await
+    {
         // The request slot frees as its answer leaves the queue, before the write: the worker
         // cannot see the answer (and reuse the slot) before the host counts the slot free, and
         // the queue still holds at most one answer per slot.
@@ -272,5 +293,6 @@ async fn write_frames_to_worker(
             tracing::debug!(error = %e, "writing to a worker failed; it is gone");
             break;
         }
+        drop(turn);
     }
 }

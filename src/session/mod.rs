@@ -46,6 +46,9 @@ const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How often idle sessions with a live worker are measured against the scratch quota (a thread
 /// the code left running keeps writing after its run returned).
 const IDLE_QUOTA_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// Bridge requests (memory file I/O, waits for the change tracker) the host serves on blocking
+/// threads at once; the memory store and the tracker each have one lock anyway.
+const BLOCKING_REQUESTS_AT_ONCE: usize = 2;
 /// How often the quota watch looks for sessions due a measurement.
 const QUOTA_WATCH_TICK: Duration = Duration::from_millis(100);
 /// A session's next measurement waits at least this many times as long as its last one took, so
@@ -72,6 +75,8 @@ pub enum RunRefusal {
     WorkerStart(String),
     #[error("{0}")]
     SandboxUnavailable(String),
+    #[error("cancelled before it started (it was waiting for the session's previous run to end)")]
+    Cancelled,
 }
 
 /// What a running cell has done so far: sent as progress notifications and shown by job polls.
@@ -172,6 +177,8 @@ pub struct SessionManager {
     proxy: Arc<Proxy>,
     /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
     memory: Arc<crate::memory::MemoryStore>,
+    /// Bridge requests doing blocking work at once, host-wide (see `cell.rs`'s `blocking_turns`).
+    blocking_requests: Arc<Semaphore>,
     /// Local Python tools (`tools.*` requests, and the tools session's read grants); set once
     /// by the server.
     local_tools: std::sync::OnceLock<Arc<crate::local_tools::LocalTools>>,
@@ -271,6 +278,7 @@ impl SessionManager {
         crate::config::report_not_applicable_variables(&settings);
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
         let manager = Arc::new(SessionManager {
+            blocking_requests: Arc::new(Semaphore::new(BLOCKING_REQUESTS_AT_ONCE)),
             settings,
             sandbox,
             proxy,
@@ -573,7 +581,16 @@ impl SessionManager {
         // Read before the lock: a free-disk stop from here on skips this session (its lock is
         // taken), so this run acts on it (see `guard_free_disk`).
         let disk_stops_seen = self.disk_stops.borrow().0;
-        let mut state = session.state.lock().await;
+        // A run cancelled while it waits for the session (the client's cancel, or the worker
+        // that asked for a local tool's run gone) leaves the queue: it never runs later.
+        let mut state = tokio::select! {
+            biased;
+            () = cancel.cancelled() => return Err(RunRefusal::Cancelled),
+            state = session.state.lock() => state,
+        };
+        if cancel.is_cancelled() {
+            return Err(RunRefusal::Cancelled);
+        }
         *lock(&session.last_used) = Instant::now();
 
         if req.reset {

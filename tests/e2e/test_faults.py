@@ -489,6 +489,56 @@ t.join()
     assert proxied.run("1", session="big-params")["session_state"] != "lost"
 
 
+def host_threads(host: Host) -> int:
+    with open(f"/proc/{host.srv.proc.pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+@pytest.mark.parametrize("as_user", ["root", "nobody"])
+def test_memory_requests_of_workers_that_died_do_not_pile_up_on_the_host(as_user):
+    """Memory requests do their file I/O on the host's blocking threads, which cannot drop a job
+    once it started. Before, a worker that sent 64 `memory.list` requests and exited left 64 of
+    them queued there, holding their parameters: eight such runs filled the pool's 512 threads,
+    and every other session's quota walk, file reads and `load_memory` waited behind them. Now
+    a worker's memory requests go one at a time, two in the whole host, and those still waiting
+    go with their worker."""
+    h = Host(as_user)
+    try:
+        fill = "from mcp import save_memory\nfor i in range(600):\n    save_memory(f'k{i:04d}', 'x' * 12000)\n'ok'"
+        assert h.run(fill, session="fill", timeout_s=120)["status"] == "ok"
+        attack = ("import os, threading, time, mcp\n"
+                  "for _ in range(64):\n"
+                  "    threading.Thread(target=lambda: mcp._request_sync('memory.list', {}), daemon=True).start()\n"
+                  "time.sleep(0.3)\n"
+                  "os._exit(0)\n")
+        peak = host_threads(h)
+        for _ in range(8):
+            h.run(attack, session="attacker")
+            peak = max(peak, host_threads(h))
+        # Before: 108-124 threads here (512 with a larger store); now under 10.
+        assert peak < 40, f"the host had {peak} threads"
+        r = h.run("from mcp import load_memory\nload_memory('k0001')[:3]", session="other", timeout_s=60)
+        assert r["status"] == "ok" and r["result"] == "'xxx'", r
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("as_user", ["root", "nobody"])
+def test_a_run_of_many_empty_output_frames_stops_at_the_output_limit(as_user):
+    """Frames of no bytes added nothing to the output total, so the limit never stopped a run
+    that sent them: the host decoded tens of millions of them, a core busy for the whole run.
+    Each output frame now counts 64 bytes at least."""
+    h = Host(as_user, IRONCELL_MAX_OUTPUT="1m")
+    try:
+        code = FORGE + ("empty = frame(b'O', b'') * 4096\n"
+                        "while True:\n"
+                        "    os.write(3, empty)\n")
+        r = h.run(code, session="frames", timeout_s=30)
+        assert r["status"] == "output_limit", r
+    finally:
+        h.close()
+
+
 def test_52_five_hundred_gathered_calls_complete(proxied):
     code = """
 import asyncio

@@ -610,6 +610,51 @@ def test_a_sessions_queued_tool_calls_do_not_hold_the_users_tools(raw_tools_serv
     assert r["structuredContent"]["result"] == "5", r
 
 
+def test_tool_calls_of_workers_that_died_leave_the_queue(raw_tools_server):
+    """A worker that asks for a local tool and dies takes its call with it, also while the call
+    still waits for the saved-tools session. Before, each such worker left one call in that
+    queue: it ran later all the same (a tool that ignores the interrupt costs the 2 s grace and
+    a restart each), and a save or delete, and with it the user's own tools, waited behind them
+    all (54 s after 30 such workers)."""
+    srv, tools, base = raw_tools_server
+    saved = """
+from mcp import save_tool, tools
+def stubborn(n: int) -> int:
+    \"\"\"Ignores interrupts for 30 s.\"\"\"
+    import time
+    t = time.time()
+    while time.time() - t < 30:
+        try:
+            time.sleep(0.5)
+        except BaseException:
+            pass
+    return n
+def doomed() -> int:
+    \"\"\"Deleted below, which reloads the tools.\"\"\"
+    return 1
+save_tool(stubborn)
+save_tool(doomed)
+tools.list()
+'ok'
+"""
+    assert srv.call(saved, session="saver")["structuredContent"]["result"] == "'ok'"
+    leave = ("import os, threading, time, mcp\n"
+             "threading.Thread(target=lambda: mcp._request_sync('tools.call', {'name': 'stubborn', 'arguments': {'n': 1}}),"
+             " daemon=True).start()\n"
+             "time.sleep(0.2)\n"
+             "os._exit(0)\n")
+    for _ in range(16):
+        srv.call(leave, session="leaver")
+    r = srv.call("import mcp\nmcp._request_sync('tools.delete', {'name': 'doomed'})\n'deleted'", session="saver")
+    assert r["structuredContent"]["result"] == "'deleted'", r
+    started = time.monotonic()
+    answered = call_tool(srv, "list_dir", path=str(tools))
+    took = time.monotonic() - started
+    assert "attack.py" in tool_text(answered), answered
+    # The first call may still be in its grace (2 s); sixteen took 29 s before, now about 2 s.
+    assert took < 12, f"the user's tool answered after {took:.1f} s"
+
+
 @pytest.mark.parametrize("broken", ["import os\nos._exit(1)\n", "raise ImportError('no network')\n"],
                          ids=["ends_its_session", "raises"])
 def test_saved_tools_are_not_listed_while_the_tools_files_cannot_be_loaded(broken):

@@ -105,6 +105,24 @@ def test_cancelled_notification_interrupts_the_run_and_keeps_the_session(state_d
     srv.close()
 
 
+def test_a_run_cancelled_while_it_waits_for_its_session_never_runs(state_dir):
+    """A call to a busy session waits for the run before it; cancelled meanwhile, it leaves the
+    queue (before, it ran once its turn came, after the client had given up on it)."""
+    srv = RawServer(state_dir)
+    srv.initialize()
+    srv.call("n = 0")
+    srv.send({"jsonrpc": "2.0", "id": "first", "method": "tools/call",
+              "params": {"name": "run_python", "arguments": {"code": "import time\ntime.sleep(3)\nn += 1"}}})
+    time.sleep(0.5)
+    srv.send({"jsonrpc": "2.0", "id": "queued", "method": "tools/call",
+              "params": {"name": "run_python", "arguments": {"code": "n += 100"}}})
+    time.sleep(0.5)
+    srv.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "queued"}})
+    r = srv.call("n")  # waits for the session: after the first run, and the queued one if it ran
+    assert r["structuredContent"]["result"] == "1", r
+    srv.close()
+
+
 def test_a_10_mb_code_string_is_refused_with_an_error_result(state_dir):
     srv = RawServer(state_dir)
     srv.initialize()
