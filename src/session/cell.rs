@@ -488,6 +488,7 @@ impl<'a> CellRun<'a> {
         let tools_turn = worker.tools_turn();
         let blocking_turn = worker.blocking_turn();
         let blocking_io = m.blocking_requests.clone();
+        let tracker_waits = m.tracker_waits.clone();
         let parsed = crate::proxy::BridgeMethod::parse(&method);
         let tools_request = matches!(parsed, Ok(crate::proxy::BridgeMethod::Tools(_)));
         tokio::spawn(async move {
@@ -547,7 +548,7 @@ impl<'a> CellRun<'a> {
                             // Another session's listing holds the tracker: wait off the runtime.
                             Err(()) => {
                                 let Some(turns) =
-                                    blocking_turns(&blocking_turn, &blocking_io, &gone).await
+                                    blocking_turns(&blocking_turn, &tracker_waits, &gone).await
                                 else {
                                     return;
                                 };
@@ -919,8 +920,9 @@ impl CellOutcome {
 
 /// A bridge request's turns for work on a blocking thread (which cannot be dropped once it has
 /// started): the worker's own, held until the answer is written to the socket, so a worker that
-/// stops reading holds one such answer on the host; and one of the host's
-/// [`BLOCKING_REQUESTS_AT_ONCE`]. `None` when the worker went while the request waited: the
+/// stops reading holds one such answer on the host; and one of the host's turns for that kind of
+/// work ([`super::BLOCKING_REQUESTS_AT_ONCE`] for memory, [`super::TRACKER_WAITS_AT_ONCE`] for
+/// tracker waits). `None` when the worker went while the request waited: the
 /// waiting happens here, where it ends with the worker (parameters and all), never in the
 /// blocking pool, whose threads the quota watch, the free-disk guard and file reads need.
 async fn blocking_turns(

@@ -46,9 +46,11 @@ const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How often idle sessions with a live worker are measured against the scratch quota (a thread
 /// the code left running keeps writing after its run returned).
 const IDLE_QUOTA_CHECK_EVERY: Duration = Duration::from_secs(2);
-/// Bridge requests (memory file I/O, waits for the change tracker) the host serves on blocking
-/// threads at once; the memory store and the tracker each have one lock anyway.
+/// Memory requests the host serves on blocking threads at once (the store has one lock anyway).
 const BLOCKING_REQUESTS_AT_ONCE: usize = 2;
+/// `files.changed` requests waiting on a blocking thread for the change tracker at once: its own
+/// count, so sessions whose listings keep the tracker busy never hold up others' memory requests.
+const TRACKER_WAITS_AT_ONCE: usize = 1;
 /// How often the quota watch looks for sessions due a measurement.
 const QUOTA_WATCH_TICK: Duration = Duration::from_millis(100);
 /// A session's next measurement waits at least this many times as long as its last one took, so
@@ -177,8 +179,10 @@ pub struct SessionManager {
     proxy: Arc<Proxy>,
     /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
     memory: Arc<crate::memory::MemoryStore>,
-    /// Bridge requests doing blocking work at once, host-wide (see `cell.rs`'s `blocking_turns`).
+    /// Memory requests doing blocking work at once, host-wide (see `cell.rs`'s `blocking_turns`).
     blocking_requests: Arc<Semaphore>,
+    /// `files.changed` requests waiting for the change tracker at once, host-wide.
+    tracker_waits: Arc<Semaphore>,
     /// Local Python tools (`tools.*` requests, and the tools session's read grants); set once
     /// by the server.
     local_tools: std::sync::OnceLock<Arc<crate::local_tools::LocalTools>>,
@@ -279,6 +283,7 @@ impl SessionManager {
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
         let manager = Arc::new(SessionManager {
             blocking_requests: Arc::new(Semaphore::new(BLOCKING_REQUESTS_AT_ONCE)),
+            tracker_waits: Arc::new(Semaphore::new(TRACKER_WAITS_AT_ONCE)),
             settings,
             sandbox,
             proxy,

@@ -162,6 +162,36 @@ def test_doctor_says_which_tmp_is_in_force():
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting beneath the host's /tmp needs root")
+@pytest.mark.parametrize("as_user", USERS)
+def test_a_mount_beneath_the_hosts_tmp_does_not_change_what_is_reported(as_user):
+    """A chroot's /proc or a FUSE mount beneath the host's /tmp is locked in a user namespace:
+    the report must still match what the workers get (it said fallback while they had their
+    private /tmp)."""
+    import subprocess
+
+    from conftest import IRONCELL
+
+    mnt = Path(tempfile.mkdtemp(prefix="ironcell-ptmp-mnt-", dir="/tmp"))
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(mnt)], check=True)
+    box = None
+    try:
+        box = Box(as_user)
+        assert box.value("import os\nopen('/tmp/mine', 'w').write('x')\nos.path.samefile('/tmp', '.')") is True
+        info = box.info()["sandbox"]["private_tmp"]
+        assert info["detail"]["mechanism"] == "namespace", info
+        runner = ["runuser", "-u", "nobody", "--"] if as_user == "nobody" else []
+        env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "MCP_BRIDGE_STATE_DIR": str(box.state)}
+        out = subprocess.run([*runner, "env", *(f"{k}={v}" for k, v in env.items()), str(IRONCELL), "doctor"],
+                             capture_output=True, text=True, timeout=60).stdout
+        assert "/tmp          private per session" in out, out
+    finally:
+        if box:
+            box.close()
+        subprocess.run(["umount", str(mnt)], check=False)
+        mnt.rmdir()
+
+
 def test_a_worker_in_its_namespace_is_still_supervised(ns_box):
     # The host still interrupts it on timeout (SIGINT; the session survives)...
     rec = ns_box.srv.call("import time\ntime.sleep(60)", session="slow", timeout_s=1)["structuredContent"]

@@ -96,10 +96,15 @@ struct Prepared {
     uid_map: CString,
     gid_map: CString,
     is_root: bool,
+    /// `MS_REC` on the bind: the host probe binds `/tmp` over itself, and a mount someone made
+    /// beneath the host's `/tmp` (a chroot's `/proc`, a FUSE mount) is locked in a user
+    /// namespace, so a plain bind of it is refused (EINVAL) although a worker's bind of its
+    /// session directory would succeed. Workers bind without it.
+    recursive: bool,
 }
 
 impl Prepared {
-    fn new(source: &Path) -> io::Result<Prepared> {
+    fn new(source: &Path, recursive: bool) -> io::Result<Prepared> {
         // SAFETY: geteuid/getegid cannot fail.
         let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
         Ok(Prepared {
@@ -110,6 +115,7 @@ impl Prepared {
             gid_map: CString::new(format!("{gid} {gid} 1\n"))
                 .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
             is_root: uid == 0,
+            recursive,
         })
     }
 }
@@ -199,13 +205,18 @@ fn enter_namespace_and_mount(p: &Prepared) -> Result<&'static str, StepError> {
     if rc != 0 {
         return Err(StepError::last_os(4));
     }
+    let flags = if p.recursive {
+        libc::MS_BIND | libc::MS_REC
+    } else {
+        libc::MS_BIND
+    };
     // SAFETY: mount(2) of a bind; both paths are NUL-terminated and outlive the call.
     let rc = unsafe {
         libc::mount(
             p.source.as_ptr(),
             PATH_TMP.as_ptr(),
             std::ptr::null(),
-            libc::MS_BIND,
+            flags,
             std::ptr::null(),
         )
     };
@@ -259,7 +270,7 @@ pub fn mount_session_dir_over_tmp(
     if let Some(reason) = paths_beneath_tmp(session_dir, &grants) {
         return fallback(reason);
     }
-    let prepared = match Prepared::new(session_dir) {
+    let prepared = match Prepared::new(session_dir, false) {
         Ok(p) => p,
         Err(e) => return fallback(format!("unusable session path: {e}")),
     };
@@ -293,7 +304,7 @@ pub fn host_status(mode: PrivateTmpMode, state_dir: &Path) -> PrivateTmp {
 
 /// Forks a child that runs the namespace steps and reports the outcome through a pipe.
 fn probe_in_child() -> Result<&'static str, String> {
-    let prepared = Prepared::new(Path::new("/tmp")).map_err(|e| e.to_string())?;
+    let prepared = Prepared::new(Path::new("/tmp"), true).map_err(|e| e.to_string())?;
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
     use std::os::fd::AsRawFd;
