@@ -137,6 +137,13 @@ pub struct LocalTools {
     generation: AtomicU64,
     /// Held while loading, so concurrent lists wait for one load.
     catalog: tokio::sync::Mutex<Option<Arc<Catalog>>>,
+    /// The tools of the `--tools` files alone, loaded once (again only while they cannot be
+    /// loaded, at most every [`RETRY_FAILED_LOAD`]): saves and deletes reload the saved tools
+    /// and never reset the user's tools session, and a call of one of the user's tools never
+    /// waits for a load of the saved ones (SECURITY.md #113).
+    files: tokio::sync::Mutex<Option<Arc<Catalog>>>,
+    /// The generation of the files' latest load (what their tools session was loaded for).
+    files_generation: AtomicU64,
     /// Answers the host is waiting for, by token: from which tools session, and the answer.
     inbox: Mutex<HashMap<String, (Home, Option<Value>)>>,
     next_token: AtomicU64,
@@ -184,6 +191,8 @@ impl LocalTools {
             advertise_list_changed: in_use,
             generation: AtomicU64::new(1),
             catalog: tokio::sync::Mutex::new(None),
+            files: tokio::sync::Mutex::new(None),
+            files_generation: AtomicU64::new(0),
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),
@@ -284,6 +293,52 @@ impl LocalTools {
         Some(catalog)
     }
 
+    /// The tools of the `--tools` files: the loaded ones while they loaded cleanly (or were
+    /// tried less than [`RETRY_FAILED_LOAD`] ago), else loaded now. `None` if `cancel` fires
+    /// while it waits for a load in progress.
+    async fn files_part_unless(&self, cancel: &CancellationToken) -> Option<Arc<Catalog>> {
+        let mut slot = tokio::select! {
+            slot = self.files.lock() => slot,
+            () = cancel.cancelled() => return None,
+        };
+        let usable = |c: &&Arc<Catalog>| {
+            (!c.load_failed && c.errors.is_empty())
+                || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD)
+        };
+        if let Some(c) = slot.as_ref().filter(usable) {
+            return Some(c.clone());
+        }
+        let mut part = Catalog {
+            generation: self.files_generation.fetch_add(1, Ordering::SeqCst) + 1,
+            ..Catalog::default()
+        };
+        if self.has_tools_in(Home::Files) {
+            self.load_from(Home::Files, &mut part).await;
+        }
+        part.loaded_at = Some(std::time::Instant::now());
+        let part = Arc::new(part);
+        *slot = Some(part.clone());
+        Some(part)
+    }
+
+    /// The tool called `name`: one of the user's files' tools (never waiting for the saved
+    /// tools), else one of the whole catalog's.
+    async fn find_tool_unless(
+        &self,
+        name: &str,
+        cancel: &CancellationToken,
+    ) -> Option<Result<LocalTool, Arc<Catalog>>> {
+        let files = self.files_part_unless(cancel).await?;
+        if let Some(tool) = files.tools.iter().find(|t| t.name == name) {
+            return Some(Ok(tool.clone()));
+        }
+        let catalog = self.ensure_catalog_unless(cancel).await?;
+        Some(match catalog.tools.iter().find(|t| t.name == name) {
+            Some(tool) => Ok(tool.clone()),
+            None => Err(catalog),
+        })
+    }
+
     async fn load_catalog(&self, generation: u64) -> Catalog {
         let mut catalog = Catalog {
             generation,
@@ -299,7 +354,13 @@ impl LocalTools {
         // tools wait until every file loads, instead of being listed under names that may be
         // the user's.
         if self.has_tools_in(Home::Files) {
-            self.load_from(Home::Files, &mut catalog).await;
+            let files = self
+                .files_part_unless(&CancellationToken::new())
+                .await
+                .unwrap_or_default();
+            catalog.tools.extend(files.tools.iter().cloned());
+            catalog.errors.extend(files.errors.iter().cloned());
+            catalog.load_failed = files.load_failed;
         }
         if self.has_tools_in(Home::Saved) {
             if catalog.load_failed || !catalog.errors.is_empty() {
@@ -447,8 +508,10 @@ impl LocalTools {
         if !self.listed.load(Ordering::SeqCst) {
             return None;
         }
-        let catalog = self.ensure_catalog().await;
-        let tool = catalog.tools.iter().find(|t| t.name == name)?.clone();
+        let tool = self
+            .find_tool_unless(name, &CancellationToken::new())
+            .await?
+            .ok()?;
         let args = Value::Object(arguments.cloned().unwrap_or_default());
         Some(match self.invoke(&tool, args, cancel).await {
             Ok((record, envelope)) => self.tool_result(&tool, record, envelope),
@@ -462,11 +525,12 @@ impl LocalTools {
         arguments: Value,
         cancel: CancellationToken,
     ) -> Result<(RunRecord, Option<Value>), String> {
-        let generation = self
-            .ensure_catalog_unless(&cancel)
-            .await
-            .ok_or("the caller is gone")?
-            .generation;
+        let generation = match tool.home {
+            Home::Files => self.files_part_unless(&cancel).await,
+            Home::Saved => self.ensure_catalog_unless(&cancel).await,
+        }
+        .ok_or("the caller is gone")?
+        .generation;
         let token = self.new_token();
         let mut spec = self.spec_for(tool.home, &token, generation);
         spec["name"] = json!(tool.name);
@@ -609,13 +673,17 @@ impl LocalTools {
                 if !arguments.is_object() {
                     return Err((ErrorKind::BadRequest, "the arguments must be a dict".into()));
                 }
-                let catalog = if self.listed.load(Ordering::SeqCst) {
-                    self.ensure_catalog_unless(&cancel).await.ok_or_else(gone)?
+                let found = if self.listed.load(Ordering::SeqCst) {
+                    self.find_tool_unless(name, &cancel)
+                        .await
+                        .ok_or_else(gone)?
                 } else {
-                    Arc::new(Catalog::default())
+                    Err(Arc::new(Catalog::default()))
                 };
-                let Some(tool) = catalog.tools.iter().find(|t| t.name == name) else {
-                    let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_str()).collect();
+                let tool = match found {
+                    Ok(tool) => tool,
+                    Err(catalog) => {
+                        let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_str()).collect();
                     return Err((
                         ErrorKind::UnknownTool,
                         format!(
@@ -627,9 +695,10 @@ impl LocalTools {
                             }
                         ),
                     ));
+                    }
                 };
                 let (record, envelope) = self
-                    .invoke(tool, arguments, cancel)
+                    .invoke(&tool, arguments, cancel)
                     .await
                     .map_err(|why| (ErrorKind::Unavailable, why))?;
                 let Some(env) = envelope else {
@@ -663,16 +732,16 @@ impl LocalTools {
             )),
             ToolsOp::Save => {
                 // The user's tools keep their names: a saved tool of the same name would never
-                // be listed. Asked of the loaded catalog (waiting for a load in progress).
+                // be listed. Asked of the files' tools (waiting for a load of them in progress).
                 let name = params.get("name").and_then(Value::as_str).unwrap_or("");
                 if !self.paths.is_empty()
                     && self
-                        .ensure_catalog_unless(&cancel)
+                        .files_part_unless(&cancel)
                         .await
                         .ok_or_else(gone)?
                         .tools
                         .iter()
-                        .any(|t| t.name == name && t.home == Home::Files)
+                        .any(|t| t.name == name)
                 {
                     return Err((
                         ErrorKind::BadRequest,
@@ -1082,6 +1151,8 @@ mod tests {
             advertise_list_changed: true,
             generation: AtomicU64::new(1),
             catalog: tokio::sync::Mutex::new(None),
+            files: tokio::sync::Mutex::new(None),
+            files_generation: AtomicU64::new(0),
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),

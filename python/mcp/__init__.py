@@ -250,7 +250,7 @@ def _signature(tool):
     return inspect.Signature(params)
 
 
-def _docstring(server, tool, full=True):
+def _docstring(server, tool, full=True, local=False):
     lines = [(tool.get("description") or "").strip() or f"The {tool['name']!r} tool of {server!r}."]
     schema = tool.get("inputSchema") or {}
     props = schema.get("properties") or {}
@@ -264,7 +264,11 @@ def _docstring(server, tool, full=True):
             desc = (p.get("description") or "").strip()
             lines.append(f"  {name} ({_annotation(p)}, {flag}){': ' + desc if desc else ''}")
     lines.append("")
-    lines.append(f"Proxied MCP tool {tool['name']!r} of server {server!r}; await it, or call {identifier(tool['name'])}_sync(...).")
+    if local:
+        lines.append(f"Local tool {tool['name']!r}, run in ironcell's sandboxed tools session; "
+                     f"call tools.{tool['name']}(...) with keyword arguments.")
+    else:
+        lines.append(f"Proxied MCP tool {tool['name']!r} of server {server!r}; await it, or call {identifier(tool['name'])}_sync(...).")
     return "\n".join(lines)
 
 
@@ -1353,16 +1357,7 @@ class _Tools:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-
-        def call(**kwargs):
-            return self.call(name, kwargs)
-        call.__name__ = name
-        call.__qualname__ = f"tools.{name}"
-        for t in self.list():
-            if t["name"] == name:
-                call.__doc__ = _docstring("tools", t)
-                call.__signature__ = _signature(t)
-        return call
+        return _ToolCall(self, name)
 
     def __dir__(self):
         try:
@@ -1376,6 +1371,40 @@ class _Tools:
         except MCPError as e:
             return f"<local tools: unavailable: {e}>"
         return f"<local tools: {', '.join(names) or '(none)'}>"
+
+
+class _ToolCall:
+    # `tools.<name>`: calling it calls the tool at once; its docstring and signature (for `help`
+    # and `inspect`) are the tool's, looked up only when asked, so that a call never waits for
+    # the whole catalog (a reload of the saved tools may be in progress).
+
+    def __init__(self, owner, name):
+        self._owner = owner
+        self.__name__ = name
+        self.__qualname__ = f"tools.{name}"
+
+    def __call__(self, **kwargs):
+        return self._owner.call(self.__name__, kwargs)
+
+    def _spec(self):
+        return next((t for t in self._owner.list() if t["name"] == self.__name__), None)
+
+    @property
+    def __doc__(self):
+        t = self._spec()
+        return _docstring("tools", t, local=True) if t else None
+
+    @property
+    def __signature__(self):
+        t = self._spec()
+        return _signature(t) if t else None
+
+    def __get__(self, obj, objtype=None):
+        # A method descriptor to `inspect`, so `help()` documents it as a function.
+        return self
+
+    def __repr__(self):
+        return f"<local tool {self.__name__}>"
 
 
 tools = _Tools()

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from conftest import REPO, RawServer, _field, run, server_env, shared_tmp_dir, IRONCELL
+from conftest import REPO, RawServer, _field, run, server_env, shared_tmp_dir, wait_until, IRONCELL
 
 pytestmark = pytest.mark.anyio
 
@@ -653,6 +653,65 @@ tools.list()
     assert "attack.py" in tool_text(answered), answered
     # The first call may still be in its grace (2 s); sixteen took 29 s before, now about 2 s.
     assert took < 12, f"the user's tool answered after {took:.1f} s"
+
+
+COUNTER = """from mcp import tool
+
+_calls = [0]
+
+
+@tool
+def counted() -> int:
+    \"\"\"How many times this interpreter ran it.\"\"\"
+    _calls[0] += 1
+    return _calls[0]
+"""
+
+# A saved file whose import turns the import alarm off, leaves a mark and sleeps 20 s.
+HANGING_SAVE = """import mcp
+source = "import signal, time\\nsignal.setitimer(signal.ITIMER_REAL, 0)\\nopen('hang-started', 'w').close()\\ntime.sleep(20)\\n"
+mcp._request_sync('tools.save', {'name': 'hang', 'source': source})
+'saved'
+"""
+
+
+@pytest.mark.parametrize("as_user", ["root", "nobody"])
+def test_saves_and_deletes_never_reset_or_hold_the_users_tools(as_user):
+    """A save or delete reloads the saved tools. It reloaded the user's `--tools` files too, in a
+    fresh interpreter: a session saving in a loop wiped the user's tools' state at every call
+    (counter always 1), and a saved file hanging at import held each call of theirs 49-73 s.
+    Now the files load once, and their calls never wait for the saved tools."""
+    tools = make_tools_dir({"count.py": COUNTER})
+    base = tools.parent
+    (base / "state").mkdir(mode=0o777)
+    os.chmod(base / "state", 0o777)
+    srv = RawServer(base, as_user=as_user, MCP_BRIDGE_STATE_DIR=str(base / "state"), IRONCELL_TOOLS=str(tools))
+    try:
+        srv.initialize()
+        assert tool_text(call_tool(srv, "counted")) == "1"
+        r = srv.call(HANGING_SAVE, session="saver")
+        assert r["structuredContent"]["result"] == "'saved'", r
+        started = wait_until(lambda: list((base / "state").glob("sessions-*/ironcell.saved-tools/hang-started")), 30)
+        assert started, "the saved tools' reload never reached the hanging import"
+        hang_seen = time.monotonic()
+        expected = 1
+        for n in range(5):
+            op = "save" if n % 2 == 0 else "delete"
+            args = "{'name': 'extra', 'source': 'x = 1\\n'}" if op == "save" else "{'name': 'extra'}"
+            r = srv.call(f"import mcp\nmcp._request_sync('tools.{op}', {args})\n'ok'", session="saver")
+            assert r["structuredContent"]["result"] == "'ok'", r
+            # The client's call, then a session's: the same interpreter, its state kept.
+            expected += 1
+            assert tool_text(call_tool(srv, "counted")) == str(expected)
+            expected += 1
+            r = srv.call("from mcp import tools\ntools.counted()", session="caller")
+            assert r["structuredContent"]["result"] == str(expected), r
+        # All of that happened while the saved tools' reload still hung at the import (the
+        # first call waited 20 s for it before, and then found a fresh interpreter).
+        assert time.monotonic() - hang_seen < 20
+    finally:
+        srv.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("broken", ["import os\nos._exit(1)\n", "raise ImportError('no network')\n"],

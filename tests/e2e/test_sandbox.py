@@ -400,6 +400,28 @@ def test_30_opening_files_forever_hits_emfile(box):
     box.run("for f in fs: f.close()", session="files")
 
 
+def test_112_socket_buffers_cannot_be_raised_past_the_defaults(box):
+    # A socket's queued data is kernel memory no rlimit counts: raised to the host's wmem_max,
+    # 510 socketpairs held ~8 GB. The buffer sizes are refused; other options and sending work.
+    code = """
+import socket
+a, b = socket.socketpair()
+before = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+refused = []
+for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF, 32, 33):  # 32, 33: SO_SNDBUFFORCE, SO_RCVBUFFORCE
+    try:
+        a.setsockopt(socket.SOL_SOCKET, opt, 1 << 30)
+    except PermissionError as e:
+        refused.append(e.errno)
+a.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+a.sendall(b'x' * 1000)
+(refused, a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before, len(b.recv(2000)))
+"""
+    rec = box.run(code, session="sockbuf")
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == ([1, 1, 1, 1], True, 1000), rec
+
+
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
     rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
     assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]

@@ -11,8 +11,9 @@
 //! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
 //!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
 //!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
-//!    and their fd forms), `memfd_create`, and the `fcntl` commands that signal on the worker's
-//!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`).
+//!    and their fd forms), `memfd_create`, the `fcntl` commands that signal on the worker's
+//!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`), and
+//!    raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
@@ -256,6 +257,19 @@ const FCNTL_REFUSED: &[u64] = &[
     libc::F_NOTIFY as u64,
 ];
 
+/// Socket options that set a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF` and their
+/// `*FORCE` forms, which need CAP_NET_ADMIN anyway): refused with EPERM on every socket. A
+/// socket's queued data is kernel memory that no rlimit of the worker counts; raised to the
+/// host's `net.core.wmem_max` (4 MiB on some machines, more on hosts tuned for networking), 510
+/// socketpairs held ~8 GB (SECURITY.md #112). At the defaults a worker's 1,024 descriptors hold
+/// ~0.3 GB at most (see its residual risks).
+const SOCKOPT_REFUSED: &[u64] = &[
+    libc::SO_SNDBUF as u64,
+    libc::SO_RCVBUF as u64,
+    libc::SO_SNDBUFFORCE as u64,
+    libc::SO_RCVBUFFORCE as u64,
+];
+
 /// prctl options user code may use; the rest (e.g. making itself dumpable again) get ENOSYS.
 const PRCTL_ALLOWED: &[u64] = &[
     libc::PR_SET_NAME as u64,
@@ -340,6 +354,16 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     for &cmd in FCNTL_REFUSED {
         when(&mut rules, libc::SYS_fcntl, vec![arg32(1, Op::Eq, cmd)?])?;
     }
+    for &opt in SOCKOPT_REFUSED {
+        when(
+            &mut rules,
+            libc::SYS_setsockopt,
+            vec![
+                arg32(1, Op::Eq, libc::SOL_SOCKET as u64)?,
+                arg32(2, Op::Eq, opt)?,
+            ],
+        )?;
+    }
     // The flags word is an unsigned int in the kernel (`setfl(fd, filp, (u32)arg)`).
     let o_async = libc::O_ASYNC as u64;
     when(
@@ -384,7 +408,7 @@ enum ByNumber {
 /// runs the filter on every system call. Here a binary search over the call number (runs of
 /// numbers with the same verdict) answers every call whose verdict does not depend on its
 /// arguments; the few that do (ioctl, fcntl, prctl, clone, kill, tgkill, prlimit64,
-/// socketpair) jump to seccompiler's programs for just those calls, merged by
+/// socketpair, setsockopt) jump to seccompiler's programs for just those calls, merged by
 /// [`merge_stacked`].
 fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
     let arch = arch()?;
