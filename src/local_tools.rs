@@ -114,6 +114,8 @@ struct LocalTool {
 #[derive(Debug, Default)]
 struct Catalog {
     generation: u64,
+    /// The generation of the files' tools it was made with (0: none).
+    files_generation: u64,
     /// The tools session could not load anything: tried again after [`RETRY_FAILED_LOAD`].
     load_failed: bool,
     loaded_at: Option<std::time::Instant>,
@@ -278,9 +280,17 @@ impl LocalTools {
             slot = self.catalog.lock() => slot,
             () = cancel.cancelled() => return None,
         };
+        // The files' tools first: a reload of them (they could not be loaded, and a minute
+        // has passed) makes this catalog stale too.
+        let files_generation = if self.has_tools_in(Home::Files) {
+            self.files_part_unless(cancel).await?.generation
+        } else {
+            0
+        };
         let generation = self.generation.load(Ordering::SeqCst);
         let fresh = |c: &&Arc<Catalog>| {
             c.generation == generation
+                && c.files_generation == files_generation
                 && (!c.load_failed || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD))
         };
         if let Some(c) = slot.as_ref().filter(fresh) {
@@ -342,6 +352,7 @@ impl LocalTools {
     async fn load_catalog(&self, generation: u64) -> Catalog {
         let mut catalog = Catalog {
             generation,
+            files_generation: 0,
             load_failed: false,
             loaded_at: None,
             tools: Vec::new(),
@@ -358,6 +369,7 @@ impl LocalTools {
                 .files_part_unless(&CancellationToken::new())
                 .await
                 .unwrap_or_default();
+            catalog.files_generation = files.generation;
             catalog.tools.extend(files.tools.iter().cloned());
             catalog.errors.extend(files.errors.iter().cloned());
             catalog.load_failed = files.load_failed;
