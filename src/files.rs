@@ -29,14 +29,52 @@ pub struct FileRef {
     pub mime: &'static str,
 }
 
+/// What a path segment of a session-file URI escapes: controls, space, `%`, the characters
+/// RFC 3986 reserves for queries and fragments (`?`, `#`) or forbids in a path, and (by
+/// `utf8_percent_encode`) every byte beyond ASCII. A file named `q?x=1.txt`, `h#f.txt` or with a
+/// newline or a right-to-left override in its name is then one URI a client reads back as that
+/// file, and shows as what it is.
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'"')
+    .add(b'#')
+    .add(b'%')
+    .add(b'<')
+    .add(b'>')
+    .add(b'?')
+    .add(b'[')
+    .add(b'\\')
+    .add(b']')
+    .add(b'^')
+    .add(b'`')
+    .add(b'{')
+    .add(b'|')
+    .add(b'}');
+/// The session name is one segment: a `/` in it is escaped too.
+const SESSION: &percent_encoding::AsciiSet = &SEGMENT.add(b'/');
+
 pub fn session_uri(session: &str, rel: &str) -> String {
-    format!("{URI_PREFIX}{session}/{rel}")
+    use percent_encoding::utf8_percent_encode as enc;
+    let mut uri = format!("{URI_PREFIX}{}", enc(session, SESSION));
+    for segment in rel.split('/') {
+        uri.push('/');
+        uri.extend(enc(segment, SEGMENT));
+    }
+    uri
 }
 
-/// Splits a session-file URI into (session, relative path).
-pub fn parse_uri(uri: &str) -> Option<(&str, &str)> {
+/// Splits a session-file URI into (session, relative path), percent-decoded; `None` if either is
+/// empty or does not decode to UTF-8. What the path may hold is checked by the lookup.
+pub fn parse_uri(uri: &str) -> Option<(String, String)> {
     let rest = uri.strip_prefix(URI_PREFIX)?;
     let (session, rel) = rest.split_once('/')?;
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .ok()
+            .map(|s| s.into_owned())
+    };
+    let (session, rel) = (decode(session)?, decode(rel)?);
     (!session.is_empty() && !rel.is_empty()).then_some((session, rel))
 }
 
@@ -252,13 +290,44 @@ mod tests {
     }
 
     #[test]
+    fn uris_escape_what_would_change_their_meaning_and_read_back_as_the_same_file() {
+        for (name, uri) in [
+            ("q?x=1.txt", "ironcell://session/s/q%3Fx=1.txt"),
+            ("h#frag.txt", "ironcell://session/s/h%23frag.txt"),
+            ("a\nb.txt", "ironcell://session/s/a%0Ab.txt"),
+            (
+                "pct%2F..%2Fetc.txt",
+                "ironcell://session/s/pct%252F..%252Fetc.txt",
+            ),
+            (
+                "sub/\u{202e}txt.exe",
+                "ironcell://session/s/sub/%E2%80%AEtxt.exe",
+            ),
+            ("with space.csv", "ironcell://session/s/with%20space.csv"),
+        ] {
+            assert_eq!(session_uri("s", name), uri);
+            assert_eq!(parse_uri(uri), Some(("s".into(), name.into())), "{uri}");
+        }
+        // Names a client wrote without escaping still read back; a bad escape is no file.
+        assert_eq!(
+            parse_uri("ironcell://session/s/100%.txt"),
+            Some(("s".into(), "100%.txt".into()))
+        );
+        assert_eq!(parse_uri("ironcell://session/s/%FF.txt"), None);
+        assert_eq!(
+            parse_uri(&session_uri("a/b", "x")),
+            Some(("a/b".into(), "x".into()))
+        );
+    }
+
+    #[test]
     fn files_inside_are_served() {
         let r = root("in");
         std::fs::write(r.join("sub/a.csv"), "x,y\n").unwrap();
         assert_eq!(read_within(&r, "sub/a.csv").unwrap(), b"x,y\n");
         assert_eq!(
             parse_uri(&session_uri("s1", "sub/a.csv")),
-            Some(("s1", "sub/a.csv"))
+            Some(("s1".into(), "sub/a.csv".into()))
         );
         assert_eq!(mime_for("sub/a.csv"), "text/csv");
     }

@@ -719,10 +719,10 @@ impl ServerHandler for IroncellServer {
         if let Some((session, rel)) = crate::files::parse_uri(&request.uri) {
             let bytes = self
                 .sessions
-                .read_session_file(session, rel)
+                .read_session_file(&session, &rel)
                 .await
                 .map_err(|e| McpError::resource_not_found(e, Some(json!({"uri": request.uri}))))?;
-            let mime = crate::files::mime_for(rel);
+            let mime = crate::files::mime_for(&rel);
             let text_like = crate::files::is_text_mime(mime) || mime == "application/octet-stream";
             let contents = match (text_like, String::from_utf8(bytes)) {
                 (true, Ok(text)) => {
