@@ -48,11 +48,22 @@ def zygote_prepare():
     import warnings
 
     warnings.filterwarnings("always", message="coroutine .* was never awaited", category=RuntimeWarning)
+    _poll_instead_of_epoll()
     _quiet_for_reported_coroutines()
     _watch_figure_saves()
     _copy_data_without_modes()
     _prepare_worker_template()
     _zygote_prepared[0] = True
+
+
+def _poll_instead_of_epoll():
+    """The sandbox refuses `epoll_create` (its watches are kernel memory from a budget the whole
+    uid shares), so event loops and selectors use `poll`, which keeps no kernel state: asyncio
+    and `selectors.DefaultSelector()` work as usual; code that asks for `select.epoll` itself
+    gets a PermissionError."""
+    import selectors
+
+    selectors.DefaultSelector = selectors.PollSelector
 
 
 def prepare_worker(env, servers_json="[]", options=None):

@@ -139,8 +139,8 @@ pub struct LocalTools {
     generation: AtomicU64,
     /// Held while loading, so concurrent lists wait for one load.
     catalog: tokio::sync::Mutex<Option<Arc<Catalog>>>,
-    /// The tools of the `--tools` files alone, loaded once (again only while they cannot be
-    /// loaded, at most every [`RETRY_FAILED_LOAD`]): saves and deletes reload the saved tools
+    /// The tools of the `--tools` files alone, loaded once (again only after a load whose
+    /// session failed, at most every [`RETRY_FAILED_LOAD`]): saves and deletes reload the saved tools
     /// and never reset the user's tools session, and a call of one of the user's tools never
     /// waits for a load of the saved ones (SECURITY.md #113).
     files: tokio::sync::Mutex<Option<Arc<Catalog>>>,
@@ -303,17 +303,20 @@ impl LocalTools {
         Some(catalog)
     }
 
-    /// The tools of the `--tools` files: the loaded ones while they loaded cleanly (or were
-    /// tried less than [`RETRY_FAILED_LOAD`] ago), else loaded now. `None` if `cancel` fires
+    /// The tools of the `--tools` files: the loaded ones unless their load failed (its session
+    /// crashed or was stopped) more than [`RETRY_FAILED_LOAD`] ago, else loaded now. `None` if `cancel` fires
     /// while it waits for a load in progress.
     async fn files_part_unless(&self, cancel: &CancellationToken) -> Option<Arc<Catalog>> {
         let mut slot = tokio::select! {
             slot = self.files.lock() => slot,
             () = cancel.cancelled() => return None,
         };
+        // A file that raised at import, or a tool whose hints make no schema, is a settled
+        // answer (reported in `tools.errors`; fixed by editing and restarting): retrying would
+        // reset the user's tools session on any session's `tools.list` (SECURITY.md #116).
+        // Only a session that failed (it crashed or was stopped mid-load) is tried again.
         let usable = |c: &&Arc<Catalog>| {
-            (!c.load_failed && c.errors.is_empty())
-                || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD)
+            !c.load_failed || c.loaded_at.is_some_and(|t| t.elapsed() < RETRY_FAILED_LOAD)
         };
         if let Some(c) = slot.as_ref().filter(usable) {
             return Some(c.clone());

@@ -422,6 +422,31 @@ a.sendall(b'x' * 1000)
     assert eval(rec["result"]) == ([1, 1, 1, 1], True, 1000), rec
 
 
+def test_115_epoll_is_refused_and_asyncio_runs_on_poll(box):
+    # Epoll watches are kernel memory from a budget the whole uid (the host too) shares: one
+    # session took all 5.5 million and no new worker could start. asyncio must still work.
+    assert box.outcome("__import__('select').epoll()") == "PermissionError:1"
+    code = """
+import asyncio, selectors, socket
+
+async def main():
+    a, b = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=a)
+    b.sendall(b'ping\\n')
+    line = await reader.readline()
+    writer.close()
+    b.close()
+    total = await asyncio.to_thread(sum, [1, 2])
+    await asyncio.sleep(0.01)
+    return line, total
+
+(asyncio.run(main()), type(selectors.DefaultSelector()).__name__)
+"""
+    rec = box.run(code, session="epoll")
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == ((b"ping\n", 3), "PollSelector"), rec
+
+
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
     rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
     assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]

@@ -11,7 +11,7 @@
 //! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
 //!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
 //!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
-//!    and their fd forms), `memfd_create`, the `fcntl` commands that signal on the worker's
+//!    and their fd forms), `memfd_create`, `epoll_create`, the `fcntl` commands that signal on the worker's
 //!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`), and
 //!    raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
@@ -118,7 +118,7 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_timer_delete, libc::SYS_timerfd_create, libc::SYS_timerfd_settime,
     libc::SYS_timerfd_gettime,
     // Event loops (asyncio's selector and self-pipe socketpair; the session socket).
-    libc::SYS_eventfd2, libc::SYS_epoll_create1, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait,
+    libc::SYS_eventfd2, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait,
     libc::SYS_epoll_pwait2, libc::SYS_ppoll, libc::SYS_pselect6, libc::SYS_sendto,
     libc::SYS_recvfrom, libc::SYS_sendmsg, libc::SYS_recvmsg, libc::SYS_getsockname,
     libc::SYS_getpeername, libc::SYS_getsockopt, libc::SYS_setsockopt, libc::SYS_shutdown,
@@ -132,7 +132,7 @@ const ALLOWED_LEGACY: &[libc::c_long] = &[
     libc::SYS_mkdir, libc::SYS_rmdir, libc::SYS_rename, libc::SYS_unlink, libc::SYS_symlink,
     libc::SYS_link, libc::SYS_dup2,
     libc::SYS_pipe, libc::SYS_poll, libc::SYS_select, libc::SYS_epoll_wait,
-    libc::SYS_epoll_create, libc::SYS_getdents, libc::SYS_time, libc::SYS_arch_prctl,
+    libc::SYS_getdents, libc::SYS_time, libc::SYS_arch_prctl,
     libc::SYS_alarm, libc::SYS_pause, libc::SYS_getpgrp,
     libc::SYS_eventfd, libc::SYS_signalfd4,
 ];
@@ -162,6 +162,12 @@ const REFUSED: &[libc::c_long] = &[
     // no mapping, so neither RLIMIT_DATA nor RLIMIT_AS sees them. Nothing in a Python workload
     // needs one.
     libc::SYS_memfd_create,
+    // Kernel memory no rlimit counts, from a budget the whole uid shares (SECURITY.md #115):
+    // epoll watches are limited only by `fs.epoll.max_user_watches`, per uid, and a watch is
+    // keyed by (file, descriptor number), so 1,024 descriptors registered in 100 epoll
+    // instances took all 5.5 million (1.1 GB) and the host could start no worker. asyncio uses
+    // `poll` instead (the runner sets `selectors.DefaultSelector` to `PollSelector`).
+    libc::SYS_epoll_create1,
 ];
 /// `fchmodat2` (Linux 6.6) has the same number on every architecture; not every libc target
 /// names it.
@@ -169,7 +175,7 @@ const FCHMODAT2: libc::c_long = 452;
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
 const REFUSED_LEGACY: &[libc::c_long] = &[
-    libc::SYS_fork, libc::SYS_vfork, libc::SYS_mknod,
+    libc::SYS_fork, libc::SYS_vfork, libc::SYS_mknod, libc::SYS_epoll_create,
     // The legacy metadata calls (#46).
     libc::SYS_chmod, libc::SYS_chown, libc::SYS_lchown, libc::SYS_utime, libc::SYS_utimes,
     libc::SYS_futimesat,
