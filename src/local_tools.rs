@@ -140,12 +140,11 @@ pub struct LocalTools {
     /// Held while loading, so concurrent lists wait for one load.
     catalog: tokio::sync::Mutex<Option<Arc<Catalog>>>,
     /// The tools of the `--tools` files alone, loaded once (again only after a load whose
-    /// session failed, at most every [`RETRY_FAILED_LOAD`]): saves and deletes reload the saved tools
-    /// and never reset the user's tools session, and a call of one of the user's tools never
-    /// waits for a load of the saved ones (SECURITY.md #113).
+    /// session failed, at most every [`RETRY_FAILED_LOAD`]): saves and deletes reload the saved
+    /// tools and never reset the user's tools session, and a call of one of the user's tools
+    /// never waits for a load of the saved ones (SECURITY.md #113). Its `generation` counts the
+    /// files' loads.
     files: tokio::sync::Mutex<Option<Arc<Catalog>>>,
-    /// The generation of the files' latest load (what their tools session was loaded for).
-    files_generation: AtomicU64,
     /// Answers the host is waiting for, by token: from which tools session, and the answer.
     inbox: Mutex<HashMap<String, (Home, Option<Value>)>>,
     next_token: AtomicU64,
@@ -194,7 +193,6 @@ impl LocalTools {
             generation: AtomicU64::new(1),
             catalog: tokio::sync::Mutex::new(None),
             files: tokio::sync::Mutex::new(None),
-            files_generation: AtomicU64::new(0),
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),
@@ -280,8 +278,8 @@ impl LocalTools {
             slot = self.catalog.lock() => slot,
             () = cancel.cancelled() => return None,
         };
-        // The files' tools first: a reload of them (they could not be loaded, and a minute
-        // has passed) makes this catalog stale too.
+        // The files' tools first: a reload of them (their session failed, and a minute has
+        // passed) makes this catalog stale too.
         let files_generation = if self.has_tools_in(Home::Files) {
             self.files_part_unless(cancel).await?.generation
         } else {
@@ -304,8 +302,8 @@ impl LocalTools {
     }
 
     /// The tools of the `--tools` files: the loaded ones unless their load failed (its session
-    /// crashed or was stopped) more than [`RETRY_FAILED_LOAD`] ago, else loaded now. `None` if `cancel` fires
-    /// while it waits for a load in progress.
+    /// crashed or was stopped) more than [`RETRY_FAILED_LOAD`] ago, else loaded now. `None` if
+    /// `cancel` fires while it waits for a load in progress.
     async fn files_part_unless(&self, cancel: &CancellationToken) -> Option<Arc<Catalog>> {
         let mut slot = tokio::select! {
             slot = self.files.lock() => slot,
@@ -322,7 +320,7 @@ impl LocalTools {
             return Some(c.clone());
         }
         let mut part = Catalog {
-            generation: self.files_generation.fetch_add(1, Ordering::SeqCst) + 1,
+            generation: slot.as_ref().map_or(0, |c| c.generation) + 1,
             ..Catalog::default()
         };
         if self.has_tools_in(Home::Files) {
@@ -698,18 +696,14 @@ impl LocalTools {
                 let tool = match found {
                     Ok(tool) => tool,
                     Err(catalog) => {
-                        let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_str()).collect();
-                    return Err((
-                        ErrorKind::UnknownTool,
-                        format!(
-                            "no local tool {name:?}; tools: {}",
-                            if names.is_empty() {
-                                "(none)".to_string()
-                            } else {
-                                names.join(", ")
-                            }
-                        ),
-                    ));
+                        let names: Vec<&str> = catalog.tools.iter().map(|t| &*t.name).collect();
+                        let names = if names.is_empty() {
+                            "(none)".to_string()
+                        } else {
+                            names.join(", ")
+                        };
+                        let message = format!("no local tool {name:?}; tools: {names}");
+                        return Err((ErrorKind::UnknownTool, message));
                     }
                 };
                 let (record, envelope) = self
@@ -1167,7 +1161,6 @@ mod tests {
             generation: AtomicU64::new(1),
             catalog: tokio::sync::Mutex::new(None),
             files: tokio::sync::Mutex::new(None),
-            files_generation: AtomicU64::new(0),
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),

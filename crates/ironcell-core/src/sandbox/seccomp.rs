@@ -11,9 +11,9 @@
 //! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
 //!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
 //!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
-//!    and their fd forms), `memfd_create`, `epoll_create`, the `fcntl` commands that signal on the worker's
-//!    behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`, `O_ASYNC`), and
-//!    raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`).
+//!    and their fd forms), `memfd_create`, `epoll_create`, the `fcntl` commands that signal on
+//!    the worker's behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`,
+//!    `O_ASYNC`), and raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
