@@ -102,6 +102,9 @@ async def run(client, code: str, **args: Any) -> Run:
 
 
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"]
+# Root as in a container (Docker's default set): CAP_SYS_RESOURCE and CAP_SYS_ADMIN are gone.
+AS_ROOT_WITHOUT_RESOURCE_CAPS = ["setpriv", "--bounding-set=-sys_resource,-sys_admin"]
+PREFIX_FOR_USER = {"root": [], "nobody": AS_NOBODY, "root-without-resource-caps": AS_ROOT_WITHOUT_RESOURCE_CAPS}
 
 
 def shared_tmp_dir(base: str = "/tmp") -> Path:
@@ -119,7 +122,7 @@ class RawServer:
     """ironcell driven with hand-written JSON-RPC lines, for protocol-level checks."""
 
     def __init__(self, state_dir: Path, *, as_user: str = "root", args: list[str] | None = None, **env: str):
-        prefix = AS_NOBODY if as_user == "nobody" else []
+        prefix = PREFIX_FOR_USER[as_user]
         self.proc = subprocess.Popen(
             [*prefix, str(IRONCELL), "serve", *(args or [])],
             stdin=subprocess.PIPE,

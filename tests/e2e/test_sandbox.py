@@ -447,6 +447,36 @@ async def main():
     assert eval(rec["result"]) == ((b"ping\n", 3), "PollSelector"), rec
 
 
+def test_120_posix_timers_are_capped_and_leave_the_uid_its_budget(box):
+    # Each POSIX timer (and queued real-time signal) is charged to a count the kernel keeps per
+    # uid, shared with the host and every other process of that uid: one session's loop took
+    # 96,362 timers and the uid's other processes then got EAGAIN from timer_create.
+    fill = """
+import ctypes, resource, signal
+libc = ctypes.CDLL(None, use_errno=True)
+class Event(ctypes.Structure):
+    _fields_ = [('value', ctypes.c_long), ('signo', ctypes.c_int), ('notify', ctypes.c_int),
+                ('pad', ctypes.c_char * 48)]
+event = Event(0, signal.SIGRTMIN, 1)  # SIGEV_NONE
+timer = ctypes.c_void_p()
+made = 0
+while made < 200_000 and libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) == 0:
+    made += 1
+(resource.getrlimit(resource.RLIMIT_SIGPENDING), made, ctypes.get_errno())
+"""
+    rec = box.run(fill, session="timers")
+    assert rec["status"] == "ok", rec
+    limit, made, errno_ = eval(rec["result"])
+    # For root the count is shared with every root process, so a few may be taken already.
+    assert limit == (1024, 1024) and 0 < made <= 1024 and errno_ == 11, rec  # 11: EAGAIN
+    probe = fill.replace("made < 200_000", "made < 1")
+    prefix = AS_NOBODY if box.user == "nobody" else []
+    out = subprocess.run([*prefix, "/usr/bin/python3", "-c", probe + "\nprint(made)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "1", out  # the worker's uid outside the sandbox still can
+    assert box.run("1", session="timers", reset=True)["status"] == "ok"  # gives the timers back
+
+
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
     rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
     assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]

@@ -122,9 +122,13 @@ impl fmt::Display for ExitInfo {
         match *self {
             ExitInfo::Code(c) => write!(f, "exited with status {c}"),
             ExitInfo::Signal(s) => {
-                let name = nix::sys::signal::Signal::try_from(s)
-                    .map(|s| s.as_str().to_string())
-                    .unwrap_or_else(|_| format!("signal {s}"));
+                let name = match nix::sys::signal::Signal::try_from(s) {
+                    Ok(sig) => sig.as_str().to_string(),
+                    Err(_) if (libc::SIGRTMIN()..=libc::SIGRTMAX()).contains(&s) => {
+                        format!("SIGRTMIN+{}", s - libc::SIGRTMIN())
+                    }
+                    Err(_) => format!("signal {s}"),
+                };
                 write!(f, "was killed by {name}")
             }
         }
@@ -209,6 +213,14 @@ mod tests {
     use super::*;
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn an_exit_by_any_signal_is_named() {
+        assert_eq!(ExitInfo::Signal(9).to_string(), "was killed by SIGKILL");
+        let rt = libc::SIGRTMIN() + 2;
+        assert_eq!(ExitInfo::Signal(rt).to_string(), "was killed by SIGRTMIN+2");
+        assert_eq!(ExitInfo::Signal(99).to_string(), "was killed by signal 99");
+    }
 
     #[test]
     fn packets_and_fds_arrive_in_one_reused_buffer() {

@@ -594,31 +594,33 @@ fn sfd_borrow(fd: &nix::sys::signalfd::SignalFd) -> std::os::fd::BorrowedFd<'_> 
     fd.as_fd()
 }
 
+/// Reaps every child that has ended and reports it to the host. Uses `waitpid(2)` directly:
+/// nix decodes the status into its `Signal` enum and answers EINVAL, after the child is already
+/// reaped, for a worker killed by a real-time signal, which a worker can arrange (SECURITY.md
+/// #118). A status this zygote cannot classify is reported as it is, never treated as an error.
 fn report_exited_children(ctl: RawFd) -> anyhow::Result<()> {
-    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
     loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) => {
-                let event = ZygoteEvent::Exited {
-                    pid: pid.as_raw(),
-                    status: ExitInfo::Code(code),
-                };
-                send_event(ctl, &event)?;
-            }
-            Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                let status = ExitInfo::Signal(sig as i32);
-                send_event(
-                    ctl,
-                    &ZygoteEvent::Exited {
-                        pid: pid.as_raw(),
-                        status,
-                    },
-                )?;
-            }
-            Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => return Ok(()),
-            Ok(_) => continue,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e.into()),
+        let mut raw = 0;
+        // SAFETY: waitpid(2) with a valid out-pointer to a local integer.
+        let pid = unsafe { libc::waitpid(-1, &mut raw, libc::WNOHANG) };
+        if pid == 0 {
+            return Ok(());
         }
+        if pid < 0 {
+            match nix::errno::Errno::last() {
+                nix::errno::Errno::EINTR => continue,
+                nix::errno::Errno::ECHILD => return Ok(()),
+                e => return Err(e.into()),
+            }
+        }
+        let status = if libc::WIFEXITED(raw) {
+            ExitInfo::Code(libc::WEXITSTATUS(raw))
+        } else if libc::WIFSIGNALED(raw) {
+            ExitInfo::Signal(libc::WTERMSIG(raw))
+        } else {
+            // Without WUNTRACED/WCONTINUED only ended children are reported; nothing to say.
+            continue;
+        };
+        send_event(ctl, &ZygoteEvent::Exited { pid, status })?;
     }
 }

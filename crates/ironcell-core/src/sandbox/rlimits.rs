@@ -8,6 +8,9 @@
 //! alone a few threads would exhaust it. memfd, whose pages belong to no mapping, is refused by
 //! seccomp.
 //!
+//! Pending signals and POSIX timers (SECURITY.md #120): RLIMIT_SIGPENDING, see
+//! [`SIGNALS_PENDING`].
+//!
 //! Threads (SECURITY.md #49): RLIMIT_NPROC, which the kernel checks per real uid against every
 //! task (thread) of that uid on the machine, and never for real uid 0. So for a non-root
 //! worker the cap is set to the tasks on the machine at start (an upper bound of the uid's own)
@@ -46,7 +49,95 @@ pub fn apply_worker_limits(limits: &WorkerLimits) -> std::io::Result<()> {
     Resource::NOFILE.set(limits.open_files, limits.open_files)?;
     let nproc = thread_rlimit(limits.threads, tasks_on_machine()?);
     Resource::NPROC.set(nproc, nproc)?;
+    let (_, hard) = Resource::SIGPENDING.get()?;
+    let pending = SIGNALS_PENDING.min(hard);
+    Resource::SIGPENDING.set(pending, pending)?;
     Ok(())
+}
+
+/// RLIMIT_SIGPENDING of a worker. Each POSIX timer and each queued real-time signal is charged
+/// to a count the kernel keeps per uid (shared with the host and every other process of that
+/// uid) and checked against the creating task's limit, by default ~1/2 of the machine's thread
+/// maximum. Left there, one worker's `timer_create` loop took the whole uid's budget
+/// (SECURITY.md #120). Python's own timers (`setitimer`, `time.sleep`) are not charged.
+pub const SIGNALS_PENDING: u64 = 1024;
+
+/// The most descriptors one `SCM_RIGHTS` message carries (the kernel's `SCM_MAX_FD`).
+const SCM_MAX_FD: u64 = 253;
+/// Room for descriptors that the uid's other processes have in flight (passing one is brief).
+const IN_FLIGHT_MARGIN: u64 = 64;
+
+/// The host's own descriptor limit, as it matters for passing a new worker its socket.
+///
+/// The kernel refuses an `SCM_RIGHTS` message (`ETOOMANYREFS`) while the descriptors the
+/// sender's uid has in flight exceed the *sender's* soft RLIMIT_NOFILE, unless the sender has
+/// CAP_SYS_RESOURCE or CAP_SYS_ADMIN. A worker of the same uid can send descriptors to itself
+/// and never read them, bringing that count to its own limit plus one message; with the host's
+/// soft limit at the common 1024 no new worker could then be started (SECURITY.md #117).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostDescriptors {
+    pub soft: u64,
+    pub hard: u64,
+    /// What the soft limit must reach: the workers' `open_files` plus one message and a margin.
+    pub needed: u64,
+    /// The host holds CAP_SYS_RESOURCE or CAP_SYS_ADMIN, so the kernel does not apply the check.
+    pub exempt: bool,
+}
+
+impl HostDescriptors {
+    pub fn enough(&self) -> bool {
+        self.exempt || self.soft >= self.needed
+    }
+
+    pub fn describe(&self) -> String {
+        if self.exempt {
+            format!(
+                "soft limit {}; the host holds CAP_SYS_RESOURCE, which the kernel's descriptors-in-flight check exempts",
+                self.soft
+            )
+        } else if self.enough() {
+            format!(
+                "soft limit {} (hard {}), at least the {} that workers' descriptors in flight can reach",
+                self.soft, self.hard, self.needed
+            )
+        } else {
+            format!(
+                "TOO LOW: soft limit {} (hard {}); a worker can put enough descriptors in flight for this uid that no new worker can be started. Raise the hard limit (`ulimit -Hn`, systemd `LimitNOFILE=`, docker `--ulimit nofile=`) to at least {}, or lower the policy's limits.open_files to at most {}",
+                self.soft,
+                self.hard,
+                self.needed,
+                self.soft.saturating_sub(SCM_MAX_FD + IN_FLIGHT_MARGIN)
+            )
+        }
+    }
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit (what Go and systemd services do
+/// by default) and says whether that is enough for workers whose limit is `worker_open_files`.
+/// The zygote and workers inherit the raised limit; workers lower theirs at lockdown.
+pub fn raise_host_descriptors(worker_open_files: u64) -> std::io::Result<HostDescriptors> {
+    let soft = rlimit::increase_nofile_limit(u64::MAX)?;
+    let (_, hard) = Resource::NOFILE.get()?;
+    Ok(HostDescriptors {
+        soft,
+        hard,
+        needed: worker_open_files
+            .saturating_add(SCM_MAX_FD)
+            .saturating_add(IN_FLIGHT_MARGIN),
+        exempt: holds_resource_capability(),
+    })
+}
+
+/// CAP_SYS_RESOURCE (24) or CAP_SYS_ADMIN (21) in this process's effective set.
+fn holds_resource_capability() -> bool {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & ((1 << 24) | (1 << 21)) != 0)
 }
 
 /// RLIMIT_NPROC for a worker that may add `threads` threads while `tasks_now` tasks exist.
