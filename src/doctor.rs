@@ -56,16 +56,6 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         sandbox.policy.limits.threads,
         sandbox.policy.limits.scratch_quota_mib
     );
-    match crate::sandbox::rlimits::raise_host_descriptors(sandbox.policy.limits.open_files) {
-        Ok(fds) => {
-            ok &= fds.enough();
-            println!("host fds      {}", fds.describe());
-        }
-        Err(e) => {
-            ok = false;
-            println!("host fds      UNKNOWN: could not read or raise RLIMIT_NOFILE: {e}");
-        }
-    }
     println!(
         "thread cap    {}",
         sandbox.thread_cap_layer().unwrap_or_else(|| {

@@ -247,11 +247,6 @@ impl SessionManager {
         if let Err(refusal) = sandbox.preflight() {
             tracing::error!("{refusal}");
         }
-        match crate::sandbox::rlimits::raise_host_descriptors(sandbox.policy.limits.open_files) {
-            Ok(fds) if !fds.enough() => tracing::warn!("open files: {}", fds.describe()),
-            Ok(_) => {}
-            Err(e) => tracing::warn!("could not raise the open-files limit: {e}"),
-        }
         let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
         let servers =
             crate::proxy::config::load(&crate::proxy::config::ProcessEnv, &cwd, Some(&exe));

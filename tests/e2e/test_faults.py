@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AS_NOBODY, IRONCELL, RawServer, pid_alive, shared_tmp_dir, wait_until
+from conftest import RawServer, pid_alive, shared_tmp_dir, wait_until
 
 TEST_SERVER = Path(__file__).parent / "servers" / "test_server.py"
 
@@ -161,9 +161,10 @@ def test_118_a_worker_killed_by_a_real_time_signal_is_reported_and_the_others_ke
 @pytest.mark.parametrize("as_user", ["nobody", "root-without-resource-caps"])
 def test_117_descriptors_a_worker_leaves_in_flight_do_not_stop_new_sessions(as_user):
     """The kernel refuses to pass a descriptor while the sender's uid has more in flight than
-    the sender's soft RLIMIT_NOFILE (CAP_SYS_RESOURCE exempts). A worker that sends descriptors
-    to itself and never reads them brings that count past 1024; a host left at the usual soft
-    limit of 1024 could then not hand any new worker its socket (ETOOMANYREFS)."""
+    the sender's soft RLIMIT_NOFILE (CAP_SYS_RESOURCE exempts). A worker that sent descriptors
+    to itself and never read them brought that count past 1024 (past 20,000 with racing
+    threads), and the host could then hand no new worker its socket (ETOOMANYREFS). `sendmsg`,
+    the one call that carries descriptors, is refused."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
     try:
@@ -188,30 +189,13 @@ KEEP = (a, b)
     try:
         rec = h.run(fill, session="hoarder")
         sent, stopped = eval(rec["result"])
-        assert sent > 1024 and stopped == errno.ETOOMANYREFS, rec
+        assert sent == 0 and stopped == errno.EPERM, rec
         for s in ("new-1", "new-2"):
             r = h.srv.call("print('hello')", session=s)
             assert not r["isError"] and r["structuredContent"]["stdout"] == "hello\n", r
         assert h.run("len(KEEP)", session="hoarder")["result"] == "2"
     finally:
         h.close()
-
-
-def test_117_doctor_says_whether_the_hosts_descriptor_limit_is_enough():
-    # The host raises its soft limit to the hard one; below the workers' open_files + 253 + 64
-    # (the default policy: 1341) doctor fails and names both ways out.
-    state = shared_tmp_dir()
-    env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state)}
-    doctor = [str(IRONCELL), "doctor"]
-    outs = {}
-    for limits in ("1024:1024", "1024:4096"):
-        p = subprocess.run(["prlimit", f"--nofile={limits}", *AS_NOBODY, *doctor],
-                           capture_output=True, text=True, env=env, timeout=120)
-        outs[limits] = (p.returncode, next(line for line in p.stdout.splitlines() if line.startswith("host fds")))
-    rc, line = outs["1024:1024"]
-    assert rc != 0 and "TOO LOW" in line and "at least 1341" in line and "open_files to at most 707" in line, line
-    rc, line = outs["1024:4096"]
-    assert "soft limit 4096 (hard 4096)" in line and "TOO LOW" not in line, line
 
 
 def test_51_an_image_the_worker_names_is_linked_only_if_it_is_a_file_in_the_session(host):

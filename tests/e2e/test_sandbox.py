@@ -477,6 +477,31 @@ while made < 200_000 and libc.timer_create(1, ctypes.byref(event), ctypes.byref(
     assert box.run("1", session="timers", reset=True)["status"] == "ok"  # gives the timers back
 
 
+def test_122_splice_and_sendfile_are_not_allowed_and_copies_still_work(box):
+    # One byte spliced into a pipe or a socket held a reference to its whole 2 MiB page-cache
+    # folio, which no limit counted and which outlived the file: 1,024 folios held 2 GB.
+    code = """
+import os, shutil, socket
+open('src.bin', 'wb').write(b'abc' * 100_000)
+r, w = os.pipe()
+src = os.open('src.bin', os.O_RDONLY)
+a, b = socket.socketpair()
+refused = []
+for call in (lambda: os.splice(src, w, 1), lambda: os.sendfile(a.fileno(), src, 0, 1)):
+    try:
+        call()
+    except OSError as e:
+        refused.append(e.errno)
+shutil.copyfile('src.bin', 'dst.bin')
+with open('src.bin', 'rb') as f:
+    sent = a.sendfile(f, 0, 1000)
+(refused, open('dst.bin', 'rb').read() == open('src.bin', 'rb').read(), sent, len(b.recv(2000)))
+"""
+    rec = box.run(code, session="splice")
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == ([38, 38], True, 1000, 1000), rec  # 38: ENOSYS
+
+
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
     rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
     assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]

@@ -13,7 +13,8 @@
 //!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
 //!    and their fd forms), `memfd_create`, `epoll_create`, the `fcntl` commands that signal on
 //!    the worker's behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`,
-//!    `O_ASYNC`), and raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`).
+//!    `O_ASYNC`), raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`), and `sendmsg`
+//!    (descriptors in flight).
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
@@ -78,7 +79,11 @@ fn arg32(index: u8, op: Op, value: u64) -> Result<Cond, SeccompError> {
 /// Syscalls allowed without conditions, grouped by why.
 #[rustfmt::skip]
 const ALLOWED: &[libc::c_long] = &[
-    // Files and directories (Landlock decides which paths).
+    // Files and directories (Landlock decides which paths). Not `splice` or `sendfile`: one
+    // byte spliced into a pipe or a socket holds a reference to its whole page-cache folio (2
+    // MiB from a huge-page mapping of a sparse file), which no limit counts and which outlives
+    // the file's name (SECURITY.md #122); `shutil.copyfile` and `socket.sendfile` fall back to
+    // reads and writes.
     libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64,
     libc::SYS_pwrite64, libc::SYS_preadv, libc::SYS_pwritev, libc::SYS_preadv2, libc::SYS_pwritev2,
     libc::SYS_lseek, libc::SYS_close, libc::SYS_close_range, libc::SYS_openat, libc::SYS_openat2,
@@ -87,8 +92,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_getcwd, libc::SYS_chdir, libc::SYS_fchdir, libc::SYS_mkdirat, libc::SYS_renameat,
     libc::SYS_renameat2, libc::SYS_unlinkat, libc::SYS_symlinkat, libc::SYS_linkat,
     libc::SYS_fsync, libc::SYS_fdatasync, libc::SYS_ftruncate, libc::SYS_fallocate, libc::SYS_flock,
-    libc::SYS_dup, libc::SYS_dup3, libc::SYS_pipe2, libc::SYS_sendfile,
-    libc::SYS_copy_file_range, libc::SYS_splice, libc::SYS_fadvise64,
+    libc::SYS_dup, libc::SYS_dup3, libc::SYS_pipe2, libc::SYS_copy_file_range,
+    libc::SYS_fadvise64,
     libc::SYS_getxattr, libc::SYS_lgetxattr, libc::SYS_fgetxattr, libc::SYS_listxattr,
     libc::SYS_llistxattr, libc::SYS_flistxattr, libc::SYS_umask,
     // Memory (PROT_EXEC is needed to load extension modules).
@@ -120,7 +125,7 @@ const ALLOWED: &[libc::c_long] = &[
     // Event loops (asyncio's selector and self-pipe socketpair; the session socket).
     libc::SYS_eventfd2, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait,
     libc::SYS_epoll_pwait2, libc::SYS_ppoll, libc::SYS_pselect6, libc::SYS_sendto,
-    libc::SYS_recvfrom, libc::SYS_sendmsg, libc::SYS_recvmsg, libc::SYS_getsockname,
+    libc::SYS_recvfrom, libc::SYS_recvmsg, libc::SYS_getsockname,
     libc::SYS_getpeername, libc::SYS_getsockopt, libc::SYS_setsockopt, libc::SYS_shutdown,
 ];
 
@@ -168,6 +173,13 @@ const REFUSED: &[libc::c_long] = &[
     // instances took all 5.5 million (1.1 GB) and the host could start no worker. asyncio uses
     // `poll` instead (the runner sets `selectors.DefaultSelector` to `PollSelector`).
     libc::SYS_epoll_create1,
+    // Descriptors in flight (SECURITY.md #117, #121): `SCM_RIGHTS` messages a worker sends to
+    // itself and never reads count against a budget of its uid, which the kernel checks
+    // against the *sender's* RLIMIT_NOFILE before it copies the message in: threads faulting
+    // on evicted pages inside that window put 20,000+ descriptors in flight, and the host could
+    // then hand no new worker its socket (ETOOMANYREFS). `sendmsg` is the only call that
+    // carries them (`sendmmsg` is not allowed); Python's sockets send with `send`/`sendto`.
+    libc::SYS_sendmsg,
 ];
 /// `fchmodat2` (Linux 6.6) has the same number on every architecture; not every libc target
 /// names it.
