@@ -18,7 +18,11 @@
 //! A session with more than [`MAX_WATCHED_DIRS`] directories, or on a host out of inotify
 //! watches, is no longer watched: its listings walk the tree as before, bounded by
 //! [`super::MAX_LISTED_ENTRIES`], and say so when the bound cut them short. Watches are per
-//! user, so the cap also keeps one session from using up the host user's inotify watches.
+//! user (`fs.inotify.max_user_watches`, shared with every other program of the user, and for a
+//! root server with every root process), so the server as a whole also stops at a quarter of
+//! that budget ([`host_watch_budget`]): a session whose directories would pass it is not
+//! watched either. Without that cap 50 sessions of 4,095 directories each took 192,514 of
+//! the user's 192,530 watches (SECURITY.md #123).
 //!
 //! The scratch quota does not rely on any of this: it is measured by walking (see
 //! `session.rs`), because a missed event must never let a session grow past it.
@@ -78,6 +82,18 @@ struct Inner {
 pub struct ChangeTracker {
     fd: Option<OwnedFd>,
     inner: Mutex<Inner>,
+    /// Watches this server may hold across all its sessions.
+    max_watches: usize,
+}
+
+/// The watches a server may hold across its sessions: a quarter of the user's
+/// `fs.inotify.max_user_watches` (8,192 on old kernels, more with memory on newer ones).
+pub fn host_watch_budget() -> usize {
+    std::fs::read_to_string("/proc/sys/fs/inotify/max_user_watches")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(8192)
+        / 4
 }
 
 /// What a listing found.
@@ -116,6 +132,10 @@ impl Default for ChangeTracker {
 
 impl ChangeTracker {
     pub fn new() -> ChangeTracker {
+        Self::with_max_watches(host_watch_budget())
+    }
+
+    pub fn with_max_watches(max_watches: usize) -> ChangeTracker {
         // SAFETY: inotify_init1 has no preconditions; a non-negative result is a new fd we own.
         let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
         let fd = if raw >= 0 {
@@ -134,6 +154,7 @@ impl ChangeTracker {
                 dirs: HashMap::new(),
                 sessions: HashMap::new(),
             }),
+            max_watches,
         }
     }
 
@@ -357,6 +378,8 @@ impl ChangeTracker {
             added: Vec::new(),
             failed: None,
             watched: t.wds.len(),
+            host_watched: dirs.len(),
+            host_cap: self.max_watches,
         };
         let method;
         if let Some(why) = t.rescan.take() {
@@ -366,6 +389,7 @@ impl ChangeTracker {
             t.new_dirs.clear();
             let old = std::mem::take(&mut t.wds);
             reg.watched = 0;
+            reg.host_watched = dirs.len().saturating_sub(old.len());
             reg.watch_dir(root_fd.as_fd(), "");
             reg.walk(root_fd.as_fd(), "");
             // Watches of directories no longer reachable by a plain path are dropped.
@@ -446,6 +470,9 @@ struct Registrar<'a> {
     added: Vec<(i32, String)>,
     failed: Option<String>,
     watched: usize,
+    /// Watches of every session of the server, this one's so far included, and their cap.
+    host_watched: usize,
+    host_cap: usize,
 }
 
 impl Registrar<'_> {
@@ -458,6 +485,13 @@ impl Registrar<'_> {
         }
         if self.watched >= MAX_WATCHED_DIRS {
             self.failed = Some(format!("it has more than {MAX_WATCHED_DIRS} directories"));
+            return;
+        }
+        if self.host_watched >= self.host_cap {
+            self.failed = Some(format!(
+                "the server's sessions already hold its {} watches (a quarter of the user's fs.inotify.max_user_watches)",
+                self.host_cap
+            ));
             return;
         }
         let Ok(path) = CString::new(format!("/proc/self/fd/{}", dir.as_raw_fd())) else {
@@ -474,6 +508,7 @@ impl Registrar<'_> {
             return; // e.g. the directory vanished: nothing to watch
         }
         self.watched += 1;
+        self.host_watched += 1;
         self.added.push((wd, rel.to_string()));
     }
 
@@ -568,6 +603,49 @@ fn walk_listing(root: &Path, session: &str, since: SystemTime, limit: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Session `name` beneath `base` with `dirs` subdirectories, each holding one file.
+    fn session_with_dirs(base: &Path, name: &str, dirs: usize) -> std::path::PathBuf {
+        let root = base.join(name);
+        for i in 0..dirs {
+            std::fs::create_dir_all(root.join(format!("d{i}"))).unwrap();
+            std::fs::write(root.join(format!("d{i}/f.txt")), "x").unwrap();
+        }
+        root
+    }
+
+    #[test]
+    fn the_servers_watches_stop_at_its_cap_and_a_session_past_it_is_listed_by_walking() {
+        let base = std::env::temp_dir().join(format!("ironcell-watch-cap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let since = SystemTime::UNIX_EPOCH;
+        let tracker = ChangeTracker::with_max_watches(6);
+        let a = session_with_dirs(&base, "a", 3); // 4 watches with its root
+        let b = session_with_dirs(&base, "b", 3); // would make 8
+        let first = tracker.changed("a", &a, since, 100);
+        assert_eq!((first.method, first.files.len()), ("walk", 3));
+        let listed = tracker.changed("b", &b, since, 100);
+        assert_eq!((listed.method, listed.files.len()), ("walk", 3));
+        assert_eq!(
+            lock(&tracker.inner).dirs.len(),
+            4,
+            "b's watches were given back"
+        );
+        std::fs::write(b.join("d0/new.txt"), "y").unwrap();
+        let again = tracker.changed("b", &b, since, 100);
+        assert_eq!((again.method, again.files.len()), ("walk", 4));
+        // a stays watched: its next listing reads events.
+        std::fs::write(a.join("d1/new.txt"), "y").unwrap();
+        let events = tracker.changed(
+            "a",
+            &a,
+            SystemTime::now() - std::time::Duration::from_secs(5),
+            100,
+        );
+        assert_eq!(events.method, "events");
+        assert!(events.files.iter().any(|f| f.uri.ends_with("d1/new.txt")));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[test]
     fn a_path_is_beneath_a_new_directory_only_through_whole_names() {
