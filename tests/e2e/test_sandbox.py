@@ -502,6 +502,27 @@ with open('src.bin', 'rb') as f:
     assert eval(rec["result"]) == ([38, 38], True, 1000, 1000), rec  # 38: ENOSYS
 
 
+def test_127_no_memory_can_be_locked(box):
+    # Locking one 4 KiB page of a large page-cache folio kept the whole 2 MiB folio from being
+    # reclaimed: with the 8 MiB of RLIMIT_MEMLOCK workers inherited, one idle session held
+    # 2.1 GiB and another session's worker was killed by the OOM killer.
+    code = """
+import ctypes, mmap, resource
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_ssize_t
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+page = mmap.mmap(-1, 4096)
+address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+locked = libc.mlock(ctypes.c_void_p(address), 4096)
+lock_errno = ctypes.get_errno()
+mapped = libc.mmap(None, 4096, 3, 0x22 | 0x2000, -1, 0)  # private, anonymous, MAP_LOCKED
+(resource.getrlimit(resource.RLIMIT_MEMLOCK), locked, lock_errno, mapped, ctypes.get_errno())
+"""
+    rec = box.run(code, session="mlock")
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == ((0, 0), -1, 1, -1, 1), rec  # 1: EPERM
+
+
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
     rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
     assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]

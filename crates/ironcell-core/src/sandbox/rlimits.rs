@@ -8,6 +8,10 @@
 //! alone a few threads would exhaust it. memfd, whose pages belong to no mapping, is refused by
 //! seccomp.
 //!
+//! Locked memory (SECURITY.md #127): none. Locking one 4 KiB page of a large page-cache folio
+//! (`mlock`, `MAP_LOCKED`) kept the whole 2 MiB folio from being reclaimed, uncounted: 8 MiB of
+//! the inherited RLIMIT_MEMLOCK held 4 GiB. Python workloads do not lock memory.
+//!
 //! Pending signals and POSIX timers (SECURITY.md #120): RLIMIT_SIGPENDING, see
 //! [`SIGNALS_PENDING`].
 //!
@@ -49,6 +53,7 @@ pub fn apply_worker_limits(limits: &WorkerLimits) -> std::io::Result<()> {
     Resource::NOFILE.set(limits.open_files, limits.open_files)?;
     let nproc = thread_rlimit(limits.threads, tasks_on_machine()?);
     Resource::NPROC.set(nproc, nproc)?;
+    Resource::MEMLOCK.set(0, 0)?;
     let (_, hard) = Resource::SIGPENDING.get()?;
     let pending = SIGNALS_PENDING.min(hard);
     Resource::SIGPENDING.set(pending, pending)?;
