@@ -49,6 +49,7 @@ def zygote_prepare():
 
     warnings.filterwarnings("always", message="coroutine .* was never awaited", category=RuntimeWarning)
     _poll_instead_of_epoll()
+    _private_anonymous_mmap()
     _quiet_for_reported_coroutines()
     _watch_figure_saves()
     _copy_data_without_modes()
@@ -64,6 +65,47 @@ def _poll_instead_of_epoll():
     import selectors
 
     selectors.DefaultSelector = selectors.PollSelector
+
+
+def _private_anonymous_mmap():
+    """The sandbox refuses shared anonymous mappings: their pages live in a hidden file that a
+    4 KiB leftover of the mapping keeps whole, outside every memory limit (SECURITY.md #129).
+    A worker cannot fork, so no other process could share them anyway: `mmap.mmap(-1, n)` (and
+    `access=ACCESS_WRITE`/`ACCESS_READ`) gives a private anonymous mapping instead, which behaves
+    the same here and counts against the memory limit."""
+    import mmap as _mmap
+
+    base = _mmap.mmap
+    if getattr(base, "_ironcell_private_anonymous", False):
+        return
+    shared_types = (_mmap.MAP_SHARED, getattr(_mmap, "MAP_SHARED_VALIDATE", 0x03))
+
+    class mmap(base):
+        __slots__ = ()
+        _ironcell_private_anonymous = True
+
+        def __new__(
+            cls,
+            fileno,
+            length,
+            flags=_mmap.MAP_SHARED,
+            prot=_mmap.PROT_WRITE | _mmap.PROT_READ,
+            access=_mmap.ACCESS_DEFAULT,
+            offset=0,
+            **kwargs,
+        ):
+            if fileno == -1:
+                if access == _mmap.ACCESS_READ:
+                    flags, prot, access = _mmap.MAP_PRIVATE, _mmap.PROT_READ, _mmap.ACCESS_DEFAULT
+                elif access == _mmap.ACCESS_WRITE:
+                    access = _mmap.ACCESS_COPY
+                elif access == _mmap.ACCESS_DEFAULT and flags & 0x0F in shared_types:
+                    flags = (flags & ~0x0F) | _mmap.MAP_PRIVATE
+            return base.__new__(cls, fileno, length, flags, prot, access, offset, **kwargs)
+
+    mmap.__module__ = "mmap"
+    mmap.__doc__ = base.__doc__
+    _mmap.mmap = mmap
 
 
 def prepare_worker(env, servers_json="[]", options=None):

@@ -523,6 +523,43 @@ mapped = libc.mmap(None, 4096, 3, 0x22 | 0x2000, -1, 0)  # private, anonymous, M
     assert eval(rec["result"]) == ((0, 0), -1, 1, -1, 1), rec  # 1: EPERM
 
 
+def shmem_mb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) >> 10
+    raise AssertionError("no Shmem line")
+
+
+def test_129_shared_anonymous_memory_is_refused_and_mmap_minus_one_is_private(box):
+    # A shared anonymous mapping's pages live in a hidden file that a 4 KiB leftover of the
+    # mapping keeps whole: three 768 MiB maps, touched and shrunk with resize(4096), held
+    # 2.3 GB past every limit, and another session's worker was OOM-killed.
+    code = """
+import ctypes, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_ssize_t
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+raw = libc.mmap(None, 4096, 3, 0x21, -1, 0)  # MAP_SHARED | MAP_ANONYMOUS
+raw_errno = ctypes.get_errno()
+KEEP = []
+for _ in range(3):
+    m = mmap.mmap(-1, 768 << 20)
+    for off in range(0, len(m), 4096):
+        m[off] = 1
+    m.resize(4096)
+    KEEP.append(m)
+w = mmap.mmap(-1, 8192, access=mmap.ACCESS_WRITE)
+w[:3] = b'abc'
+(raw, raw_errno, [len(m) for m in KEEP], w[:3], isinstance(w, mmap.mmap))
+"""
+    before = shmem_mb()
+    rec = box.run(code, session="shmem", timeout_s=120)
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == (-1, 1, [4096] * 3, b"abc", True), rec
+    assert shmem_mb() - before < 256, "the session holds shared memory past its limits"
+    assert box.run("1", session="shmem", reset=True)["status"] == "ok"
+
+
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
     rec = box.run("import ctypes\nctypes.string_at(0)", session="segv")
     assert rec["status"] == "crashed" and "SIGSEGV" in rec["error"]["message"]
@@ -1107,6 +1144,7 @@ def _rlimits(b, ctx):
 
 def _shared_memory(b, ctx):
     assert b.outcome("__import__('mmap').mmap(-1, 3 << 30)") == "OSError:12"
+    assert b.outcome("__import__('mmap').mmap.__mro__[1](-1, 4096)") == "PermissionError:1"
     assert b.outcome("os.memfd_create('x')") == "PermissionError:1"
 
 
@@ -1131,7 +1169,7 @@ ATTACK_FOR_PROTECTION = {
     "no ptrace, bpf, namespaces, mounts, keys, io_uring": _kill_list,
     "no capabilities, no new privileges": _privileges,
     "CPU, memory, file size, open files": _rlimits,
-    "shared memory counted: mmap(-1, n), memfd": _shared_memory,
+    "no uncounted shared memory: mmap(-1, n), memfd": _shared_memory,
     "threads capped": _threads,
     "wall time, output size, scratch quota, session count": _supervisor,
 }

@@ -286,13 +286,13 @@ impl Sandbox {
                 vec![Some("rlimits".into())],
             ),
             (
-                "shared memory counted: mmap(-1, n), memfd",
+                "no uncounted shared memory: mmap(-1, n), memfd",
                 vec![
                     Some(format!(
                         "RLIMIT_AS ({} MiB: memory + headroom)",
                         self.address_space_bytes() >> 20
                     )),
-                    sc("memfd_create refused"),
+                    sc("shared anonymous mmap and memfd_create refused"),
                 ],
             ),
             ("threads capped", vec![self.thread_cap_layer()]),

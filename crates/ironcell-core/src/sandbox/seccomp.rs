@@ -13,8 +13,8 @@
 //!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
 //!    and their fd forms), `memfd_create`, `epoll_create`, the `fcntl` commands that signal on
 //!    the worker's behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`,
-//!    `O_ASYNC`), raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`), and `sendmsg`
-//!    (descriptors in flight).
+//!    `O_ASYNC`), raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`), `sendmsg`
+//!    (descriptors in flight) and shared anonymous mappings.
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
@@ -380,6 +380,23 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
                 arg32(1, Op::Eq, libc::SOL_SOCKET as u64)?,
                 arg32(2, Op::Eq, opt)?,
             ],
+        )?;
+    }
+    // Shared anonymous mappings (SECURITY.md #129): their pages live in a hidden shmem file
+    // that any leftover page of the mapping keeps whole, so `mmap(-1, 1 GiB, MAP_SHARED)`,
+    // touched and shrunk to 4 KiB, held 1 GiB that neither RLIMIT_AS nor RLIMIT_DATA counts.
+    // A worker cannot fork, so nothing could share them; the runner makes Python's
+    // `mmap.mmap(-1, n)` private.
+    let anonymous_type = (libc::MAP_ANONYMOUS | 0x0f) as u64;
+    for shared in [libc::MAP_SHARED, libc::MAP_SHARED_VALIDATE] {
+        when(
+            &mut rules,
+            libc::SYS_mmap,
+            vec![arg32(
+                3,
+                Op::MaskedEq(anonymous_type),
+                (libc::MAP_ANONYMOUS | shared) as u64,
+            )?],
         )?;
     }
     // The flags word is an unsigned int in the kernel (`setfl(fd, filp, (u32)arg)`).

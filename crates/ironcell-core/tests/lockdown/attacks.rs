@@ -498,7 +498,7 @@ pub const ATTACKS: &[Attack] = &[
     Attack {
         name: "48_map_shared_anonymous_memory_past_the_address_space_limit",
         run: |t| map_untouched(t.address_space_bytes + (64 << 20), libc::MAP_SHARED),
-        locked: Expect::Refused(&[libc::ENOMEM]),
+        locked: Expect::Refused(&[libc::EPERM]),
         control: Expect::Done,
     },
     Attack {
