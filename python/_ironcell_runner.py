@@ -74,6 +74,7 @@ def _private_anonymous_mmap():
     `access=ACCESS_WRITE`/`ACCESS_READ`) gives a private anonymous mapping instead, which behaves
     the same here and counts against the memory limit."""
     import mmap as _mmap
+    from operator import index as _index
 
     base = _mmap.mmap
     if getattr(base, "_ironcell_private_anonymous", False):
@@ -94,7 +95,11 @@ def _private_anonymous_mmap():
             offset=0,
             **kwargs,
         ):
-            if fileno == -1:
+            try:
+                anonymous = _index(fileno) == -1
+            except TypeError:
+                anonymous = False  # the base class raises its own error
+            if anonymous:
                 if access == _mmap.ACCESS_READ:
                     flags, prot, access = _mmap.MAP_PRIVATE, _mmap.PROT_READ, _mmap.ACCESS_DEFAULT
                 elif access == _mmap.ACCESS_WRITE:

@@ -550,12 +550,14 @@ for _ in range(3):
     KEEP.append(m)
 w = mmap.mmap(-1, 8192, access=mmap.ACCESS_WRITE)
 w[:3] = b'abc'
-(raw, raw_errno, [len(m) for m in KEEP], w[:3], isinstance(w, mmap.mmap))
+n = mmap.mmap(type('MinusOne', (), {'__index__': lambda self: -1})(), 4096)  # e.g. numpy.int64(-1)
+n[:1] = b'z'
+(raw, raw_errno, [len(m) for m in KEEP], w[:3] + n[:1], isinstance(w, mmap.mmap))
 """
     before = shmem_mb()
     rec = box.run(code, session="shmem", timeout_s=120)
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == (-1, 1, [4096] * 3, b"abc", True), rec
+    assert eval(rec["result"]) == (-1, 1, [4096] * 3, b"abcz", True), rec
     assert shmem_mb() - before < 256, "the session holds shared memory past its limits"
     assert box.run("1", session="shmem", reset=True)["status"] == "ok"
 
