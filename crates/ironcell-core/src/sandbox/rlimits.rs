@@ -9,8 +9,9 @@
 //! seccomp.
 //!
 //! Locked memory (SECURITY.md #127): none. Locking one 4 KiB page of a large page-cache folio
-//! (`mlock`, `MAP_LOCKED`) kept the whole 2 MiB folio from being reclaimed, uncounted: 8 MiB of
-//! the inherited RLIMIT_MEMLOCK held 4 GiB. Python workloads do not lock memory.
+//! (`mlock`, `MAP_LOCKED`) kept the whole 2 MiB folio from being reclaimed, uncounted: 4 MiB
+//! locked held 2.1 GiB (the inherited limit, 8 MiB, allowed twice that). Python workloads do not
+//! lock memory.
 //!
 //! Pending signals and POSIX timers (SECURITY.md #120): RLIMIT_SIGPENDING, see
 //! [`SIGNALS_PENDING`].
