@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AS_NOBODY, IRONCELL, RawServer, shared_tmp_dir, wait_until
+from conftest import IRONCELL, PREFIX_FOR_USER, RawServer, shared_tmp_dir, wait_until
 
 PRELUDE = r'''
 import os, errno
@@ -470,7 +470,7 @@ while made < 200_000 and libc.timer_create(1, ctypes.byref(event), ctypes.byref(
     # For root the count is shared with every root process, so a few may be taken already.
     assert limit == (1024, 1024) and 0 < made <= 1024 and errno_ == 11, rec  # 11: EAGAIN
     probe = fill.replace("made < 200_000", "made < 1")
-    prefix = AS_NOBODY if box.user == "nobody" else []
+    prefix = PREFIX_FOR_USER[box.user]
     out = subprocess.run([*prefix, "/usr/bin/python3", "-c", probe + "\nprint(made)"],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "1", out  # the worker's uid outside the sandbox still can
@@ -502,15 +502,21 @@ with open('src.bin', 'rb') as f:
     assert eval(rec["result"]) == ([38, 38], True, 1000, 1000), rec  # 38: ENOSYS
 
 
+# ctypes' mmap(2), for mappings Python's mmap module would not make.
+RAW_MMAP = """
+import ctypes, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_ssize_t
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+"""
+
+
 def test_127_no_memory_can_be_locked(box):
     # Locking one 4 KiB page of a large page-cache folio kept the whole 2 MiB folio from being
     # reclaimed: with the 8 MiB of RLIMIT_MEMLOCK workers inherited, one idle session held
     # 2.1 GiB and another session's worker was killed by the OOM killer.
-    code = """
-import ctypes, mmap, resource
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_ssize_t
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    code = RAW_MMAP + """
+import resource
 page = mmap.mmap(-1, 4096)
 address = ctypes.addressof(ctypes.c_char.from_buffer(page))
 locked = libc.mlock(ctypes.c_void_p(address), 4096)
@@ -534,11 +540,7 @@ def test_129_shared_anonymous_memory_is_refused_and_mmap_minus_one_is_private(bo
     # A shared anonymous mapping's pages live in a hidden file that a 4 KiB leftover of the
     # mapping keeps whole: three 768 MiB maps, touched and shrunk with resize(4096), held
     # 2.3 GB past every limit, and another session's worker was OOM-killed.
-    code = """
-import ctypes, mmap
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_ssize_t
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    code = RAW_MMAP + """
 raw = libc.mmap(None, 4096, 3, 0x21, -1, 0)  # MAP_SHARED | MAP_ANONYMOUS
 raw_errno = ctypes.get_errno()
 KEEP = []
@@ -862,7 +864,7 @@ class Victim:
         self.log = self.dir / "signals.log"
         script = self.dir / "victim.py"
         script.write_text(VICTIM)
-        prefix = AS_NOBODY if user == "nobody" else []
+        prefix = PREFIX_FOR_USER[user]
         self.proc = subprocess.Popen([*prefix, "/usr/bin/python3.11", str(script), str(self.log)])
         assert wait_until(lambda: Path(str(self.log) + ".ready").exists(), timeout=10)
         self.pid = self.proc.pid
@@ -1069,7 +1071,7 @@ def run_doctor(user: str, abi: int | None, state: Path) -> subprocess.CompletedP
     env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state), "HOME": str(state)}
     if abi is not None:
         env["IRONCELL_LANDLOCK_ABI_MAX"] = str(abi)
-    prefix = AS_NOBODY if user == "nobody" else []
+    prefix = PREFIX_FOR_USER[user]
     return subprocess.run([*prefix, str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=120)
 
 

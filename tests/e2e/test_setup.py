@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AS_NOBODY, IRONCELL, RawServer, server_env
+from conftest import IRONCELL, PREFIX_FOR_USER, RawServer, server_env
 
 TEST_SERVER = Path(__file__).parent / "servers" / "test_server.py"
 WIN_CFG = "AppData/Roaming/Claude/claude_desktop_config.json"
@@ -297,7 +297,7 @@ def test_granted_folders_are_reachable_and_their_siblings_are_not(as_user, how):
 
 def raw_server(env: dict[str, str], log: Path, as_user: str = "root") -> RawServer:
     srv = RawServer.__new__(RawServer)
-    prefix = AS_NOBODY if as_user == "nobody" else []
+    prefix = PREFIX_FOR_USER[as_user]
     srv.proc = subprocess.Popen([*prefix, str(IRONCELL), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=open(log, "ab"), env=env)
     srv.next_id = 1
