@@ -70,8 +70,15 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         )
         .describe()
     );
-    println!("\n{:<58}provided by", "protection");
-    for p in sandbox.protections() {
+    let protections = sandbox.protections();
+    let width = protections
+        .iter()
+        .map(|p| p.protection.chars().count())
+        .max()
+        .unwrap_or(0)
+        + 2;
+    println!("\n{:<w$}provided by", "protection", w = width + 2);
+    for p in protections {
         let by = if p.layers.is_empty() {
             "NOTHING on this host".to_string()
         } else {
@@ -80,7 +87,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         if p.layers.is_empty() {
             ok = false;
         }
-        println!("  {:<56}{by}", p.protection);
+        println!("  {:<width$}{by}", p.protection);
     }
     let refusal = sandbox.preflight().err();
 

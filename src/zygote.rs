@@ -151,6 +151,9 @@ pub struct PlotWarmUp {
 struct Shared {
     pending: Mutex<HashMap<u64, oneshot::Sender<SpawnReply>>>,
     exits: Mutex<HashMap<i32, oneshot::Sender<ExitInfo>>>,
+    /// Workers the memory watch killed ([`Zygote::kill_for_memory`]), with what their exit
+    /// report becomes.
+    over_memory: Mutex<HashMap<i32, ExitInfo>>,
     /// Who waits for the answers to `warm_plots` requests, in the order they were sent.
     plot_warm_ups: Mutex<std::collections::VecDeque<oneshot::Sender<PlotWarmUp>>>,
     info: Mutex<Option<Result<ZygoteInfo, String>>>,
@@ -278,6 +281,7 @@ impl Zygote {
         let shared = Arc::new(Shared {
             pending: Mutex::new(HashMap::new()),
             exits: Mutex::new(HashMap::new()),
+            over_memory: Mutex::new(HashMap::new()),
             plot_warm_ups: Mutex::new(std::collections::VecDeque::new()),
             info: Mutex::new(None),
             ready: tokio::sync::Notify::new(),
@@ -376,6 +380,32 @@ impl Zygote {
             return Err(e);
         }
         Ok(rx)
+    }
+
+    /// The zygote's process id.
+    pub fn pid(&self) -> i32 {
+        lock(&self.child).id() as i32
+    }
+
+    /// The workers this zygote forked and has not reported gone (spares included).
+    pub fn live_workers(&self) -> Vec<i32> {
+        lock(&self.shared.exits).keys().copied().collect()
+    }
+
+    /// SIGKILLs worker `pid` for holding too much memory, if the zygote still lists it as live
+    /// (checked under the lock its exit report takes, so a pid it already reported is never
+    /// signalled); its exit report then says why. Returns whether it was signalled.
+    pub fn kill_for_memory(&self, pid: i32, why: ExitInfo) -> bool {
+        let exits = lock(&self.shared.exits);
+        if !exits.contains_key(&pid) {
+            return false;
+        }
+        lock(&self.shared.over_memory).insert(pid, why);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .is_ok()
     }
 
     /// Kills the zygote (and, through their parent-death signal, all of its workers), then
@@ -477,6 +507,11 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 {
                     tracing::debug!(pid, "pids group not removed: it still has tasks");
                 }
+                let killed_for = lock(&shared.over_memory).remove(&pid);
+                let status = match killed_for {
+                    Some(why) if status == ExitInfo::Signal(libc::SIGKILL) => why,
+                    _ => status,
+                };
                 if let Some(tx) = lock(&shared.exits).remove(&pid) {
                     let _ = tx.send(status);
                 }

@@ -33,6 +33,7 @@ mod font_cache;
 mod live;
 mod pool;
 mod quota;
+mod resident;
 mod spawn;
 use cell::{Cell, link_outputs};
 use font_cache::FONT_CACHE_BUILD_DIR;
@@ -216,6 +217,8 @@ pub struct SessionManager {
     font_cache_settled: tokio::sync::watch::Sender<bool>,
     /// Pre-forked spare workers (see [`pool`]).
     pool: pool::Pool,
+    /// The memory watch's last reading of each live worker's CPU clock (see [`resident`]).
+    memory_marks: Mutex<HashMap<i32, quota::WorkerMark>>,
     /// The root of the cancellation tree: every background task of the manager (quota watch,
     /// font cache, pool, idle expiry) and every job stops when it fires.
     stop: CancellationToken,
@@ -304,11 +307,13 @@ impl SessionManager {
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
             font_cache_settled: tokio::sync::watch::Sender::new(false),
             pool: pool::Pool::new(pool_size),
+            memory_marks: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             tasks: tokio_util::task::TaskTracker::new(),
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             enforce_scratch_quotas_periodically(&manager);
+            resident::watch_memory_periodically(&manager);
             let m = manager.clone();
             manager.spawn_until_stopped(async move {
                 m.build_font_cache().await;

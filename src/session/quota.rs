@@ -17,12 +17,12 @@ pub(super) struct WorkerMark {
     pid: i32,
     /// CPU time of the whole process (every thread, live or exited), in nanoseconds.
     cpu_ns: u64,
-    at: Instant,
+    pub(super) at: Instant,
 }
 
 impl WorkerMark {
     /// The worker `pid` as it is now; `None` if its CPU clock cannot be read (it is gone).
-    fn now(pid: i32) -> Option<WorkerMark> {
+    pub(super) fn now(pid: i32) -> Option<WorkerMark> {
         Some(WorkerMark {
             pid,
             cpu_ns: process_cpu_ns(pid)?,
@@ -31,7 +31,7 @@ impl WorkerMark {
     }
 
     /// The same worker, and it has not run since `self` was taken.
-    fn unchanged_since(&self, earlier: &WorkerMark) -> bool {
+    pub(super) fn unchanged_since(&self, earlier: &WorkerMark) -> bool {
         self.pid == earlier.pid && self.cpu_ns == earlier.cpu_ns
     }
 }

@@ -529,11 +529,11 @@ mapped = libc.mmap(None, 4096, 3, 0x22 | 0x2000, -1, 0)  # private, anonymous, M
     assert eval(rec["result"]) == ((0, 0), -1, 1, -1, 1), rec  # 1: EPERM
 
 
-def shmem_mb() -> int:
+def meminfo_mb(field: str) -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Shmem:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) >> 10
-    raise AssertionError("no Shmem line")
+    raise AssertionError(f"no {field} line")
 
 
 def test_129_shared_anonymous_memory_is_refused_and_mmap_minus_one_is_private(box):
@@ -556,12 +556,95 @@ n = mmap.mmap(type('MinusOne', (), {'__index__': lambda self: -1})(), 4096)  # e
 n[:1] = b'z'
 (raw, raw_errno, [len(m) for m in KEEP], w[:3] + n[:1], isinstance(w, mmap.mmap))
 """
-    before = shmem_mb()
+    before = meminfo_mb("Shmem")
     rec = box.run(code, session="shmem", timeout_s=120)
     assert rec["status"] == "ok", rec
     assert eval(rec["result"]) == (-1, 1, [4096] * 3, b"abcz", True), rec
-    assert shmem_mb() - before < 256, "the session holds shared memory past its limits"
+    assert meminfo_mb("Shmem") - before < 256, "the session holds shared memory past its limits"
     assert box.run("1", session="shmem", reset=True)["status"] == "ok"
+
+
+# A one-instruction filter ("allow") installed three ways: seccomp(2), prctl(PR_SET_SECCOMP) and
+# a classic socket filter on a socketpair; then SO_ATTACH_BPF with no program (EBADF if the
+# option got through), and an ordinary option that must still work. Results are errnos (0: ok).
+BPF_PROGRAMS = """
+import ctypes, platform, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+class Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+insns = (Insn * 1)(Insn(0x06, 0, 0, 0x7fff0000))  # return ALLOW
+prog = Prog(1, insns)
+nr = {"x86_64": 317, "aarch64": 277}[platform.machine()]
+def errno_of(rc):
+    return ctypes.get_errno() if rc < 0 else 0
+own = errno_of(libc.syscall(nr, 1, 0, ctypes.byref(prog)))  # SECCOMP_SET_MODE_FILTER
+legacy = errno_of(libc.prctl(22, 2, ctypes.byref(prog), 0, 0))  # PR_SET_SECCOMP, MODE_FILTER
+a, b = socket.socketpair()
+def sockopt(opt, value):
+    try:
+        a.setsockopt(socket.SOL_SOCKET, opt, value)
+        return 0
+    except OSError as e:
+        return e.errno
+BPF_RESULT = (own, legacy, sockopt(26, bytes(prog)), sockopt(50, -1), sockopt(socket.SO_KEEPALIVE, 1))
+a.close(); b.close()
+"""
+
+
+def bpf_programs_are_refused(b: "Sandboxed", session: str) -> None:
+    rec = b.run(BPF_PROGRAMS + "BPF_RESULT", session=session)
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == (1, 38, 1, 1, 0), rec  # 1: EPERM, 38: ENOSYS
+    assert b.run("1 + 1", session=session)["result"] == "2"
+
+
+def test_131_the_worker_cannot_make_bpf_programs_seccomp_or_socket_filters(box):
+    # Every seccomp filter (and every classic socket filter) is a program the kernel
+    # JIT-compiles into kernel memory no rlimit counts; 200 threads stacked ~700,000 of them
+    # (4.7 GB) and freeing them deadlocked the kernel's BPF allocator for every process.
+    bpf_programs_are_refused(box, "bpf")
+
+
+# 1,000 private anonymous 2 MiB-aligned ranges, each advised MADV_HUGEPAGE, touched once, then
+# unmapped but for their first 4 KiB: with huge pages on, each keeps a whole 2 MiB page that
+# neither rlimit nor RssAnon counts. Returns (the THP-disable flag, the pieces kept).
+HUGE_PAGES = RAW_MMAP + """
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+HUGE = 2 << 20
+PIECES = []
+for _ in range(1000):
+    raw = libc.mmap(None, 2 * HUGE, 3, 0x22, -1, 0)
+    assert raw > 0, ctypes.get_errno()
+    start = (raw + HUGE - 1) & ~(HUGE - 1)
+    libc.madvise(start, HUGE, 14)  # MADV_HUGEPAGE
+    ctypes.c_char.from_address(start).value = b"x"
+    if start > raw:
+        libc.munmap(raw, start - raw)
+    libc.munmap(start + 4096, raw + 2 * HUGE - start - 4096)
+    PIECES.append(start)
+(libc.prctl(42, 0, 0, 0, 0), len(PIECES))  # PR_GET_THP_DISABLE
+"""
+
+
+def huge_pages_are_off(b: "Sandboxed", session: str) -> None:
+    before = meminfo_mb("MemAvailable")
+    rec = b.run(HUGE_PAGES, session=session, timeout_s=120)
+    assert rec["status"] == "ok", rec
+    assert eval(rec["result"]) == (1, 1000), rec
+    held = before - meminfo_mb("MemAvailable")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        # 2,000 MB with huge pages on; 1,000 pieces of 4 KiB are 4 MB (plus page tables).
+        assert held < 512, f"the session holds {held} MB in cut-down huge pages"
+    assert b.run("1", session=session, reset=True)["status"] == "ok"
+
+
+def test_132_workers_allocate_no_transparent_huge_pages(box):
+    huge_pages_are_off(box, "thp")
 
 
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
@@ -729,6 +812,55 @@ def test_memory_limit_setting_is_applied(state_dir):
     r = srv.call("del a\nb = bytearray(300 << 20)")["structuredContent"]
     assert r["status"] == "error" and r["error"]["type"] == "MemoryError", r
     srv.close()
+
+
+# Private anonymous memory that RLIMIT_DATA stops counting: 32 MiB chunks written and then made
+# read-only, or mapped MAP_GROWSDOWN (counted as stack). Without the host's memory watch, 24 of
+# them (768 MiB) fit under a 256 MiB limit and stay resident while the session idles.
+HIDDEN_MEMORY = RAW_MMAP + """
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+HIDDEN = []
+def hide(chunks):
+    for i in range(chunks):
+        flags = 0x22 | (0x100 if i % 2 else 0)  # private, anonymous; every other MAP_GROWSDOWN
+        at = libc.mmap(None, 32 << 20, 3, flags, -1, 0)
+        if at == -1:
+            return
+        ctypes.memset(at, 1, 32 << 20)
+        if not i % 2:
+            libc.mprotect(at, 32 << 20, 1)
+        HIDDEN.append(at)
+"""
+
+
+def hidden_memory_is_killed(b: "Sandboxed", chunks: int) -> None:
+    """A run hiding `chunks` chunks is killed, and so is a thread doing it after its run."""
+    rec = b.run(HIDDEN_MEMORY + f"hide({chunks})\nimport time\ntime.sleep(10)\nlen(HIDDEN)", session="hide-run", timeout_s=25)
+    assert rec["status"] == "crashed" and "killed for holding" in rec["error"]["message"], rec
+    assert "--memory-limit" in rec["error"]["message"], rec
+    pid = int(b.run("os.getpid()", session="hide-idle")["result"])
+    rec = b.run(
+        HIDDEN_MEMORY + "import threading, time\n"
+        f"threading.Thread(target=lambda: (time.sleep(0.3), hide({chunks}), time.sleep(600)), daemon=True).start()\n'started'",
+        session="hide-idle",
+    )
+    assert rec["result"] == "'started'", rec
+    assert wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=20), "the idle worker kept its hidden memory"
+    after = b.srv.call("1", session="hide-idle")["structuredContent"]
+    assert any("killed for holding" in n and "while idle" in n for n in after.get("notices", [])), after
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_130_memory_made_read_only_or_growsdown_still_counts_against_the_limit(user):
+    b = Sandboxed(user, MCP_BRIDGE_MEMORY_LIMIT="256m")
+    try:
+        honest = b.run("keep = bytearray(200 << 20)\nimport time\ntime.sleep(0.5)\nlen(keep) >> 20", session="honest")
+        assert honest["result"] == "200", honest
+        hidden_memory_is_killed(b, 24)
+        # The honest session kept its worker and its variable all along.
+        assert b.run("len(keep) >> 20", session="honest")["result"] == "200"
+    finally:
+        b.close()
 
 
 def test_43_two_hundred_concurrent_calls_are_bounded_and_cancel_cleanly(state_dir):
@@ -1063,7 +1195,8 @@ def protections_of(doctor_out: str) -> dict[str, str]:
     for line in lines[start + 1:]:
         if not line.startswith("  "):
             break
-        rows[line[2:58].strip()] = line[58:].strip()
+        protection, layers = line[2:].split("  ", 1)  # two spaces at least end the column
+        rows[protection.strip()] = layers.strip()
     return rows
 
 
@@ -1152,6 +1285,20 @@ def _shared_memory(b, ctx):
     assert b.outcome("os.memfd_create('x')") == "PermissionError:1"
 
 
+def _bpf_programs(b, ctx):
+    bpf_programs_are_refused(b, "doctor-bpf")
+
+
+def _huge_pages(b, ctx):
+    huge_pages_are_off(b, "doctor-thp")
+
+
+def _hidden_memory(b, ctx):
+    info = json.loads(b.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    limit_mib = info["sandbox"]["limits"]["memory_bytes"] >> 20
+    hidden_memory_is_killed(b, limit_mib // 32 + 12)
+
+
 def _threads(b, ctx):
     thread_storm_is_capped(b)
 
@@ -1174,6 +1321,9 @@ ATTACK_FOR_PROTECTION = {
     "no capabilities, no new privileges": _privileges,
     "CPU, memory, file size, open files": _rlimits,
     "no uncounted shared memory: mmap(-1, n), memfd": _shared_memory,
+    "no BPF programs of its own: seccomp, socket filters": _bpf_programs,
+    "no transparent huge pages (2 MiB kept for 4 KiB)": _huge_pages,
+    "memory the data limit misses (mprotect, MAP_GROWSDOWN)": _hidden_memory,
     "threads capped": _threads,
     "wall time, output size, scratch quota, session count": _supervisor,
 }

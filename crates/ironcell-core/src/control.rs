@@ -115,6 +115,13 @@ pub enum ZygoteEvent {
 pub enum ExitInfo {
     Code(i32),
     Signal(i32),
+    /// Killed by the host's memory watch (never sent by the zygote): the worker held `held_mib`
+    /// of anonymous memory (resident and swapped), past what its memory limit of `limit_mib`
+    /// allows.
+    OverMemory {
+        held_mib: u64,
+        limit_mib: u64,
+    },
 }
 
 impl fmt::Display for ExitInfo {
@@ -131,6 +138,14 @@ impl fmt::Display for ExitInfo {
                 };
                 write!(f, "was killed by {name}")
             }
+            ExitInfo::OverMemory {
+                held_mib,
+                limit_mib,
+            } => write!(
+                f,
+                "was killed for holding {held_mib} MiB of memory, past the memory limit of \
+                 {limit_mib} MiB (--memory-limit or MCP_BRIDGE_MEMORY_LIMIT raises it)"
+            ),
         }
     }
 }

@@ -13,10 +13,13 @@
 //! 2. `no_new_privs` — required by seccomp for an unprivileged process, and no exec can regain
 //!    privileges;
 //! 3. not dumpable — no core files, no same-uid ptrace or `/proc/<pid>/mem` of the worker;
+//!    transparent huge pages off — a 2 MiB page cut down to 4 KiB would stay whole, past
+//!    every limit (SECURITY.md #132);
 //! 4. rlimits (and SIGXFSZ ignored, so a too-large file is an `OSError`, not a death; and at
 //!    most two malloc arenas, so threads do not spend RLIMIT_AS on reserved arenas);
 //! 5. Landlock — the filesystem view (and TCP, scopes on newer ABIs);
-//! 6. seccomp — last, because it would forbid the syscalls the steps above use.
+//! 6. seccomp — last, because it would forbid the syscalls the steps above use; one program,
+//!    which refuses `seccomp` itself, so no later filter can be stacked on it (#131).
 //!
 //! Fail closed: in `enforce` mode a layer that cannot be applied is an error and the worker
 //! exits without running anything; only `best-effort` continues, and then says what is missing.
@@ -295,6 +298,18 @@ impl Sandbox {
                     sc("shared anonymous mmap and memfd_create refused"),
                 ],
             ),
+            (
+                "no BPF programs of its own: seccomp, socket filters",
+                vec![sc("seccomp() and SO_ATTACH_* refused")],
+            ),
+            (
+                "no transparent huge pages (2 MiB kept for 4 KiB)",
+                vec![Some("prctl(PR_SET_THP_DISABLE)".into())],
+            ),
+            (
+                "memory the data limit misses (mprotect, MAP_GROWSDOWN)",
+                vec![Some("host memory watch (RssAnon + VmSwap)".into())],
+            ),
             ("threads capped", vec![self.thread_cap_layer()]),
             (
                 "wall time, output size, scratch quota, session count",
@@ -354,6 +369,10 @@ pub fn apply_lockdown_with_compiled_filters(
         sys::set_not_dumpable().map_err(|e| e.to_string()),
     )?;
     step("SIGXFSZ", sys::ignore_sigxfsz().map_err(|e| e.to_string()))?;
+    step(
+        "huge pages off",
+        sys::disable_transparent_huge_pages().map_err(|e| e.to_string()),
+    )?;
     sys::limit_malloc_arenas(2);
     step(
         "rlimits",

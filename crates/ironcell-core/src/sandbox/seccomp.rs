@@ -114,8 +114,6 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_getgroups, libc::SYS_getpgid, libc::SYS_getsid, libc::SYS_getrandom,
     libc::SYS_uname, libc::SYS_sysinfo, libc::SYS_getpriority, libc::SYS_getrusage,
     libc::SYS_getrlimit, libc::SYS_setrlimit, libc::SYS_times,
-    // More filters can only narrow what is allowed.
-    libc::SYS_seccomp,
     // Time.
     libc::SYS_clock_gettime, libc::SYS_clock_getres, libc::SYS_clock_nanosleep,
     libc::SYS_nanosleep, libc::SYS_gettimeofday, libc::SYS_setitimer, libc::SYS_getitimer,
@@ -180,6 +178,15 @@ const REFUSED: &[libc::c_long] = &[
     // then hand no new worker its socket (ETOOMANYREFS). `sendmsg` is the only call that
     // carries them (`sendmmsg` is not allowed); Python's sockets send with `send`/`sendto`.
     libc::SYS_sendmsg,
+    // BPF programs of the worker's own (SECURITY.md #131): every seccomp filter is a program
+    // the kernel converts and JIT-compiles into executable kernel memory that no rlimit counts,
+    // kept until the last thread it binds ends, and each new thread may stack filters anew.
+    // 200 threads stacked ~700,000 one-instruction filters (4.7 GB, 2.9 GB of it vmalloc), and
+    // freeing them all when the worker ended deadlocked a 6.18 kernel's BPF allocator: no
+    // process on the machine could install a filter again until a reboot. The worker's own
+    // filter is a single program, installed before these refusals are in force; the
+    // `prctl(PR_SET_SECCOMP)` form is not on the prctl allow-list (ENOSYS).
+    libc::SYS_seccomp,
 ];
 /// `fchmodat2` (Linux 6.6) has the same number on every architecture; not every libc target
 /// names it.
@@ -275,17 +282,24 @@ const FCNTL_REFUSED: &[u64] = &[
     libc::F_NOTIFY as u64,
 ];
 
-/// Socket options that set a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF` and their
-/// `*FORCE` forms, which need CAP_NET_ADMIN anyway): refused with EPERM on every socket. A
-/// socket's queued data is kernel memory that no rlimit of the worker counts; raised to the
-/// host's `net.core.wmem_max` (4 MiB on some machines, more on hosts tuned for networking), 510
-/// socketpairs held ~8 GB (SECURITY.md #112). At the defaults a worker's 1,024 descriptors hold
-/// ~0.3 GB at most (see its residual risks).
+/// `SOL_SOCKET` options refused with EPERM on every socket:
+/// - the buffer sizes (`SO_SNDBUF`, `SO_RCVBUF` and their `*FORCE` forms, which need
+///   CAP_NET_ADMIN anyway). A socket's queued data is kernel memory that no rlimit of the
+///   worker counts; raised to the host's `net.core.wmem_max` (4 MiB on some machines, more on
+///   hosts tuned for networking), 510 socketpairs held ~8 GB (SECURITY.md #112). At the
+///   defaults a worker's 1,024 descriptors hold ~0.3 GB at most (see its residual risks);
+/// - socket filters (`SO_ATTACH_FILTER`, `SO_ATTACH_BPF` and the two reuseport forms): a
+///   classic filter on a `socketpair` is converted and JIT-compiled like a seccomp filter, and
+///   can be made and replaced at will (SECURITY.md #131).
 const SOCKOPT_REFUSED: &[u64] = &[
     libc::SO_SNDBUF as u64,
     libc::SO_RCVBUF as u64,
     libc::SO_SNDBUFFORCE as u64,
     libc::SO_RCVBUFFORCE as u64,
+    libc::SO_ATTACH_FILTER as u64,
+    libc::SO_ATTACH_BPF as u64,
+    libc::SO_ATTACH_REUSEPORT_CBPF as u64,
+    libc::SO_ATTACH_REUSEPORT_EBPF as u64,
 ];
 
 /// prctl options user code may use; the rest (e.g. making itself dumpable again) get ENOSYS.
@@ -298,9 +312,11 @@ const PRCTL_ALLOWED: &[u64] = &[
     libc::PR_CAPBSET_READ as u64,
     libc::PR_GET_PDEATHSIG as u64,
     0x5356_4d41, // PR_SET_VMA: glibc names anonymous mappings
-    // One-way and harmless; seccompiler sets it before each filter it installs (code in the
-    // sandbox may install filters of its own, which can only narrow this one).
+    // One-way and already set; harmless.
     libc::PR_SET_NO_NEW_PRIVS as u64,
+    // Read-only: the lockdown set it (SECURITY.md #132), and only PR_SET_THP_DISABLE could
+    // clear it.
+    libc::PR_GET_THP_DISABLE as u64,
 ];
 
 #[allow(clippy::unnecessary_cast)]
@@ -709,11 +725,15 @@ pub fn install_syscall_filter_on_current_thread(own_pid: u32) -> Result<(), Secc
     install_programs_on_current_thread(&build_worker_filters(own_pid)?)
 }
 
-/// Installs already compiled programs, in order, on the calling thread.
+/// Installs the worker's already compiled program on the calling thread. There must be exactly
+/// one: the policy refuses `seccomp` itself (#131), so a second program would be refused.
 pub fn install_programs_on_current_thread(programs: &[BpfProgram]) -> Result<(), SeccompError> {
-    for program in programs {
-        seccompiler::apply_filter(program)?;
-    }
+    let [program] = programs else {
+        return Err(SeccompError::Merge(
+            "the worker's filter must be one program (seccomp refuses a second)",
+        ));
+    };
+    seccompiler::apply_filter(program)?;
     Ok(())
 }
 
@@ -881,6 +901,10 @@ mod tests {
         values.extend(more);
         values.sort_unstable();
         values.dedup();
+        // The third argument: fcntl's flags and setsockopt's option names.
+        let mut thirds = vec![0, libc::O_ASYNC as u64, libc::O_NONBLOCK as u64];
+        thirds.extend(SOCKOPT_REFUSED.iter().copied());
+        thirds.push(libc::SO_KEEPALIVE as u64);
         let conditional: Vec<i64> = allow_list()
             .unwrap()
             .into_iter()
@@ -894,7 +918,7 @@ mod tests {
                 if conditional.contains(&i64::from(nr)) {
                     for &x in &values {
                         for &y in &values {
-                            for &z in &[0, libc::O_ASYNC as u64, libc::O_NONBLOCK as u64] {
+                            for &z in &thirds {
                                 let args = [x, y, z, 0, 0, 0];
                                 assert_eq!(
                                     run(merged, nr, a, args),
@@ -946,6 +970,49 @@ mod tests {
             libc::SECCOMP_RET_KILL_PROCESS
         );
         assert_eq!(run(merged, 1000, native, [0; 6]), enosys);
+        // No BPF program of the worker's own (#131): seccomp refused, its prctl form unknown,
+        // socket filters refused, other socket options allowed.
+        assert_eq!(
+            run(merged, nr(libc::SYS_seccomp), native, [1, 0, 0, 0, 0, 0]),
+            eperm
+        );
+        assert_eq!(
+            run(
+                merged,
+                nr(libc::SYS_prctl),
+                native,
+                [libc::PR_SET_SECCOMP as u64, 2, 0, 0, 0, 0]
+            ),
+            enosys
+        );
+        let sockopt = |opt: libc::c_int| {
+            run(
+                merged,
+                nr(libc::SYS_setsockopt),
+                native,
+                [3, libc::SOL_SOCKET as u64, opt as u64, 0, 4, 0],
+            )
+        };
+        for opt in [
+            libc::SO_ATTACH_FILTER,
+            libc::SO_ATTACH_BPF,
+            libc::SO_ATTACH_REUSEPORT_CBPF,
+            libc::SO_ATTACH_REUSEPORT_EBPF,
+        ] {
+            assert_eq!(sockopt(opt), eperm, "option {opt}");
+        }
+        assert_eq!(sockopt(libc::SO_KEEPALIVE), ok);
+        // The lockdown turned huge pages off (#132); the code may read that, not undo it.
+        let prctl = |op: libc::c_int| {
+            run(
+                merged,
+                nr(libc::SYS_prctl),
+                native,
+                [op as u64, 0, 0, 0, 0, 0],
+            )
+        };
+        assert_eq!(prctl(libc::PR_GET_THP_DISABLE), ok);
+        assert_eq!(prctl(libc::PR_SET_THP_DISABLE), enosys);
     }
 
     #[test]
