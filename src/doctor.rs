@@ -171,11 +171,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
                     .unwrap_or_else(|| "?".into())
             };
             println!(
-                "\ntest worker   pid {pid} locked down and ran code in {:.0} ms: NoNewPrivs {}, Seccomp {}, CapEff {}",
+                "\ntest worker   pid {pid} locked down and ran code in {:.0} ms: NoNewPrivs {}, Seccomp {}, CapEff {}, THP_enabled {}",
                 started.elapsed().as_secs_f64() * 1000.0,
                 field("NoNewPrivs:"),
                 field("Seccomp:"),
-                field("CapEff:")
+                field("CapEff:"),
+                field("THP_enabled:")
             );
             for n in &record.notices {
                 println!("  note        {n}");

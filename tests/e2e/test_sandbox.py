@@ -783,6 +783,8 @@ def test_doctor_reports_each_layer_and_fails_when_serve_would_refuse(state_dir):
     ok = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=60)
     for text in ("landlock", "seccomp", "NoNewPrivs 1, Seccomp 2, CapEff 0000000000000000"):
         assert text in ok.stdout, text
+    if "THP_enabled:" in Path("/proc/self/status").read_text():  # Linux 6.x
+        assert "THP_enabled 0" in ok.stdout, ok.stdout  # huge pages off in the worker (#132)
     if root_threads_capped():
         assert ok.returncode == 0 and "verdict       ready" in ok.stdout, ok.stdout + ok.stderr
     else:  # root with no pids cgroup: nothing caps its threads, and doctor says so (#49)
@@ -850,6 +852,25 @@ def hidden_memory_is_killed(b: "Sandboxed", chunks: int) -> None:
     assert any("killed for holding" in n and "while idle" in n for n in after.get("notices", [])), after
 
 
+# The worker's main thread, idle after its run, made to end with the raw exit call (a handler
+# for signal 60 that *is* libc's syscall(), so syscall(60, ...) runs: SYS_exit, one thread);
+# the process lives on in a thread that then hides memory. /proc/<pid>/status of a process
+# whose leader exited shows no memory counters (#133).
+LEADERLESS = HIDDEN_MEMORY + """
+import signal, threading, time
+libc.signal.restype = ctypes.c_void_p
+libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.signal(60, ctypes.cast(libc.syscall, ctypes.c_void_p).value)
+main = threading.main_thread().ident
+def leaderless(chunks):
+    time.sleep(0.5)
+    signal.pthread_kill(main, 60)
+    time.sleep(0.5)
+    hide(chunks)
+    time.sleep(600)
+"""
+
+
 @pytest.mark.parametrize("user", USERS)
 def test_130_memory_made_read_only_or_growsdown_still_counts_against_the_limit(user):
     b = Sandboxed(user, MCP_BRIDGE_MEMORY_LIMIT="256m")
@@ -857,6 +878,10 @@ def test_130_memory_made_read_only_or_growsdown_still_counts_against_the_limit(u
         honest = b.run("keep = bytearray(200 << 20)\nimport time\ntime.sleep(0.5)\nlen(keep) >> 20", session="honest")
         assert honest["result"] == "200", honest
         hidden_memory_is_killed(b, 24)
+        pid = int(b.run("os.getpid()", session="leaderless")["result"])
+        rec = b.run(LEADERLESS + "threading.Thread(target=leaderless, args=(24,), daemon=True).start()\n'armed'", session="leaderless")
+        assert rec["result"] == "'armed'", rec
+        assert wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=20), "a worker without its main thread kept its hidden memory"
         # The honest session kept its worker and its variable all along.
         assert b.run("len(keep) >> 20", session="honest")["result"] == "200"
     finally:
