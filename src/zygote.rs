@@ -132,11 +132,47 @@ pub struct ZygoteInfo {
 /// a receiver that yields its exit status once the zygote reaped it.
 pub struct SpawnedWorker {
     pub pid: i32,
+    pub process: WorkerProcess,
     pub socket: std::os::unix::net::UnixStream,
     pub exit: oneshot::Receiver<ExitInfo>,
 }
 
-type SpawnReply = anyhow::Result<(i32, oneshot::Receiver<ExitInfo>)>;
+/// What signals reach a worker through: its pidfd, which the zygote opened before it could
+/// reap the worker, so a signal never reaches another process that got the pid after the
+/// worker was reaped (`ESRCH` then); its pid where the kernel has no pidfds.
+#[derive(Debug, Clone)]
+pub struct WorkerProcess {
+    pid: i32,
+    pidfd: Option<Arc<OwnedFd>>,
+}
+
+impl WorkerProcess {
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Sends `sig`; whether it was delivered (false once the worker is gone).
+    pub fn signal(&self, sig: nix::sys::signal::Signal) -> bool {
+        match &self.pidfd {
+            Some(fd) => {
+                // SAFETY: pidfd_send_signal(2) on a pidfd we own, with no siginfo.
+                let rc = unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        fd.as_raw_fd(),
+                        sig as libc::c_int,
+                        std::ptr::null::<libc::siginfo_t>(),
+                        0,
+                    )
+                };
+                rc == 0
+            }
+            None => nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), sig).is_ok(),
+        }
+    }
+}
+
+type SpawnReply = anyhow::Result<(WorkerProcess, oneshot::Receiver<ExitInfo>)>;
 
 /// What the zygote reported after a [`ZygoteRequest::WarmPlots`].
 #[derive(Debug, Clone)]
@@ -150,7 +186,7 @@ pub struct PlotWarmUp {
 
 struct Shared {
     pending: Mutex<HashMap<u64, oneshot::Sender<SpawnReply>>>,
-    exits: Mutex<HashMap<i32, oneshot::Sender<ExitInfo>>>,
+    exits: Mutex<HashMap<i32, (oneshot::Sender<ExitInfo>, WorkerProcess)>>,
     /// Workers the memory watch killed ([`Zygote::kill_for_memory`]), with what their exit
     /// report becomes.
     over_memory: Mutex<HashMap<i32, ExitInfo>>,
@@ -346,11 +382,12 @@ impl Zygote {
             lock(&self.shared.pending).remove(&id);
             return Err(e);
         }
-        let (pid, exit) = rx
+        let (process, exit) = rx
             .await
             .map_err(|_| anyhow!("the zygote exited during a spawn"))??;
         Ok(SpawnedWorker {
-            pid,
+            pid: process.pid(),
+            process,
             socket: host_sock,
             exit,
         })
@@ -397,15 +434,11 @@ impl Zygote {
     /// signalled); its exit report then says why. Returns whether it was signalled.
     pub fn kill_for_memory(&self, pid: i32, why: ExitInfo) -> bool {
         let exits = lock(&self.shared.exits);
-        if !exits.contains_key(&pid) {
+        let Some((_, process)) = exits.get(&pid) else {
             return false;
-        }
+        };
         lock(&self.shared.over_memory).insert(pid, why);
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        )
-        .is_ok()
+        process.signal(nix::sys::signal::Signal::SIGKILL)
     }
 
     /// Kills the zygote (and, through their parent-death signal, all of its workers), then
@@ -442,8 +475,8 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     let raw = fd.as_raw_fd();
     let mut buf = Vec::new();
     loop {
-        let msg = match recv_message(raw, &mut buf) {
-            Ok(Some((msg, _fds))) => msg,
+        let (msg, mut fds) = match recv_message(raw, &mut buf) {
+            Ok(Some((msg, fds))) => (msg, fds),
             Ok(None) => break,
             Err(e) => {
                 tracing::error!(error = %e, "zygote control socket failed");
@@ -490,9 +523,13 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 // Register the exit slot before anyone can see the pid, so an early exit is
                 // never lost (the zygote always reports Spawned before that child's Exited).
                 let (tx, rx) = oneshot::channel();
-                lock(&shared.exits).insert(pid, tx);
+                let process = WorkerProcess {
+                    pid,
+                    pidfd: (!fds.is_empty()).then(|| Arc::new(fds.swap_remove(0))),
+                };
+                lock(&shared.exits).insert(pid, (tx, process.clone()));
                 if let Some(waiter) = lock(&shared.pending).remove(&id) {
-                    let _ = waiter.send(Ok((pid, rx)));
+                    let _ = waiter.send(Ok((process, rx)));
                 }
             }
             ZygoteEvent::SpawnFailed { id, message } => {
@@ -512,7 +549,7 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                     Some(why) if status == ExitInfo::Signal(libc::SIGKILL) => why,
                     _ => status,
                 };
-                if let Some(tx) = lock(&shared.exits).remove(&pid) {
+                if let Some((tx, _)) = lock(&shared.exits).remove(&pid) {
                     let _ = tx.send(status);
                 }
             }
@@ -560,6 +597,36 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
 mod tests {
     use super::*;
     use std::io::Read;
+
+    #[test]
+    fn a_signal_reaches_the_pidfds_process_never_another_that_got_its_pid() {
+        let mut gone = Command::new("sleep").arg("100").spawn().unwrap();
+        // SAFETY: pidfd_open(2) of our own child; the fd is owned below.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, gone.id() as i32, 0) };
+        assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: a fresh fd nothing else owns.
+        let pidfd = Arc::new(unsafe { OwnedFd::from_raw_fd(raw as i32) });
+        let live = WorkerProcess {
+            pid: gone.id() as i32,
+            pidfd: Some(pidfd.clone()),
+        };
+        assert!(live.signal(nix::sys::signal::Signal::SIGKILL));
+        gone.wait().unwrap();
+        // As if the kernel had given the reaped worker's pid to another process.
+        let mut other = Command::new("sleep").arg("100").spawn().unwrap();
+        let stale = WorkerProcess {
+            pid: other.id() as i32,
+            pidfd: Some(pidfd),
+        };
+        assert!(!stale.signal(nix::sys::signal::Signal::SIGKILL));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "the other process was hit"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
 
     #[test]
     fn a_sealed_memfd_holds_its_bytes_and_refuses_every_change() {

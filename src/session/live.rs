@@ -25,7 +25,7 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 use tokio_util::sync::CancellationToken;
 
 use crate::frame::{self, MAX_INFLIGHT_REQUESTS};
-use crate::zygote::{ExitInfo, SpawnedWorker};
+use crate::zygote::{ExitInfo, SpawnedWorker, WorkerProcess};
 
 /// How long to wait for the zygote's report after a worker's socket closed or it was killed.
 const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -61,6 +61,8 @@ pub(super) enum SendError {
 
 pub(super) struct LiveWorker {
     pub pid: i32,
+    /// What signals reach the process through (its pidfd where the kernel has them).
+    process: WorkerProcess,
     /// Sandbox layers this worker runs without (best-effort mode only).
     pub missing_layers: Vec<String>,
     pub frames: FramedRead<OwnedReadHalf, LengthDelimitedCodec>,
@@ -96,9 +98,14 @@ impl LiveWorker {
         session_slot: OwnedSemaphorePermit,
         image_budget_bytes: u64,
     ) -> std::io::Result<LiveWorker> {
-        let SpawnedWorker { pid, socket, exit } = spawned;
+        let SpawnedWorker {
+            pid,
+            process,
+            socket,
+            exit,
+        } = spawned;
         // From here on, an error return drops `guard`, which kills the worker.
-        let mut guard = KillOnDrop(Some(pid));
+        let mut guard = KillOnDrop(Some(process.clone()));
         socket.set_nonblocking(true)?;
         let socket = tokio::net::UnixStream::from_std(socket)?;
         let (read, write) = socket.into_split();
@@ -115,6 +122,7 @@ impl LiveWorker {
         guard.0 = None;
         Ok(LiveWorker {
             pid,
+            process,
             missing_layers: Vec::new(),
             frames: FramedRead::new(read, reader),
             image_budget_bytes,
@@ -194,7 +202,7 @@ impl LiveWorker {
 
     pub fn signal(&self, sig: Signal) {
         if self.exit.is_some() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), sig);
+            self.process.signal(sig);
         }
     }
 
@@ -241,8 +249,7 @@ impl LiveWorker {
             Ok(Err(_)) => None, // the zygote went away: no report will come
             Err(_) => {
                 // No report in time: make sure, then give up waiting.
-                let _ =
-                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), Signal::SIGKILL);
+                self.process.signal(Signal::SIGKILL);
                 None
             }
         }
@@ -258,18 +265,18 @@ impl Drop for LiveWorker {
             && matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
         {
             tracing::debug!(pid = self.pid, "killing a worker the host let go of");
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), Signal::SIGKILL);
+            self.process.signal(Signal::SIGKILL);
         }
     }
 }
 
-/// Kills a pid on drop unless disarmed: covers the steps between spawn and a full handle.
-struct KillOnDrop(Option<i32>);
+/// Kills a worker on drop unless disarmed: covers the steps between spawn and a full handle.
+struct KillOnDrop(Option<WorkerProcess>);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        if let Some(pid) = self.0 {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+        if let Some(process) = self.0.take() {
+            process.signal(Signal::SIGKILL);
         }
     }
 }

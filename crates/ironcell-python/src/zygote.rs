@@ -307,7 +307,7 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                     };
                     drop(fds);
                     let event = crate::worker::fork(py, id, *spec, session_fd, &mask);
-                    send_event(ctl.as_raw_fd(), &event)?;
+                    send_spawn_event(ctl.as_raw_fd(), &event)?;
                 }
                 ZygoteRequest::WarmPlots { font_cache_dir } => {
                     drop(fds);
@@ -317,6 +317,24 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
             }
         }
     }
+}
+
+/// Sends the outcome of a spawn request; a `Spawned` worker's pidfd goes with it, so the host
+/// signals that process and no other: this zygote reaps its children only in its own loop, so
+/// the pid cannot have been reaped (and given to another process) before `pidfd_open`. Kernels
+/// without pidfds (before 5.3) send the event alone, and the host signals by pid.
+fn send_spawn_event(ctl: RawFd, event: &ZygoteEvent) -> anyhow::Result<()> {
+    let ZygoteEvent::Spawned { pid, .. } = event else {
+        return send_event(ctl, event);
+    };
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, *pid, 0) };
+    if raw < 0 {
+        return send_event(ctl, event);
+    }
+    // SAFETY: the fd was just returned to us and nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
+    ironcell_core::control::send_message(ctl, &serde_json::to_vec(event)?, Some(pidfd.as_raw_fd()))
 }
 
 /// Imports matplotlib and pyplot into the zygote (python/_ironcell_runner.py's
