@@ -151,6 +151,16 @@ impl WorkerProcess {
         self.pid
     }
 
+    /// The same process handle (its pidfd), not merely the same pid.
+    fn is(&self, other: &WorkerProcess) -> bool {
+        self.pid == other.pid
+            && match (&self.pidfd, &other.pidfd) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            }
+    }
+
     /// Sends `sig`; whether it was delivered (false once the worker is gone).
     pub fn signal(&self, sig: nix::sys::signal::Signal) -> bool {
         match &self.pidfd {
@@ -425,20 +435,27 @@ impl Zygote {
     }
 
     /// The workers this zygote forked and has not reported gone (spares included).
-    pub fn live_workers(&self) -> Vec<i32> {
-        lock(&self.shared.exits).keys().copied().collect()
+    pub fn live_workers(&self) -> Vec<WorkerProcess> {
+        lock(&self.shared.exits)
+            .values()
+            .map(|(_, process)| process.clone())
+            .collect()
     }
 
-    /// SIGKILLs worker `pid` for holding too much memory, if the zygote still lists it as live
-    /// (checked under the lock its exit report takes, so a pid it already reported is never
-    /// signalled); its exit report then says why. Returns whether it was signalled.
-    pub fn kill_for_memory(&self, pid: i32, why: ExitInfo) -> bool {
+    /// SIGKILLs `worker` for holding too much memory, if the zygote still lists that very
+    /// process as live (checked under the lock its exit report takes, and by its pidfd, so
+    /// neither a worker already reported gone nor a newer one that got its pid is hit); its
+    /// exit report then says why. Returns whether it was signalled.
+    pub fn kill_for_memory(&self, worker: &WorkerProcess, why: ExitInfo) -> bool {
         let exits = lock(&self.shared.exits);
-        let Some((_, process)) = exits.get(&pid) else {
+        let Some((_, listed)) = exits.get(&worker.pid) else {
             return false;
         };
-        lock(&self.shared.over_memory).insert(pid, why);
-        process.signal(nix::sys::signal::Signal::SIGKILL)
+        if !listed.is(worker) {
+            return false;
+        }
+        lock(&self.shared.over_memory).insert(worker.pid, why);
+        worker.signal(nix::sys::signal::Signal::SIGKILL)
     }
 
     /// Kills the zygote (and, through their parent-death signal, all of its workers), then

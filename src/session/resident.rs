@@ -16,6 +16,7 @@
 //! holding its own `mmap_lock` must not stall the async runtime).
 
 use super::*;
+use crate::zygote::WorkerProcess;
 use quota::WorkerMark;
 
 /// How often the watch looks for workers due a reading.
@@ -41,16 +42,19 @@ pub(super) fn watch_memory_periodically(manager: &Arc<SessionManager>) {
     });
 }
 
-/// Anonymous memory of process `pid` (resident and swapped out), in bytes; `None` if no thread
-/// of it has a memory map any more (it is gone, or a zombie waiting to be reaped).
+/// Memory process `pid` holds that the watch counts (anonymous, resident and swapped out, and
+/// its page tables), in bytes; `None` if no thread of it has a memory map any more (it is gone,
+/// or a zombie waiting to be reaped).
 ///
 /// A process whose main thread ended while others live (the raw `exit` system call ends one
 /// thread) shows no memory counters in `/proc/<pid>/status`: the leader has let go of the
 /// memory map its threads still share. So the counters are read from the first of its threads
 /// that shows them (SECURITY.md #133: a worker whose main thread exited held 1.2 GB under a
-/// 256 MiB limit, unseen). The tasks are listed only then.
+/// 256 MiB limit, unseen). The tasks are listed only then. The files are read as bytes: their
+/// first line is the thread's name, which the worker sets (`PR_SET_NAME`) and the kernel
+/// passes on unescaped, so it need not be UTF-8 (#134).
 fn anonymous_bytes(pid: i32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
     if let Some(bytes) = anonymous_bytes_in(&status) {
         return Some(bytes);
     }
@@ -58,22 +62,26 @@ fn anonymous_bytes(pid: i32) -> Option<u64> {
         .ok()?
         .filter_map(Result::ok)
         .find_map(|task| {
-            let status = std::fs::read_to_string(task.path().join("status")).ok()?;
+            let status = std::fs::read(task.path().join("status")).ok()?;
             anonymous_bytes_in(&status)
         })
 }
 
-/// `RssAnon` + `VmSwap` of a `/proc/<pid>/status` text (both in kB; a kernel thread or a
-/// zombie has neither).
-fn anonymous_bytes_in(status: &str) -> Option<u64> {
-    let field = |name: &str| {
-        status.lines().find_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix(':')?;
-            rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
+/// `RssAnon` + `VmSwap` + `VmPTE` of a `/proc/<pid>/status` text (each in kB; a kernel thread
+/// or a zombie has none). Page tables count because a worker can make them without an rlimit
+/// counting them: 4 KiB mappings 1 GiB apart need a page-table page each (#128: ~0.5 GB per
+/// session); an honest worker's are a few MiB.
+fn anonymous_bytes_in(status: &[u8]) -> Option<u64> {
+    let field = |name: &[u8]| {
+        status.split(|&b| b == b'\n').find_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix(b":")?;
+            let text = std::str::from_utf8(rest).ok()?;
+            text.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
         })
     };
-    let resident = field("RssAnon")?;
-    Some((resident + field("VmSwap").unwrap_or(0)) << 10)
+    let resident = field(b"RssAnon")?;
+    let extra = field(b"VmSwap").unwrap_or(0) + field(b"VmPTE").unwrap_or(0);
+    Some((resident + extra) << 10)
 }
 
 /// The most anonymous memory a worker may hold, given the zygote's own.
@@ -91,12 +99,12 @@ impl SessionManager {
             return;
         };
         let live = zygote.live_workers();
-        let due: Vec<i32> = {
+        let due: Vec<WorkerProcess> = {
             let mut marks = lock(&self.memory_marks);
-            marks.retain(|pid, _| live.contains(pid));
-            live.iter()
-                .copied()
-                .filter(|&pid| {
+            marks.retain(|pid, _| live.iter().any(|w| w.pid() == *pid));
+            live.into_iter()
+                .filter(|worker| {
+                    let pid = worker.pid();
                     // A clock that cannot be read is no reason to skip a live worker.
                     let Some(now) = WorkerMark::now(pid) else {
                         marks.remove(&pid);
@@ -118,9 +126,12 @@ impl SessionManager {
         let zygote_pid = zygote.pid();
         let read = tokio::task::spawn_blocking(move || {
             let base = anonymous_bytes(zygote_pid).unwrap_or(0);
-            let held: Vec<(i32, u64)> = due
+            let held: Vec<(WorkerProcess, u64)> = due
                 .into_iter()
-                .filter_map(|pid| Some((pid, anonymous_bytes(pid)?)))
+                .filter_map(|worker| {
+                    let bytes = anonymous_bytes(worker.pid())?;
+                    Some((worker, bytes))
+                })
                 .collect();
             (base, held)
         })
@@ -128,7 +139,7 @@ impl SessionManager {
         let Ok((base, held)) = read else { return };
         let limit = self.sandbox.memory_bytes;
         let allowed = allowed_bytes(limit, base);
-        for (pid, bytes) in held {
+        for (worker, bytes) in held {
             if bytes <= allowed {
                 continue;
             }
@@ -136,9 +147,9 @@ impl SessionManager {
                 held_mib: bytes >> 20,
                 limit_mib: limit >> 20,
             };
-            if zygote.kill_for_memory(pid, why) {
+            if zygote.kill_for_memory(&worker, why) {
                 tracing::warn!(
-                    pid,
+                    pid = worker.pid(),
                     held_mib = bytes >> 20,
                     allowed_mib = allowed >> 20,
                     "killed a worker holding more memory than its limit allows"
@@ -153,13 +164,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn anonymous_memory_is_resident_plus_swapped() {
-        let status = "Name:\tpython3\nVmRSS:\t  900 kB\nRssAnon:\t  700 kB\nRssFile:\t 200 kB\nVmSwap:\t  24 kB\n";
-        assert_eq!(anonymous_bytes_in(status), Some(724 << 10));
-        assert_eq!(anonymous_bytes_in("RssAnon:\t5 kB\n"), Some(5 << 10));
-        assert_eq!(anonymous_bytes_in("Name:\tkthreadd\n"), None);
+    fn the_watch_counts_anonymous_memory_swap_and_page_tables() {
+        let status = b"Name:\tpy\xff\xfe\nVmRSS:\t  900 kB\nVmPTE:\t  8 kB\nRssAnon:\t  700 kB\nRssFile:\t 200 kB\nVmSwap:\t  24 kB\n";
+        // A name that is not UTF-8 (the worker chooses it) does not hide the counters.
+        assert_eq!(anonymous_bytes_in(status), Some(732 << 10));
+        assert_eq!(anonymous_bytes_in(b"RssAnon:\t5 kB\n"), Some(5 << 10));
+        assert_eq!(anonymous_bytes_in(b"Name:\tkthreadd\n"), None);
         // A field that merely starts like it is not it.
-        assert_eq!(anonymous_bytes_in("RssAnonX:\t5 kB\n"), None);
+        assert_eq!(anonymous_bytes_in(b"RssAnonX:\t5 kB\n"), None);
     }
 
     #[test]
@@ -190,8 +202,9 @@ mod tests {
         };
         let pid = child.id() as i32;
         let leader_gone = || {
-            std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .is_ok_and(|s| s.contains("State:\tZ") && anonymous_bytes_in(&s).is_none())
+            std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+                s.contains("State:\tZ") && anonymous_bytes_in(s.as_bytes()).is_none()
+            })
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while !leader_gone() && Instant::now() < deadline {

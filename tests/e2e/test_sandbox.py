@@ -823,6 +823,7 @@ HIDDEN_MEMORY = RAW_MMAP + """
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 HIDDEN = []
 def hide(chunks):
+    libc.prctl(15, b"py\\xff", 0, 0, 0)  # PR_SET_NAME, not UTF-8: it heads /proc/<pid>/status (#134)
     for i in range(chunks):
         flags = 0x22 | (0x100 if i % 2 else 0)  # private, anonymous; every other MAP_GROWSDOWN
         at = libc.mmap(None, 32 << 20, 3, flags, -1, 0)
