@@ -1,7 +1,7 @@
 //! Settings: command-line flags, each with an environment variable (the bridge's names where the
 //! meaning carries over, `IRONCELL_*` otherwise), and the parsers for durations and sizes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -330,6 +330,33 @@ pub fn report_not_applicable_variables(s: &Settings) {
     for (name, value, why) in not_applicable_variables(s) {
         tracing::warn!("{name}={value:?} is ignored: {why}");
     }
+}
+
+/// Why a state directory at `path` would keep the sessions' files in memory: `Some("tmpfs")`
+/// (or `"ramfs"`) when it is on such a file system. Session files there are memory that the
+/// memory watch does not count, bounded only by the scratch quota and the file system's size
+/// (SECURITY.md #135).
+pub fn memory_backed_state_dir(path: &Path) -> Option<&'static str> {
+    /// ramfs's magic number (`linux/magic.h`); nix names tmpfs's but not this one.
+    const RAMFS_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x8584_58f6);
+    let fs = nix::sys::statfs::statfs(path).ok()?.filesystem_type();
+    if fs == nix::sys::statfs::TMPFS_MAGIC {
+        Some("tmpfs")
+    } else if fs == RAMFS_MAGIC {
+        Some("ramfs")
+    } else {
+        None
+    }
+}
+
+/// What to tell the operator about a state dir on a memory-backed file system.
+pub fn memory_backed_state_dir_warning(path: &Path, fs: &str) -> String {
+    format!(
+        "the state directory {} is on {fs}: the sessions' files are memory there, which the \
+         memory limit does not count (only the scratch quota and the file system's size bound \
+         them); set MCP_BRIDGE_STATE_DIR to a directory on a disk (e.g. ~/.local/state/ironcell)",
+        path.display()
+    )
 }
 
 /// The private directory used when the configured state dir cannot be written:

@@ -62,6 +62,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
             "NONE: workers run as root, which RLIMIT_NPROC never binds, and no writable pids cgroup exists (run ironcell as a normal user, or as root with the cgroup v1 pids hierarchy mounted and writable)".into()
         })
     );
+    let state_dir = settings.resolved_state_dir();
+    match crate::config::memory_backed_state_dir(&state_dir) {
+        Some(fs) => println!(
+            "state dir     WARNING: {}",
+            crate::config::memory_backed_state_dir_warning(&state_dir, fs)
+        ),
+        None => println!("state dir     {}", state_dir.display()),
+    }
     println!(
         "/tmp          {}",
         crate::sandbox::private_tmp::host_status(

@@ -241,6 +241,12 @@ impl SessionManager {
     /// of session scratch dirs.
     pub fn start(settings: Settings, exe: PathBuf) -> anyhow::Result<Arc<SessionManager>> {
         let state_dir = settings.prepare_state_dir()?;
+        if let Some(fs) = crate::config::memory_backed_state_dir(&state_dir) {
+            tracing::warn!(
+                "{}",
+                crate::config::memory_backed_state_dir_warning(&state_dir, fs)
+            );
+        }
         remove_sessions_of_dead_servers(&state_dir);
         let root = state_dir.join(format!("sessions-{}", std::process::id()));
         std::fs::create_dir_all(&root)

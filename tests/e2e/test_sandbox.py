@@ -794,6 +794,27 @@ def test_doctor_reports_each_layer_and_fails_when_serve_would_refuse(state_dir):
     assert bad.returncode != 0 and "REFUSE" in bad.stdout
 
 
+def test_135_a_state_dir_on_tmpfs_is_named_with_the_fix():
+    # Session files on tmpfs are memory the memory limit does not count.
+    if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in Path("/proc/mounts").read_text().splitlines()):
+        pytest.skip("no tmpfs at /dev/shm")
+    state = Path(f"/dev/shm/ironcell-test-135-{os.getpid()}")
+    state.mkdir(mode=0o700, exist_ok=True)
+    try:
+        env = {"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(state), "HOME": str(state)}
+        p = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, env=env, timeout=120)
+        assert f"state dir     WARNING: the state directory {state} is on tmpfs" in p.stdout, p.stdout
+        assert "MCP_BRIDGE_STATE_DIR" in p.stdout and "on tmpfs" in p.stderr, p.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+    disk = shared_tmp_dir()
+    if subprocess.run(["stat", "-f", "-c", "%T", str(disk)], capture_output=True, text=True).stdout.strip() == "tmpfs":
+        return  # this machine's /tmp is a tmpfs too: no disk to compare with
+    p = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True,
+                       env={"PATH": os.environ["PATH"], "MCP_BRIDGE_STATE_DIR": str(disk), "HOME": str(disk)}, timeout=120)
+    assert f"state dir     {disk}" in p.stdout and "on tmpfs" not in p.stdout + p.stderr, p.stdout
+
+
 def test_a_bad_policy_file_is_an_error_naming_the_key(tmp_path):
     import subprocess
 
