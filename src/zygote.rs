@@ -128,10 +128,9 @@ pub struct ZygoteInfo {
     pub warm_ms: f64,
 }
 
-/// A worker the zygote forked for the host: its pid, the host's end of its session socket, and
+/// A worker the zygote forked for the host: its process, the host's end of its session socket, and
 /// a receiver that yields its exit status once the zygote reaped it.
 pub struct SpawnedWorker {
-    pub pid: i32,
     pub process: WorkerProcess,
     pub socket: std::os::unix::net::UnixStream,
     pub exit: oneshot::Receiver<ExitInfo>,
@@ -396,7 +395,6 @@ impl Zygote {
             .await
             .map_err(|_| anyhow!("the zygote exited during a spawn"))??;
         Ok(SpawnedWorker {
-            pid: process.pid(),
             process,
             socket: host_sock,
             exit,

@@ -60,8 +60,7 @@ pub(super) enum SendError {
 }
 
 pub(super) struct LiveWorker {
-    pub pid: i32,
-    /// What signals reach the process through (its pidfd where the kernel has them).
+    /// The process, and what signals reach it through (its pidfd where the kernel has them).
     process: WorkerProcess,
     /// Sandbox layers this worker runs without (best-effort mode only).
     pub missing_layers: Vec<String>,
@@ -99,7 +98,6 @@ impl LiveWorker {
         image_budget_bytes: u64,
     ) -> std::io::Result<LiveWorker> {
         let SpawnedWorker {
-            pid,
             process,
             socket,
             exit,
@@ -121,7 +119,6 @@ impl LiveWorker {
         ));
         guard.0 = None;
         Ok(LiveWorker {
-            pid,
             process,
             missing_layers: Vec::new(),
             frames: FramedRead::new(read, reader),
@@ -136,6 +133,10 @@ impl LiveWorker {
             blocking_turn: Arc::new(Semaphore::new(1)),
             request_values: Arc::new(Semaphore::new(frame::MAX_OPEN_REQUEST_VALUES)),
         })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.process.pid()
     }
 
     /// Cancelled when this handle is dropped (the worker is killed or gone).
@@ -264,7 +265,7 @@ impl Drop for LiveWorker {
         if let Some(rx) = self.exit.as_mut()
             && matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
         {
-            tracing::debug!(pid = self.pid, "killing a worker the host let go of");
+            tracing::debug!(pid = self.pid(), "killing a worker the host let go of");
             self.process.signal(Signal::SIGKILL);
         }
     }

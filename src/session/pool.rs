@@ -97,7 +97,7 @@ impl Pool {
 
     /// The pids of the waiting spares.
     pub(super) fn pids(&self) -> Vec<i32> {
-        lock(&self.spares).iter().map(|s| s.worker.pid).collect()
+        lock(&self.spares).iter().map(|s| s.worker.pid()).collect()
     }
 
     pub(super) fn size(&self) -> usize {
@@ -173,7 +173,7 @@ impl SessionManager {
                 && !zygote_dead
                 && !spare.worker.hung_up();
             if !alive || spare.font_cache != font_cache {
-                tracing::debug!(pid = spare.worker.pid, alive, "discarding a spare");
+                tracing::debug!(pid = spare.worker.pid(), alive, "discarding a spare");
                 self.pool.wanted.notify_one();
                 let Spare {
                     worker,
@@ -199,7 +199,7 @@ impl SessionManager {
             spare.worker.move_to_slot(slot);
             self.pool.taken.notify_one();
             spare.worker.bind = Some(hand_off(&session.name, &session.scratch));
-            tracing::debug!(session = %session.name, pid = spare.worker.pid, "session takes a spare");
+            tracing::debug!(session = %session.name, pid = spare.worker.pid(), "session takes a spare");
             return Ok(spare.worker);
         }
     }

@@ -43,7 +43,7 @@ impl Session {
     /// cell is stopped through `disk_stops` instead).
     fn idle_worker_ran_since_the_look_before_last(&self) -> bool {
         let pid = match self.state.try_lock() {
-            Ok(st) => st.worker.as_ref().map(|w| w.pid),
+            Ok(st) => st.worker.as_ref().map(|w| w.pid()),
             Err(_) => None,
         };
         let mut marks = lock(&self.disk_marks);
@@ -271,7 +271,7 @@ impl SessionManager {
             let (busy, idle_worker) = match s.state.try_lock() {
                 Ok(st) => match st.worker.as_ref() {
                     None => continue, // nothing writes to it
-                    Some(w) => (false, Some(w.pid)),
+                    Some(w) => (false, Some(w.pid())),
                 },
                 Err(_) => (true, None), // a run holds it, so it has a worker
             };

@@ -4,10 +4,11 @@
 //! `RLIMIT_DATA` (the memory limit) counts private writable mappings that are not stacks. Memory
 //! written and then made read-only with `mprotect`, or mapped `MAP_GROWSDOWN`, leaves that count
 //! while it stays resident, so a worker could hold up to `RLIMIT_AS` (the limit plus 2 GiB of
-//! headroom) that way (SECURITY.md #130). So every live worker's anonymous memory (`RssAnon` +
-//! `VmSwap` from `/proc/<pid>/status`, readable for a non-dumpable process too) is read, and a
-//! worker holding more than the limit, plus [`SLACK_BYTES`], plus the zygote's own anonymous
-//! memory (which a fresh worker shares and counts as its own), is killed; its exit report says
+//! headroom) that way (SECURITY.md #130). So every live worker's anonymous memory and page
+//! tables (`RssAnon` + `VmSwap` + `VmPTE` from `/proc/<pid>/status`, readable for a
+//! non-dumpable process too) are read, and a worker holding more than the limit, plus
+//! [`SLACK_BYTES`], plus the zygote's own such memory (which a fresh worker shares and counts
+//! as its own), is killed; its exit report says
 //! why, in the run it ended or in the next run's notice.
 //!
 //! Memory only grows through the worker's own page faults and system calls, which cost it CPU

@@ -115,7 +115,7 @@ impl SessionManager {
                 worker.missing_layers = missing_layers;
                 tracing::debug!(
                     session = %name.unwrap_or("(spare)"),
-                    pid = worker.pid,
+                    pid = worker.pid(),
                     forked_ms,
                     ready_ms = spawn_started.elapsed().as_secs_f64() * 1000.0,
                     "worker ready"

@@ -116,8 +116,8 @@ pub enum ExitInfo {
     Code(i32),
     Signal(i32),
     /// Killed by the host's memory watch (never sent by the zygote): the worker held `held_mib`
-    /// of anonymous memory (resident and swapped), past what its memory limit of `limit_mib`
-    /// allows.
+    /// of anonymous memory (resident and swapped) and page tables, past what its memory limit
+    /// of `limit_mib` allows.
     OverMemory {
         held_mib: u64,
         limit_mib: u64,

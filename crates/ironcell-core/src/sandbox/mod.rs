@@ -308,7 +308,7 @@ impl Sandbox {
             ),
             (
                 "memory the data limit misses (mprotect, MAP_GROWSDOWN)",
-                vec![Some("host memory watch (RssAnon + VmSwap)".into())],
+                vec![Some("host memory watch (RssAnon + VmSwap + VmPTE)".into())],
             ),
             ("threads capped", vec![self.thread_cap_layer()]),
             (

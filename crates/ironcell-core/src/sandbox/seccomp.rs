@@ -972,24 +972,18 @@ mod tests {
         assert_eq!(run(merged, 1000, native, [0; 6]), enosys);
         // No BPF program of the worker's own (#131): seccomp refused, its prctl form unknown,
         // socket filters refused, other socket options allowed.
+        let call = |n: libc::c_long, args: [u64; 6]| run(merged, nr(n), native, args);
+        assert_eq!(call(libc::SYS_seccomp, [1, 0, 0, 0, 0, 0]), eperm);
         assert_eq!(
-            run(merged, nr(libc::SYS_seccomp), native, [1, 0, 0, 0, 0, 0]),
-            eperm
-        );
-        assert_eq!(
-            run(
-                merged,
-                nr(libc::SYS_prctl),
-                native,
+            call(
+                libc::SYS_prctl,
                 [libc::PR_SET_SECCOMP as u64, 2, 0, 0, 0, 0]
             ),
             enosys
         );
         let sockopt = |opt: libc::c_int| {
-            run(
-                merged,
-                nr(libc::SYS_setsockopt),
-                native,
+            call(
+                libc::SYS_setsockopt,
                 [3, libc::SOL_SOCKET as u64, opt as u64, 0, 4, 0],
             )
         };
@@ -1003,14 +997,7 @@ mod tests {
         }
         assert_eq!(sockopt(libc::SO_KEEPALIVE), ok);
         // The lockdown turned huge pages off (#132); the code may read that, not undo it.
-        let prctl = |op: libc::c_int| {
-            run(
-                merged,
-                nr(libc::SYS_prctl),
-                native,
-                [op as u64, 0, 0, 0, 0, 0],
-            )
-        };
+        let prctl = |op: libc::c_int| call(libc::SYS_prctl, [op as u64, 0, 0, 0, 0, 0]);
         assert_eq!(prctl(libc::PR_GET_THP_DISABLE), ok);
         assert_eq!(prctl(libc::PR_SET_THP_DISABLE), enosys);
     }
