@@ -11,12 +11,12 @@
 //! [`ZygoteEvent::PlotsWarmed`]; spawn requests sent after it wait until it is done.
 
 use std::fmt;
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 
 use anyhow::Context;
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
 use serde::{Deserialize, Serialize};
 
 /// The fd number the zygote finds its control socket on.
@@ -197,25 +197,65 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
     if buf.len() < MAX_CONTROL_MESSAGE {
         buf.resize(MAX_CONTROL_MESSAGE, 0);
     }
-    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    // Room for four fds (every message carries at most one). Not nix's `recvmsg`: its control
+    // messages are an error when the kernel had to drop fds (`MSG_CTRUNC`), and the ones it did
+    // install would then be left open in this process, nobody's.
+    let mut control = [0u64; 8];
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
+    debug_assert!(space <= std::mem::size_of_val(&control));
     loop {
-        let mut iov = [IoSliceMut::new(buf)];
-        let msg = match recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
-            Ok(m) => m,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e).context("receiving on the zygote control socket"),
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
         };
+        // SAFETY: an all-zero msghdr is a valid empty one; its pointers are set below.
+        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+        hdr.msg_iov = &mut iov;
+        hdr.msg_iovlen = 1;
+        hdr.msg_control = control.as_mut_ptr().cast();
+        hdr.msg_controllen = space as _;
+        // SAFETY: `hdr` points at `buf` and `control`, both live and as long as it says.
+        let n = unsafe { libc::recvmsg(fd, &mut hdr, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err).context("receiving on the zygote control socket");
+        }
         let mut fds = Vec::new();
-        for c in msg.cmsgs()? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                // SAFETY: the kernel just installed these fds in this process for us.
-                fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
+        // SAFETY: the kernel filled `control` and set `msg_controllen`; the CMSG_* macros walk
+        // only within it, and an SCM_RIGHTS message's data is that many fds just installed in
+        // this process for us (read unaligned: the buffer promises no alignment to C).
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&hdr);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                    let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                    for i in 0..len / std::mem::size_of::<RawFd>() {
+                        fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&hdr, c);
             }
         }
-        if msg.flags.contains(MsgFlags::MSG_TRUNC) {
+        if hdr.msg_flags & libc::MSG_TRUNC != 0 {
             anyhow::bail!("a control message over {MAX_CONTROL_MESSAGE} bytes arrived cut off");
         }
-        let n = msg.bytes;
+        if hdr.msg_flags & libc::MSG_CTRUNC != 0 {
+            // The kernel dropped fds it could not install (this process is at its open-files
+            // limit, or more came than the four expected). The packet is whole, and the caller
+            // sees what is missing: a spawn request without its socket is refused, a worker
+            // whose pidfd is missing is signalled by pid.
+            tracing::warn!(
+                received = fds.len(),
+                "file descriptors passed with a control message were dropped (out of file \
+                 descriptors? raise `ulimit -n`)"
+            );
+        }
+        let n = n as usize;
         if n == 0 && fds.is_empty() {
             return Ok(None);
         }
@@ -268,5 +308,38 @@ mod tests {
 
         drop(a);
         assert!(recv_message(b.as_raw_fd(), &mut buf).unwrap().is_none());
+    }
+
+    #[test]
+    fn fds_past_the_space_for_them_are_dropped_and_the_packet_still_arrives() {
+        let (a, b) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let files: Vec<_> = (0..6)
+            .map(|_| std::fs::File::open("/dev/null").unwrap())
+            .collect();
+        let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+        let body = b"{\"six\":6}";
+        sendmsg::<()>(
+            a.as_raw_fd(),
+            &[IoSlice::new(body)],
+            &[ControlMessage::ScmRights(&raw)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let mut buf = Vec::new();
+        let (msg, fds) = recv_message(b.as_raw_fd(), &mut buf).unwrap().unwrap();
+        assert_eq!(msg, body);
+        // Only what fit arrived; every fd that did is a working one, closed on exec.
+        assert_eq!(fds.len(), 4);
+        for fd in &fds {
+            let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFD).unwrap();
+            assert_ne!(flags & libc::FD_CLOEXEC, 0);
+        }
     }
 }
