@@ -35,8 +35,20 @@ use crate::session::{RunRequest, SessionManager};
 
 /// The reserved session whose worker loads and runs the tools of the `--tools` files.
 pub const TOOLS_SESSION: &str = "ironcell.tools";
-/// The reserved session whose worker loads and runs the tools saved with `save_tool`.
+/// The reserved name of the saved tools' sessions: each file saved with `save_tool` loads and
+/// runs in a session of its own, `ironcell.saved-tools.<hash of its name>` ([`saved_session`]),
+/// granted only that file, so no saved tool's code runs beside another's (SECURITY.md #137).
 pub const SAVED_TOOLS_SESSION: &str = "ironcell.saved-tools";
+
+/// The session that loads and runs the saved tools file `<stem>.py`: the reserved prefix and
+/// 16 hex digits of the stem's SHA-256 (a tool name has up to 64 characters; a session name
+/// too, prefix included).
+pub fn saved_session(stem: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(stem.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{SAVED_TOOLS_SESSION}.{hex}")
+}
 
 /// Where a tool comes from, which decides the session that loads and runs it: the host's own
 /// knowledge (which session it asked), never what a worker says.
@@ -47,13 +59,6 @@ enum Home {
 }
 
 impl Home {
-    fn session(self) -> &'static str {
-        match self {
-            Home::Files => TOOLS_SESSION,
-            Home::Saved => SAVED_TOOLS_SESSION,
-        }
-    }
-
     fn origin(self) -> &'static str {
         match self {
             Home::Files => "file",
@@ -109,6 +114,11 @@ struct LocalTool {
     output_schema: Option<JsonObject>,
     /// From `--tools` or `save_tool`.
     home: Home,
+    /// The session it loads and runs in: the tools session, or its saved file's own.
+    session: String,
+    /// Its saved file (`None` for the files' tools), known to the host from which file's
+    /// session listed it, never from what a worker says.
+    saved_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default)]
@@ -146,7 +156,7 @@ pub struct LocalTools {
     /// files' loads.
     files: tokio::sync::Mutex<Option<Arc<Catalog>>>,
     /// Answers the host is waiting for, by token: from which tools session, and the answer.
-    inbox: Mutex<HashMap<String, (Home, Option<Value>)>>,
+    inbox: Mutex<HashMap<String, (String, Option<Value>)>>,
     next_token: AtomicU64,
     /// The client to tell when the list changes.
     peer: Mutex<Option<Peer<RoleServer>>>,
@@ -155,7 +165,10 @@ pub struct LocalTools {
 
 /// Whether `name` is one of the reserved tools sessions (refused for `run_python`).
 pub fn is_reserved_session(name: &str) -> bool {
-    name == TOOLS_SESSION || name == SAVED_TOOLS_SESSION
+    name == TOOLS_SESSION
+        || name
+            .strip_prefix(SAVED_TOOLS_SESSION)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
 }
 
 /// A tool name the host accepts: a Python identifier in ASCII, at most 64 characters, not one
@@ -223,22 +236,31 @@ impl LocalTools {
     }
 
     /// Read-only paths the worker of `session` gets beyond the policy's: the tools files for
-    /// the tools session, the saved tools for the saved tools' session, nothing for any other.
+    /// the tools session, its one file for a saved file's session, nothing for any other.
     pub fn read_grants_for(&self, session: &str) -> Vec<PathBuf> {
-        match session {
-            TOOLS_SESSION => self.paths.clone(),
-            SAVED_TOOLS_SESSION if self.saved_dir.is_dir() => vec![self.saved_dir.clone()],
-            _ => Vec::new(),
+        if session == TOOLS_SESSION {
+            return self.paths.clone();
         }
+        if !session.starts_with(SAVED_TOOLS_SESSION) {
+            return Vec::new();
+        }
+        saved_tool_files(&self.saved_dir)
+            .filter(|f| {
+                f.file_stem()
+                    .and_then(|s| s.to_str())
+                    .is_some_and(|stem| saved_session(stem) == session)
+            })
+            .take(1)
+            .collect()
     }
 
-    /// What a tools session loads: the `--tools` paths, or the saved tools' folder.
-    fn spec_for(&self, home: Home, token: &str, generation: u64) -> Value {
-        match home {
-            Home::Files => json!({"token": token, "generation": generation,
-                                  "paths": self.paths, "saved_dir": null}),
-            Home::Saved => json!({"token": token, "generation": generation,
-                                  "paths": [], "saved_dir": self.saved_dir}),
+    /// What a tools session loads: the `--tools` paths, or one saved tools file.
+    fn spec_for(&self, saved_file: Option<&Path>, token: &str, generation: u64) -> Value {
+        match saved_file {
+            None => json!({"token": token, "generation": generation,
+                           "paths": self.paths, "saved_file": null}),
+            Some(file) => json!({"token": token, "generation": generation,
+                                 "paths": [], "saved_file": file}),
         }
     }
 
@@ -324,7 +346,8 @@ impl LocalTools {
             ..Catalog::default()
         };
         if self.has_tools_in(Home::Files) {
-            self.load_from(Home::Files, &mut part).await;
+            self.load_from(Home::Files, TOOLS_SESSION, None, &mut part)
+                .await;
         }
         part.loaded_at = Some(std::time::Instant::now());
         let part = Arc::new(part);
@@ -385,20 +408,42 @@ impl LocalTools {
                         .into(),
                 });
             } else {
-                self.load_from(Home::Saved, &mut catalog).await;
+                for file in sorted_saved_tool_files(&self.saved_dir) {
+                    self.load_saved_file(&file, &mut catalog).await;
+                }
             }
         }
         catalog
     }
 
-    /// Loads the tools of `home` in its session (a fresh interpreter per generation: modules
+    /// Loads one saved tools file in a fresh worker of its own session, granted only that file,
+    /// and adds its tools to `catalog`; the worker is stopped after (a call starts another).
+    async fn load_saved_file(&self, file: &Path, catalog: &mut Catalog) {
+        let Some(stem) = file.file_stem().and_then(|s| s.to_str()) else {
+            return;
+        };
+        let session = saved_session(stem);
+        self.load_from(Home::Saved, &session, Some(file), catalog)
+            .await;
+        if let Some(sessions) = self.sessions.upgrade() {
+            sessions.stop_idle_worker(&session).await;
+        }
+    }
+
+    /// Loads the tools of `home` in `session` (a fresh interpreter per generation: modules
     /// re-import, and the grants are current) and adds them to `catalog`.
-    async fn load_from(&self, home: Home, catalog: &mut Catalog) {
+    async fn load_from(
+        &self,
+        home: Home,
+        session: &str,
+        saved_file: Option<&Path>,
+        catalog: &mut Catalog,
+    ) {
         let token = self.new_token();
-        let spec = self.spec_for(home, &token, catalog.generation);
+        let spec = self.spec_for(saved_file, &token, catalog.generation);
         let answer = self
             .run_in_tools_session(
-                home,
+                session,
                 "_tools_catalog",
                 &spec,
                 &token,
@@ -438,7 +483,7 @@ impl LocalTools {
         }
         let tools = answer.get("tools").and_then(Value::as_array);
         for t in tools.into_iter().flatten() {
-            match checked_tool(t, home) {
+            match checked_tool(t, home, session, saved_file) {
                 Ok(tool) if catalog.tools.iter().any(|x| x.name == tool.name) => {
                     catalog.errors.push(LoadError {
                         file: String::new(),
@@ -476,11 +521,11 @@ impl LocalTools {
         format!("t{n}-{nanos:x}-{:x}", std::process::id())
     }
 
-    /// Runs `mcp.<function>(spec)` in the session of `home` and takes the answer that session
-    /// sends back under `token` (None if it sent none: the record says why).
+    /// Runs `mcp.<function>(spec)` in the tools session `session` and takes the answer that
+    /// session sends back under `token` (None if it sent none: the record says why).
     async fn run_in_tools_session(
         &self,
-        home: Home,
+        session: &str,
         function: &str,
         spec: &Value,
         token: &str,
@@ -493,12 +538,12 @@ impl LocalTools {
         // A JSON string literal is a valid Python string literal (serde_json emits no `\/`).
         let literal = serde_json::to_string(&spec.to_string()).map_err(|e| e.to_string())?;
         let code = format!("__import__(\"mcp\").{function}({literal})");
-        lock(&self.inbox).insert(token.to_string(), (home, None));
+        lock(&self.inbox).insert(token.to_string(), (session.to_string(), None));
         let outcome = sessions
             .run(
                 RunRequest {
                     code,
-                    session: home.session().to_string(),
+                    session: session.to_string(),
                     timeout: None,
                     reset,
                     servers: Vec::new(),
@@ -545,11 +590,11 @@ impl LocalTools {
         .ok_or("the caller is gone")?
         .generation;
         let token = self.new_token();
-        let mut spec = self.spec_for(tool.home, &token, generation);
+        let mut spec = self.spec_for(tool.saved_file.as_deref(), &token, generation);
         spec["name"] = json!(tool.name);
         spec["arguments"] = arguments;
         let (record, answer) = self
-            .run_in_tools_session(tool.home, "_tools_invoke", &spec, &token, false, cancel)
+            .run_in_tools_session(&tool.session, "_tools_invoke", &spec, &token, false, cancel)
             .await?;
         let envelope = answer.and_then(|a| a.get("envelope").cloned());
         Ok((record, envelope))
@@ -783,13 +828,13 @@ impl LocalTools {
         let token = params.get("token").and_then(Value::as_str).unwrap_or("");
         let size = params.to_string().len();
         let mut inbox = lock(&self.inbox);
-        let Some((home, slot)) = inbox.get_mut(token) else {
+        let Some((session, slot)) = inbox.get_mut(token) else {
             return Err((
                 ErrorKind::BadRequest,
                 "no answer is expected under that token".into(),
             ));
         };
-        if home.session() != from {
+        if session != from {
             return Err((
                 ErrorKind::BadRequest,
                 "no answer is expected from this session under that token".into(),
@@ -938,8 +983,14 @@ fn session_failure(why: &str) -> LoadError {
     }
 }
 
-/// Checks one tool of the catalog the tools session of `home` sent (it is untrusted data).
-fn checked_tool(t: &Value, home: Home) -> Result<LocalTool, String> {
+/// Checks one tool of the catalog the tools session `session` of `home` sent (it is untrusted
+/// data); the tool is run in that session, from `saved_file` if it is a saved one.
+fn checked_tool(
+    t: &Value,
+    home: Home,
+    session: &str,
+    saved_file: Option<&Path>,
+) -> Result<LocalTool, String> {
     let name = t.get("name").and_then(Value::as_str).unwrap_or("");
     if !valid_tool_name(name) {
         return Err(format!(
@@ -979,6 +1030,8 @@ fn checked_tool(t: &Value, home: Home) -> Result<LocalTool, String> {
         input_schema,
         output_schema,
         home,
+        session: session.to_string(),
+        saved_file: saved_file.map(Path::to_path_buf),
     })
 }
 
@@ -1058,6 +1111,13 @@ fn resolve_tool_paths(paths: &[PathBuf], state_dir: &Path) -> (Vec<PathBuf>, Vec
 }
 
 /// The saved tool files (`<identifier>.py`, regular files) of `dir`.
+/// The saved tools files, in name order (the order they are listed in).
+fn sorted_saved_tool_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = saved_tool_files(dir).collect();
+    files.sort();
+    files
+}
+
 fn saved_tool_files(dir: &Path) -> impl Iterator<Item = PathBuf> {
     std::fs::read_dir(dir)
         .into_iter()
@@ -1130,19 +1190,49 @@ mod tests {
     #[test]
     fn catalog_entries_from_the_worker_are_checked() {
         let ok = json!({"name": "f", "description": "d", "inputSchema": {"type": "object", "properties": {}}});
-        assert!(checked_tool(&ok, Home::Files).is_ok());
+        let files = |t: &Value| checked_tool(t, Home::Files, TOOLS_SESSION, None);
+        assert!(files(&ok).is_ok());
         let bad_name = json!({"name": "run_python", "inputSchema": {"type": "object"}});
-        assert!(checked_tool(&bad_name, Home::Files).is_err());
+        assert!(files(&bad_name).is_err());
         let not_object = json!({"name": "f", "inputSchema": {"type": "string"}});
-        assert!(checked_tool(&not_object, Home::Files).is_err());
+        assert!(files(&not_object).is_err());
         let huge = json!({"name": "f", "inputSchema": {"type": "object", "description": "x".repeat(MAX_SCHEMA_BYTES)}});
-        assert!(checked_tool(&huge, Home::Files).is_err());
+        assert!(files(&huge).is_err());
         // Where a tool runs is the host's knowledge of which session listed it, not the
-        // worker's word: a saved tool that claims to come from the files stays a saved tool.
-        let claims_file = json!({"name": "f", "origin": "file", "inputSchema": {"type": "object"}});
-        let tool = checked_tool(&claims_file, Home::Saved).unwrap();
+        // worker's word: a saved tool that claims to come from the files, or from another
+        // saved file, stays in its own file's session.
+        let claims_file = json!({"name": "f", "origin": "file", "file": "/x/other.py",
+                                 "session": TOOLS_SESSION, "inputSchema": {"type": "object"}});
+        let own = Path::new("/state/tools/mine.py");
+        let tool =
+            checked_tool(&claims_file, Home::Saved, &saved_session("mine"), Some(own)).unwrap();
         assert_eq!(tool.home, Home::Saved);
-        assert_eq!(tool.home.session(), SAVED_TOOLS_SESSION);
+        assert_eq!(tool.session, saved_session("mine"));
+        assert_eq!(tool.saved_file.as_deref(), Some(own));
+    }
+
+    #[test]
+    fn each_saved_file_has_a_reserved_session_of_its_own() {
+        let (a, b) = (saved_session("alpha"), saved_session("beta"));
+        assert_ne!(a, b);
+        assert_eq!(a, saved_session("alpha"));
+        for s in [&a, &b] {
+            assert!(crate::session::valid_session_name(s), "{s}");
+            assert!(is_reserved_session(s), "{s}");
+        }
+        // The longest tool name still makes a valid session name.
+        assert!(crate::session::valid_session_name(&saved_session(
+            &"x".repeat(64)
+        )));
+        assert!(is_reserved_session(TOOLS_SESSION) && is_reserved_session(SAVED_TOOLS_SESSION));
+        for not in [
+            "default",
+            "ironcell.saved-toolsx",
+            "ironcell.tools.x",
+            "xironcell.tools",
+        ] {
+            assert!(!is_reserved_session(not), "{not}");
+        }
     }
 
     #[test]
@@ -1166,17 +1256,42 @@ mod tests {
             peer: Mutex::new(None),
             output_mode: crate::config::OutputMode::Compact,
         };
+        std::fs::write(saved.join("alpha.py"), "x = 1\n").unwrap();
+        std::fs::write(saved.join("beta.py"), "x = 2\n").unwrap();
         assert_eq!(tools.read_grants_for(TOOLS_SESSION), vec![files.clone()]);
+        // A saved file's session gets that file alone: not the folder, not the other file.
         assert_eq!(
-            tools.read_grants_for(SAVED_TOOLS_SESSION),
-            vec![saved.clone()]
+            tools.read_grants_for(&saved_session("alpha")),
+            vec![saved.join("alpha.py")]
         );
+        assert_eq!(
+            tools.read_grants_for(&saved_session("beta")),
+            vec![saved.join("beta.py")]
+        );
+        assert!(tools.read_grants_for(&saved_session("gone")).is_empty());
+        assert!(tools.read_grants_for(SAVED_TOOLS_SESSION).is_empty());
         assert!(tools.read_grants_for("default").is_empty());
         // An answer is taken only from the session the host asked.
-        lock(&tools.inbox).insert("t1".into(), (Home::Files, None));
+        lock(&tools.inbox).insert("t1".into(), (TOOLS_SESSION.to_string(), None));
         let answer = json!({"token": "t1", "tools": []});
-        assert!(tools.accept_answer(SAVED_TOOLS_SESSION, &answer).is_err());
+        assert!(
+            tools
+                .accept_answer(&saved_session("alpha"), &answer)
+                .is_err()
+        );
         assert!(tools.accept_answer(TOOLS_SESSION, &answer).is_ok());
+        lock(&tools.inbox).insert("t2".into(), (saved_session("alpha"), None));
+        let answer = json!({"token": "t2", "tools": []});
+        assert!(
+            tools
+                .accept_answer(&saved_session("beta"), &answer)
+                .is_err()
+        );
+        assert!(
+            tools
+                .accept_answer(&saved_session("alpha"), &answer)
+                .is_ok()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1145,7 +1145,11 @@ def _error_line(exc, path):
     return line
 
 
-def _tool_files(paths, saved_dir):
+def _tool_files(paths, saved_file):
+    """The files to import: the `--tools` paths (a folder's `.py` files), or the one saved tools
+    file this session loads (each saved file has a session of its own)."""
+    if saved_file:
+        return [(saved_file, "saved")]
     files = []
     for p in paths:
         if os.path.isdir(p):
@@ -1158,12 +1162,6 @@ def _tool_files(paths, saved_dir):
                          if n.endswith(".py") and not n.startswith(("_", ".")))
         else:
             files.append((p, "file"))
-    if saved_dir and os.path.isdir(saved_dir):
-        try:
-            files.extend((os.path.join(saved_dir, n), "saved") for n in sorted(os.listdir(saved_dir))
-                         if n.endswith(".py") and n[:-3].isidentifier())
-        except OSError as e:
-            _registry["errors"].append({"file": saved_dir, "line": None, "reason": f"cannot list it: {e}"})
     return files
 
 
@@ -1182,7 +1180,7 @@ def _load_tools(spec):
 
     previous = signal.signal(signal.SIGALRM, too_slow)
     try:
-        for i, (path, origin) in enumerate(_tool_files(spec.get("paths") or [], spec.get("saved_dir"))):
+        for i, (path, origin) in enumerate(_tool_files(spec.get("paths") or [], spec.get("saved_file"))):
             _load_file(i, path, origin)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

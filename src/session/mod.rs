@@ -750,6 +750,20 @@ impl SessionManager {
         Err(RunRefusal::Busy(self.settings.max_sessions))
     }
 
+    /// Stops the worker of session `name`, if it has one, once the session is free (its files
+    /// stay; its next run starts a fresh worker). For a session whose worker has no further
+    /// use, such as a saved tools file's after its tools were listed: it does not hold a
+    /// session slot until the idle TTL.
+    pub async fn stop_idle_worker(&self, name: &str) {
+        let Some(session) = lock(&self.sessions).get(name).cloned() else {
+            return;
+        };
+        let mut state = session.state.lock().await;
+        if let Some(w) = state.worker.take() {
+            w.kill().await;
+        }
+    }
+
     /// Stops the workers of sessions idle longer than the TTL and deletes their files.
     pub async fn expire_idle_sessions(&self) {
         let ttl = self.settings.session_ttl;
