@@ -399,30 +399,30 @@ fn ensure_owner_rwx(fd: BorrowedFd<'_>, st: &FileStat) -> io::Result<()> {
         .map_err(io_err)
 }
 
-/// Reads a directory whole: each entry's name and `lstat`.
-fn read_entries(dir: BorrowedFd<'_>) -> io::Result<Vec<(CString, FileStat)>> {
-    // A separate open file description, so reading it leaves `dir`'s offset alone.
-    let mut listing = Dir::openat(
+/// A listing of `dir` on an open file description of its own, so reading it leaves `dir`'s
+/// offset alone. Read as it goes (`getdents` fills a small buffer at a time): a directory of a
+/// million names is never held whole in the host's memory (SECURITY.md #141).
+fn open_listing(dir: BorrowedFd<'_>) -> io::Result<Dir> {
+    Dir::openat(
         dir,
         c".",
         OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
         Mode::empty(),
     )
-    .map_err(io_err)?;
-    let mut out = Vec::new();
-    for entry in listing.iter() {
-        let entry = entry.map_err(io_err)?;
-        let name = entry.file_name();
-        if name == c"." || name == c".." {
-            continue;
-        }
-        match nix::sys::stat::fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
-            Ok(st) => out.push((name.to_owned(), st)),
-            Err(Errno::ENOENT) => {} // removed since it was listed
-            Err(e) => return Err(io_err(e)),
-        }
-    }
-    Ok(out)
+    .map_err(io_err)
+}
+
+/// Whether `dir` has no entries (an unreadable one counts as not empty).
+fn is_empty_dir(dir: BorrowedFd<'_>) -> bool {
+    let Ok(mut listing) = open_listing(dir) else {
+        return false;
+    };
+    listing.iter().all(|e| {
+        e.is_ok_and(|e| {
+            let name = e.file_name();
+            name == c"." || name == c".."
+        })
+    })
 }
 
 /// Walks the tree beneath `root` depth-first, calling `v` for every entry, without following a
@@ -551,27 +551,42 @@ fn visit_frame(stack: &mut [Frame], names: &[CString], v: &mut impl Visitor) -> 
     let Some(fd) = top.fd.as_ref() else {
         return Step::Stop;
     };
-    let entries = match read_entries(fd.as_fd()) {
-        Ok(e) => e,
-        Err(e) => {
-            let path = if names.is_empty() {
-                ".".to_string()
-            } else {
-                path_of(&names[..names.len() - 1], &top.name)
-            };
-            return v.unreadable(path, e);
+    let here = |top: &Frame| {
+        if names.is_empty() {
+            ".".to_string()
+        } else {
+            path_of(&names[..names.len() - 1], &top.name)
         }
     };
-    for (name, st) in &entries {
+    let mut listing = match open_listing(fd.as_fd()) {
+        Ok(l) => l,
+        Err(e) => return v.unreadable(here(top), e),
+    };
+    // Each entry is visited as it is read: a visitor's stop (a quota or listing cap) ends the
+    // reading too, and only the subdirectories' names are kept.
+    for entry in listing.iter() {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => return v.unreadable(here(top), io_err(e)),
+        };
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        let st = match nix::sys::stat::fstatat(fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => continue, // removed since it was listed
+            Err(e) => return v.unreadable(here(top), io_err(e)),
+        };
         let step = v.entry(&Entry {
             parent: fd.as_fd(),
             name,
-            stat: st,
+            stat: &st,
             ancestors: names,
         });
         match step {
             Step::Stop => return Step::Stop,
-            Step::Descend if is_dir(st) => top.subdirs.push(name.clone()),
+            Step::Descend if is_dir(&st) => top.subdirs.push(name.to_owned()),
             _ => {}
         }
     }
@@ -673,11 +688,11 @@ pub fn remove_contents(dir: BorrowedFd<'_>) -> Removal {
             Ok(()) => {}
             Err(e) => r.report.failures.push(e.to_string()),
         }
-        if r.report.is_complete() && read_entries(dir).map(|e| e.is_empty()).unwrap_or(false) {
+        if r.report.is_complete() && is_empty_dir(dir) {
             break;
         }
     }
-    if r.report.is_complete() && !read_entries(dir).map(|e| e.is_empty()).unwrap_or(false) {
+    if r.report.is_complete() && !is_empty_dir(dir) {
         r.report
             .failures
             .push("entries kept appearing while they were removed".into());

@@ -396,3 +396,45 @@ def check_fair_listing(box: Sandboxed) -> None:
     for n in ("a", "b", "c"):
         assert f"ironcell://session/quiet/mine-{n}.txt" in uris, [u for u in uris if "quiet" in u]
     assert sum("/flooder/" in u for u in uris) >= 400, "the rest of the room goes to the flooder"
+
+
+# ---------------------------------------------------------------------------------------------
+# 141: a directory of many long names, read whole by the host's walks
+# ---------------------------------------------------------------------------------------------
+
+def server_pid(box: Sandboxed) -> int:
+    """The ironcell process itself (for `nobody`, the child of `runuser`)."""
+    pid = box.srv.proc.pid
+    for _ in range(3):
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() == "ironcell":
+                return pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            pid = int(f.read().split()[0])
+    raise AssertionError("no ironcell process under the test's server")
+
+
+def peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def test_141_a_directory_of_150k_long_names_does_not_grow_the_hosts_memory(box):
+    """Every run's walks (changes, quota) used to read a directory whole, names and `lstat`s,
+    before any cap applied: 230,000 names of 240 bytes took the host ~100 MiB per walk, and four
+    such sessions 349 MiB. The walk now reads the directory as it goes."""
+    pid = server_pid(box)
+    before = peak_rss_mib(pid)
+    for part in range(3):  # 50,000 at a time: each run answers within the client's wait
+        r = box.run("import os\npre = 'x' * 240\n"
+                    f"for i in range({part * 50_000}, {(part + 1) * 50_000}):\n"
+                    "    os.close(os.open(f'{pre}{i:08d}', os.O_CREAT | os.O_WRONLY, 0o600))\n"
+                    "len(os.listdir('.'))", session="many-names", timeout_s=300)
+        assert r["status"] == "ok" and r["result"] == str((part + 1) * 50_000), r
+    for _ in range(3):  # each run walks the directory again
+        assert box.run("1", session="many-names")["status"] == "ok"
+    grown = peak_rss_mib(pid) - before
+    assert grown < 24, f"the host's peak RSS grew by {grown:.0f} MiB"
+    r = box.run("import os\nfor n in os.listdir('.'):\n    os.unlink(n)\nlen(os.listdir('.'))",
+                session="many-names", timeout_s=300)
+    assert r["result"] == "0", r
