@@ -87,6 +87,12 @@ const MAX_LOAD_ERRORS: usize = 64;
 const RETRY_FAILED_LOAD: Duration = Duration::from_secs(60);
 /// How long `tools/list` waits for the tools to load before answering without them.
 const CATALOG_WAIT: Duration = Duration::from_secs(60);
+/// How long one saved file's load may run: the import alarm (python/mcp's `IMPORT_SECONDS`,
+/// 10 s) and some room. A file that turns the alarm off is stopped here, not at the run timeout.
+const SAVED_LOAD_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long one listing of the saved tools may spend loading files; files not reached are
+/// loaded by the next listing (files already loaded, and unchanged since, are not loaded again).
+const SAVED_LOAD_BUDGET: Duration = Duration::from_secs(45);
 
 /// A tools file (or tool) that could not be loaded: reported, and the others still load.
 #[derive(Debug, Clone, Serialize)]
@@ -133,6 +139,45 @@ struct Catalog {
     errors: Vec<LoadError>,
 }
 
+/// One saved file's listing: its tool (or why it has none), for the file as it was then.
+#[derive(Debug, Clone)]
+struct SavedFileLoad {
+    key: FileKey,
+    tools: Vec<LocalTool>,
+    errors: Vec<LoadError>,
+}
+
+/// Identifies one version of a file: device, inode, size and modification time (`lstat`).
+type FileKey = (u64, u64, u64, i64, i64);
+
+fn file_key(path: &Path) -> Option<FileKey> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path).ok()?;
+    Some((m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
+}
+
+/// Adds `tool` to `catalog` unless its name is taken or the catalog is full (then says why).
+fn admit(catalog: &mut Catalog, tool: LocalTool) {
+    if catalog.tools.iter().any(|x| x.name == tool.name) {
+        catalog.errors.push(LoadError {
+            file: String::new(),
+            line: None,
+            reason: format!(
+                "tool {:?} is defined twice; the second is skipped",
+                tool.name
+            ),
+        });
+    } else if catalog.tools.len() < MAX_TOOLS {
+        catalog.tools.push(tool);
+    } else {
+        catalog.errors.push(LoadError {
+            file: String::new(),
+            line: None,
+            reason: format!("more than {MAX_TOOLS} tools; {:?} is skipped", tool.name),
+        });
+    }
+}
+
 /// The local tools of this server.
 pub struct LocalTools {
     sessions: Weak<SessionManager>,
@@ -155,6 +200,10 @@ pub struct LocalTools {
     /// never waits for a load of the saved ones (SECURITY.md #113). Its `generation` counts the
     /// files' loads.
     files: tokio::sync::Mutex<Option<Arc<Catalog>>>,
+    /// What each saved file listed, kept while the file is unchanged (a save renames a new
+    /// file in): a save or delete loads only the files that changed, so a file that hangs at
+    /// import costs its [`SAVED_LOAD_TIMEOUT`] once, not at every listing (SECURITY.md #137).
+    saved_loads: Mutex<HashMap<PathBuf, SavedFileLoad>>,
     /// Answers the host is waiting for, by token: from which tools session, and the answer.
     inbox: Mutex<HashMap<String, (String, Option<Value>)>>,
     next_token: AtomicU64,
@@ -206,6 +255,7 @@ impl LocalTools {
             generation: AtomicU64::new(1),
             catalog: tokio::sync::Mutex::new(None),
             files: tokio::sync::Mutex::new(None),
+            saved_loads: Mutex::new(HashMap::new()),
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),
@@ -278,8 +328,14 @@ impl LocalTools {
             return Vec::new();
         }
         let Ok(catalog) = tokio::time::timeout(CATALOG_WAIT, self.ensure_catalog()).await else {
-            tracing::warn!("tools: still loading after {CATALOG_WAIT:?}; listed without them");
-            return Vec::new();
+            // The user's own tools, if loaded, are listed all the same.
+            let files = self.files.try_lock().ok().and_then(|slot| slot.clone());
+            tracing::warn!(
+                "tools: still loading after {CATALOG_WAIT:?}; listed without the saved tools"
+            );
+            return files
+                .map(|f| f.tools.iter().map(to_mcp_tool).collect())
+                .unwrap_or_default();
         };
         catalog.tools.iter().map(to_mcp_tool).collect()
     }
@@ -408,16 +464,70 @@ impl LocalTools {
                         .into(),
                 });
             } else {
-                for file in sorted_saved_tool_files(&self.saved_dir) {
-                    self.load_saved_file(&file, &mut catalog).await;
-                }
+                self.load_saved(&mut catalog).await;
             }
         }
         catalog
     }
 
+    /// Adds the saved files' tools to `catalog`: each file's listing from before if the file
+    /// is unchanged, else loaded now, for at most [`SAVED_LOAD_BUDGET`] in all (the files not
+    /// reached are named, and the catalog is loaded again after [`RETRY_FAILED_LOAD`]).
+    async fn load_saved(&self, catalog: &mut Catalog) {
+        let started = std::time::Instant::now();
+        let mut kept = HashMap::new();
+        let mut not_reached = 0usize;
+        for file in sorted_saved_tool_files(&self.saved_dir) {
+            let Some(key) = file_key(&file) else {
+                continue; // deleted since it was listed
+            };
+            let cached = lock(&self.saved_loads)
+                .get(&file)
+                .filter(|l| l.key == key)
+                .cloned();
+            let load = match cached {
+                Some(load) => load,
+                None if started.elapsed() >= SAVED_LOAD_BUDGET => {
+                    not_reached += 1;
+                    continue;
+                }
+                None => {
+                    let mut part = Catalog {
+                        generation: catalog.generation,
+                        ..Catalog::default()
+                    };
+                    self.load_saved_file(&file, &mut part).await;
+                    SavedFileLoad {
+                        key,
+                        tools: part.tools,
+                        errors: part.errors,
+                    }
+                }
+            };
+            for tool in load.tools.iter().cloned() {
+                admit(catalog, tool);
+            }
+            catalog.errors.extend(load.errors.iter().cloned());
+            kept.insert(file, load);
+        }
+        *lock(&self.saved_loads) = kept;
+        if not_reached > 0 {
+            catalog.errors.push(LoadError {
+                file: self.saved_dir.display().to_string(),
+                line: None,
+                reason: format!(
+                    "{not_reached} saved tools files were not loaded yet (loading the others took \
+                     over {} s); they are listed once loaded",
+                    SAVED_LOAD_BUDGET.as_secs()
+                ),
+            });
+            catalog.load_failed = true;
+        }
+    }
+
     /// Loads one saved tools file in a fresh worker of its own session, granted only that file,
-    /// and adds its tools to `catalog`; the worker is stopped after (a call starts another).
+    /// for at most [`SAVED_LOAD_TIMEOUT`], and adds its tool to `catalog`; the worker is
+    /// stopped after (a call starts another).
     async fn load_saved_file(&self, file: &Path, catalog: &mut Catalog) {
         let Some(stem) = file.file_stem().and_then(|s| s.to_str()) else {
             return;
@@ -447,7 +557,7 @@ impl LocalTools {
                 "_tools_catalog",
                 &spec,
                 &token,
-                true,
+                (true, saved_file.map(|_| SAVED_LOAD_TIMEOUT)),
                 CancellationToken::new(),
             )
             .await;
@@ -482,24 +592,33 @@ impl LocalTools {
             }
         }
         let tools = answer.get("tools").and_then(Value::as_array);
+        // A saved file is one tool, named after the file (`save_tool` writes it so); whatever
+        // else its worker lists is its own code's claim, and the names of other files' tools
+        // are not its to take (SECURITY.md #137).
+        let own_name = saved_file
+            .and_then(|f| f.file_stem())
+            .and_then(|s| s.to_str());
+        let mut listed_own = false;
         for t in tools.into_iter().flatten() {
             match checked_tool(t, home, session, saved_file) {
-                Ok(tool) if catalog.tools.iter().any(|x| x.name == tool.name) => {
+                Ok(tool) if own_name.is_some_and(|own| tool.name != own || listed_own) => {
                     catalog.errors.push(LoadError {
-                        file: String::new(),
+                        file: saved_file
+                            .map(|f| f.display().to_string())
+                            .unwrap_or_default(),
                         line: None,
                         reason: format!(
-                            "tool {:?} is defined twice; the second is skipped",
+                            "a saved tools file holds one tool, named after the file ({:?}); {:?} \
+                             is skipped",
+                            own_name.unwrap_or_default(),
                             tool.name
                         ),
                     });
                 }
-                Ok(tool) if catalog.tools.len() < MAX_TOOLS => catalog.tools.push(tool),
-                Ok(tool) => catalog.errors.push(LoadError {
-                    file: String::new(),
-                    line: None,
-                    reason: format!("more than {MAX_TOOLS} tools; {:?} is skipped", tool.name),
-                }),
+                Ok(tool) => {
+                    listed_own |= own_name.is_some();
+                    admit(catalog, tool);
+                }
                 Err(why) => catalog.errors.push(LoadError {
                     file: crate::clip_chars(
                         t.get("file").and_then(Value::as_str).unwrap_or("?"),
@@ -521,7 +640,8 @@ impl LocalTools {
         format!("t{n}-{nanos:x}-{:x}", std::process::id())
     }
 
-    /// Runs `mcp.<function>(spec)` in the tools session `session` and takes the answer that
+    /// Runs `mcp.<function>(spec)` in the tools session `session` (in a fresh interpreter if
+    /// `reset`; `timeout` instead of the run timeout if given) and takes the answer that
     /// session sends back under `token` (None if it sent none: the record says why).
     async fn run_in_tools_session(
         &self,
@@ -529,7 +649,7 @@ impl LocalTools {
         function: &str,
         spec: &Value,
         token: &str,
-        reset: bool,
+        (reset, timeout): (bool, Option<Duration>),
         cancel: CancellationToken,
     ) -> Result<(RunRecord, Option<Value>), String> {
         let Some(sessions) = self.sessions.upgrade() else {
@@ -544,7 +664,7 @@ impl LocalTools {
                 RunRequest {
                     code,
                     session: session.to_string(),
-                    timeout: None,
+                    timeout,
                     reset,
                     servers: Vec::new(),
                     progress: None,
@@ -593,9 +713,24 @@ impl LocalTools {
         let mut spec = self.spec_for(tool.saved_file.as_deref(), &token, generation);
         spec["name"] = json!(tool.name);
         spec["arguments"] = arguments;
-        let (record, answer) = self
-            .run_in_tools_session(&tool.session, "_tools_invoke", &spec, &token, false, cancel)
-            .await?;
+        let outcome = self
+            .run_in_tools_session(
+                &tool.session,
+                "_tools_invoke",
+                &spec,
+                &token,
+                (false, None),
+                cancel,
+            )
+            .await;
+        // A saved file's worker ends with its call: calls of many saved tools never hold the
+        // live-session slots the user's sessions need (each call imports its file again).
+        if tool.home == Home::Saved
+            && let Some(sessions) = self.sessions.upgrade()
+        {
+            sessions.stop_idle_worker(&tool.session).await;
+        }
+        let (record, answer) = outcome?;
         let envelope = answer.and_then(|a| a.get("envelope").cloned());
         Ok((record, envelope))
     }
@@ -1251,6 +1386,7 @@ mod tests {
             generation: AtomicU64::new(1),
             catalog: tokio::sync::Mutex::new(None),
             files: tokio::sync::Mutex::new(None),
+            saved_loads: Mutex::new(HashMap::new()),
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),

@@ -725,14 +725,22 @@ impl SessionManager {
         Ok(record)
     }
 
-    /// Makes room for one more worker by stopping the least recently used idle session.
+    /// Makes room for one more worker by stopping an idle session: a saved tools file's, else
+    /// the least recently used.
     async fn evict_one_idle_session(&self, except: &str) -> Result<(), RunRefusal> {
         let mut candidates: Vec<Arc<Session>> = lock(&self.sessions)
             .values()
             .filter(|s| s.name != except)
             .cloned()
             .collect();
-        candidates.sort_by_key(|s| *lock(&s.last_used));
+        // The saved tools files' sessions first (their workers hold nothing a later call cannot
+        // rebuild by importing the file again), then the least recently used.
+        candidates.sort_by_key(|s| {
+            (
+                !s.name.starts_with(crate::local_tools::SAVED_TOOLS_SESSION),
+                *lock(&s.last_used),
+            )
+        });
         for s in candidates {
             let Ok(mut st) = s.state.try_lock() else {
                 continue;
