@@ -118,13 +118,40 @@ struct LocalTool {
     description: String,
     input_schema: JsonObject,
     output_schema: Option<JsonObject>,
-    /// From `--tools` or `save_tool`.
-    home: Home,
-    /// The session it loads and runs in: the tools session, or its saved file's own.
-    session: String,
     /// Its saved file (`None` for the files' tools), known to the host from which file's
-    /// session listed it, never from what a worker says.
+    /// session listed it, never from what a worker says. Where it comes from and the session
+    /// it runs in follow from it.
     saved_file: Option<PathBuf>,
+}
+
+impl LocalTool {
+    /// From `--tools` or `save_tool`.
+    fn home(&self) -> Home {
+        match self.saved_file {
+            Some(_) => Home::Saved,
+            None => Home::Files,
+        }
+    }
+
+    /// The session it loads and runs in: the tools session, or its saved file's own.
+    fn session(&self) -> String {
+        session_of(self.saved_file.as_deref())
+    }
+}
+
+/// The name of a saved tools file's one tool: the file's stem (`save_tool` writes it so).
+fn saved_stem(file: &Path) -> &str {
+    file.file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or_default()
+}
+
+/// The session that loads and runs the tools of `saved_file`, or the files' tools.
+fn session_of(saved_file: Option<&Path>) -> String {
+    match saved_file {
+        Some(file) => saved_session(saved_stem(file)),
+        None => TOOLS_SESSION.to_string(),
+    }
 }
 
 #[derive(Debug, Default)]
@@ -214,10 +241,13 @@ pub struct LocalTools {
 
 /// Whether `name` is one of the reserved tools sessions (refused for `run_python`).
 pub fn is_reserved_session(name: &str) -> bool {
-    name == TOOLS_SESSION
-        || name
-            .strip_prefix(SAVED_TOOLS_SESSION)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    name == TOOLS_SESSION || name == SAVED_TOOLS_SESSION || is_saved_file_session(name)
+}
+
+/// Whether `name` has the form of a saved tools file's session ([`saved_session`]).
+pub fn is_saved_file_session(name: &str) -> bool {
+    name.strip_prefix(SAVED_TOOLS_SESSION)
+        .is_some_and(|rest| rest.starts_with('.'))
 }
 
 /// A tool name the host accepts: a Python identifier in ASCII, at most 64 characters, not one
@@ -291,15 +321,11 @@ impl LocalTools {
         if session == TOOLS_SESSION {
             return self.paths.clone();
         }
-        if !session.starts_with(SAVED_TOOLS_SESSION) {
+        if !is_saved_file_session(session) {
             return Vec::new();
         }
         saved_tool_files(&self.saved_dir)
-            .filter(|f| {
-                f.file_stem()
-                    .and_then(|s| s.to_str())
-                    .is_some_and(|stem| saved_session(stem) == session)
-            })
+            .filter(|f| saved_session(saved_stem(f)) == session)
             .take(1)
             .collect()
     }
@@ -402,8 +428,7 @@ impl LocalTools {
             ..Catalog::default()
         };
         if self.has_tools_in(Home::Files) {
-            self.load_from(Home::Files, TOOLS_SESSION, None, &mut part)
-                .await;
+            self.load_from(None, &mut part).await;
         }
         part.loaded_at = Some(std::time::Instant::now());
         let part = Arc::new(part);
@@ -529,31 +554,22 @@ impl LocalTools {
     /// for at most [`SAVED_LOAD_TIMEOUT`], and adds its tool to `catalog`; the worker is
     /// stopped after (a call starts another).
     async fn load_saved_file(&self, file: &Path, catalog: &mut Catalog) {
-        let Some(stem) = file.file_stem().and_then(|s| s.to_str()) else {
-            return;
-        };
-        let session = saved_session(stem);
-        self.load_from(Home::Saved, &session, Some(file), catalog)
-            .await;
+        self.load_from(Some(file), catalog).await;
         if let Some(sessions) = self.sessions.upgrade() {
-            sessions.stop_idle_worker(&session).await;
+            sessions.stop_idle_worker(&session_of(Some(file))).await;
         }
     }
 
-    /// Loads the tools of `home` in `session` (a fresh interpreter per generation: modules
-    /// re-import, and the grants are current) and adds them to `catalog`.
-    async fn load_from(
-        &self,
-        home: Home,
-        session: &str,
-        saved_file: Option<&Path>,
-        catalog: &mut Catalog,
-    ) {
+    /// Loads the tools of the `--tools` files, or of one saved file, in their session (a fresh
+    /// interpreter per generation: modules re-import, and the grants are current) and adds
+    /// them to `catalog`.
+    async fn load_from(&self, saved_file: Option<&Path>, catalog: &mut Catalog) {
+        let session = session_of(saved_file);
         let token = self.new_token();
         let spec = self.spec_for(saved_file, &token, catalog.generation);
         let answer = self
             .run_in_tools_session(
-                session,
+                &session,
                 "_tools_catalog",
                 &spec,
                 &token,
@@ -595,12 +611,10 @@ impl LocalTools {
         // A saved file is one tool, named after the file (`save_tool` writes it so); whatever
         // else its worker lists is its own code's claim, and the names of other files' tools
         // are not its to take (SECURITY.md #137).
-        let own_name = saved_file
-            .and_then(|f| f.file_stem())
-            .and_then(|s| s.to_str());
+        let own_name = saved_file.map(saved_stem);
         let mut listed_own = false;
         for t in tools.into_iter().flatten() {
-            match checked_tool(t, home, session, saved_file) {
+            match checked_tool(t, saved_file) {
                 Ok(tool) if own_name.is_some_and(|own| tool.name != own || listed_own) => {
                     catalog.errors.push(LoadError {
                         file: saved_file
@@ -703,7 +717,7 @@ impl LocalTools {
         arguments: Value,
         cancel: CancellationToken,
     ) -> Result<(RunRecord, Option<Value>), String> {
-        let generation = match tool.home {
+        let generation = match tool.home() {
             Home::Files => self.files_part_unless(&cancel).await,
             Home::Saved => self.ensure_catalog_unless(&cancel).await,
         }
@@ -713,9 +727,10 @@ impl LocalTools {
         let mut spec = self.spec_for(tool.saved_file.as_deref(), &token, generation);
         spec["name"] = json!(tool.name);
         spec["arguments"] = arguments;
+        let session = tool.session();
         let outcome = self
             .run_in_tools_session(
-                &tool.session,
+                &session,
                 "_tools_invoke",
                 &spec,
                 &token,
@@ -725,10 +740,10 @@ impl LocalTools {
             .await;
         // A saved file's worker ends with its call: calls of many saved tools never hold the
         // live-session slots the user's sessions need (each call imports its file again).
-        if tool.home == Home::Saved
+        if tool.home() == Home::Saved
             && let Some(sessions) = self.sessions.upgrade()
         {
-            sessions.stop_idle_worker(&tool.session).await;
+            sessions.stop_idle_worker(&session).await;
         }
         let (record, answer) = outcome?;
         let envelope = answer.and_then(|a| a.get("envelope").cloned());
@@ -850,7 +865,7 @@ impl LocalTools {
                             "name": t.name,
                             "description": t.description,
                             "inputSchema": t.input_schema,
-                            "origin": t.home.origin(),
+                            "origin": t.home().origin(),
                         });
                         if let Some(o) = &t.output_schema {
                             v["outputSchema"] = Value::Object(o.clone());
@@ -1118,14 +1133,9 @@ fn session_failure(why: &str) -> LoadError {
     }
 }
 
-/// Checks one tool of the catalog the tools session `session` of `home` sent (it is untrusted
-/// data); the tool is run in that session, from `saved_file` if it is a saved one.
-fn checked_tool(
-    t: &Value,
-    home: Home,
-    session: &str,
-    saved_file: Option<&Path>,
-) -> Result<LocalTool, String> {
+/// Checks one tool of the catalog that the session of the `--tools` files, or of `saved_file`,
+/// sent (it is untrusted data); the tool is run in that session.
+fn checked_tool(t: &Value, saved_file: Option<&Path>) -> Result<LocalTool, String> {
     let name = t.get("name").and_then(Value::as_str).unwrap_or("");
     if !valid_tool_name(name) {
         return Err(format!(
@@ -1164,8 +1174,6 @@ fn checked_tool(
         description,
         input_schema,
         output_schema,
-        home,
-        session: session.to_string(),
         saved_file: saved_file.map(Path::to_path_buf),
     })
 }
@@ -1325,7 +1333,7 @@ mod tests {
     #[test]
     fn catalog_entries_from_the_worker_are_checked() {
         let ok = json!({"name": "f", "description": "d", "inputSchema": {"type": "object", "properties": {}}});
-        let files = |t: &Value| checked_tool(t, Home::Files, TOOLS_SESSION, None);
+        let files = |t: &Value| checked_tool(t, None);
         assert!(files(&ok).is_ok());
         let bad_name = json!({"name": "run_python", "inputSchema": {"type": "object"}});
         assert!(files(&bad_name).is_err());
@@ -1339,10 +1347,9 @@ mod tests {
         let claims_file = json!({"name": "f", "origin": "file", "file": "/x/other.py",
                                  "session": TOOLS_SESSION, "inputSchema": {"type": "object"}});
         let own = Path::new("/state/tools/mine.py");
-        let tool =
-            checked_tool(&claims_file, Home::Saved, &saved_session("mine"), Some(own)).unwrap();
-        assert_eq!(tool.home, Home::Saved);
-        assert_eq!(tool.session, saved_session("mine"));
+        let tool = checked_tool(&claims_file, Some(own)).unwrap();
+        assert_eq!(tool.home(), Home::Saved);
+        assert_eq!(tool.session(), saved_session("mine"));
         assert_eq!(tool.saved_file.as_deref(), Some(own));
     }
 

@@ -737,7 +737,7 @@ impl SessionManager {
         // rebuild by importing the file again), then the least recently used.
         candidates.sort_by_key(|s| {
             (
-                !s.name.starts_with(crate::local_tools::SAVED_TOOLS_SESSION),
+                !crate::local_tools::is_saved_file_session(&s.name),
                 *lock(&s.last_used),
             )
         });

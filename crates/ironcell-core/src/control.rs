@@ -269,6 +269,17 @@ mod tests {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
     use std::os::fd::AsRawFd;
 
+    /// A connected pair of sockets of the control socket's kind.
+    fn control_pair() -> (OwnedFd, OwnedFd) {
+        socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap()
+    }
+
     #[test]
     fn an_exit_by_any_signal_is_named() {
         assert_eq!(ExitInfo::Signal(9).to_string(), "was killed by SIGKILL");
@@ -279,13 +290,7 @@ mod tests {
 
     #[test]
     fn packets_and_fds_arrive_in_one_reused_buffer() {
-        let (a, b) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
+        let (a, b) = control_pair();
         let passed = std::fs::File::open("/dev/null").unwrap();
         send_message(a.as_raw_fd(), b"{\"first\":1}", Some(passed.as_raw_fd())).unwrap();
         send_message(a.as_raw_fd(), b"2", None).unwrap();
@@ -312,13 +317,7 @@ mod tests {
 
     #[test]
     fn fds_past_the_space_for_them_are_dropped_and_the_packet_still_arrives() {
-        let (a, b) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
+        let (a, b) = control_pair();
         let files: Vec<_> = (0..6)
             .map(|_| std::fs::File::open("/dev/null").unwrap())
             .collect();
