@@ -329,6 +329,90 @@ def test_21_rlimits_of_other_processes_and_raised_hard_limits_are_refused(box):
     assert out.startswith(("ValueError", "PermissionError")), out
 
 
+# What the worker learns of a process by pid (SECURITY.md #140): once, each of these answered for
+# any pid on the machine, so a cell listed every process with its session, process group,
+# priority, affinity and CPU time, other sessions' workers among them.
+PROBE_PID = r"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+def c_call(f, *args):
+    if f(*args) == 0:
+        return "ok"
+    return f"errno:{ctypes.get_errno()}"
+def cpu_clock(pid, kind):
+    return ((~pid) << 3) | kind
+def probe(pid):
+    clock = ctypes.create_string_buffer(16)
+    head, size = ctypes.c_void_p(), ctypes.c_size_t()
+    return {
+        "getsid": outcome(lambda: os.getsid(pid)),
+        "getpgid": outcome(lambda: os.getpgid(pid)),
+        "getpriority": outcome(lambda: os.getpriority(os.PRIO_PROCESS, pid)),
+        "getpriority_pgrp": outcome(lambda: os.getpriority(os.PRIO_PGRP, pid)),
+        "sched_getparam": outcome(lambda: os.sched_getparam(pid)),
+        "sched_getscheduler": outcome(lambda: os.sched_getscheduler(pid)),
+        "sched_getaffinity": outcome(lambda: os.sched_getaffinity(pid)),
+        "process_clock": outcome(lambda: time.clock_gettime(cpu_clock(pid, 2))),
+        "thread_clock": outcome(lambda: time.clock_gettime(cpu_clock(pid, 6))),
+        "clock_getres": c_call(libc.clock_getres, cpu_clock(pid, 2), clock),
+        "get_robust_list": c_call(libc.syscall, 274, pid, ctypes.byref(head), ctypes.byref(size)),
+    }
+"""
+
+REFUSED_FOR_ANOTHER = {
+    "getsid": "PermissionError:1", "getpgid": "PermissionError:1",
+    "getpriority": "PermissionError:1", "getpriority_pgrp": "PermissionError:1",
+    "sched_getparam": "PermissionError:1", "sched_getscheduler": "PermissionError:1",
+    # ENOSYS, not EPERM: glibc's pthread_getattr_np takes only ENOSYS as "no affinity".
+    "sched_getaffinity": "OSError:38",
+    "process_clock": "PermissionError:1", "thread_clock": "PermissionError:1",
+    "clock_getres": "errno:1", "get_robust_list": "errno:1",
+}
+
+
+def test_140_other_processes_cannot_be_read_by_pid(box):
+    """Init, the server, the zygote, another session's worker and every pid near the worker's
+    own are invisible to it; the worker itself, as 0 or by its pid, is not."""
+    other = int(box.run("os.getpid()", session="pid-neighbour")["result"])
+    box.run(PROBE_PID, session="pid-prober")
+    me = int(box.run("os.getpid()", session="pid-prober")["result"])
+    for pid in sorted({1, box.srv.proc.pid, other, me - 1, me + 1}):
+        seen = eval(box.run(f"probe({pid})", session="pid-prober")["result"])
+        assert seen == REFUSED_FOR_ANOTHER, (pid, seen)
+    # A sweep of the pids around its own finds only itself (once: getsid, getpgid, getpriority
+    # and sched_getaffinity found the server, the zygote and the other sessions' workers).
+    found = eval(box.run(
+        "def alive(p):\n"
+        "    try:\n"
+        "        os.getsid(p)\n"
+        "        return True\n"
+        "    except ProcessLookupError:\n"
+        "        return True\n"  # the kernel looked: a pid the filter let through
+        "    except PermissionError:\n"
+        "        return False\n"
+        f"[p for p in range(max(1, {me} - 3000), {me} + 3000) if alive(p)]",
+        session="pid-prober")["result"])
+    assert found == [me], found
+    for pid in (0, me):
+        seen = eval(box.run(f"probe({pid})", session="pid-prober")["result"])
+        assert all(v.startswith("ok") for v in seen.values()), (pid, seen)
+    # Its own clocks and a thread's own attributes keep working.
+    rec = box.run(
+        "import threading, time\n"
+        "main_clock = time.clock_gettime(time.pthread_getcpuclockid(threading.main_thread().ident))\n"
+        "libc.pthread_self.restype = ctypes.c_ulong\n"
+        "attrs = []\n"
+        "def attributes():\n"
+        "    attr = ctypes.create_string_buffer(128)\n"
+        "    attrs.append(libc.pthread_getattr_np(ctypes.c_ulong(libc.pthread_self()), attr))\n"
+        "    libc.pthread_attr_destroy(attr)\n"
+        "t = threading.Thread(target=attributes)\n"
+        "t.start(); t.join()\n"
+        "(main_clock > 0, time.process_time() > 0, time.thread_time() >= 0, attrs)",
+        session="pid-prober")
+    assert rec["result"] == "(True, True, True, [0])", rec
+
+
 @pytest.mark.parametrize("name,call", [
     ("ptrace_attach", "libc.ptrace(16, os.getppid(), 0, 0)"),
     ("process_vm_readv", "libc.syscall(310, os.getppid(), 0, 0, 0, 0, 0)"),
@@ -1288,6 +1372,13 @@ def _signals(b, ctx):
     fcntl_signal_attack_holds(b, session="doctor-signals")
 
 
+def _pid_reads(b, ctx):
+    assert b.outcome("os.getsid(os.getppid())") == "PermissionError:1"
+    assert b.outcome("os.getpriority(os.PRIO_PROCESS, 1)") == "PermissionError:1"
+    assert b.outcome("__import__('time').clock_gettime(((~1) << 3) | 2)") == "PermissionError:1"
+    assert b.outcome("os.getsid(0) == os.getpid()") == "ok:True"
+
+
 def _metadata(b, ctx):
     victim = host_file_owned_by(b.user)
     before = victim.stat()
@@ -1361,6 +1452,7 @@ ATTACK_FOR_PROTECTION = {
     "no UDP, raw, netlink or unix-path sockets": _sockets,
     "no abstract unix socket connects": _abstract,
     "no signals to other processes": _signals,
+    "no reading other processes by pid (session, group, priority, CPU clock)": _pid_reads,
     "no chmod, chown or utime of any file": _metadata,
     "no device ioctls (e.g. TIOCSTI)": _ioctl,
     "no new processes or exec": _processes,

@@ -265,6 +265,12 @@ impl Sandbox {
                 ],
             ),
             (
+                "no reading other processes by pid (session, group, priority, CPU clock)",
+                vec![sc(
+                    "getsid, getpgid, getpriority, sched_get*, get_robust_list and CPU clocks only on itself",
+                )],
+            ),
+            (
                 "no chmod, chown or utime of any file",
                 vec![sc("metadata calls refused, by path and by fd")],
             ),
@@ -509,6 +515,12 @@ mod tests {
                 }
                 if libc::kill(libc::getppid(), 0) == 0 || errno() != libc::EPERM {
                     return 11;
+                }
+                if libc::getsid(libc::getppid()) >= 0 || errno() != libc::EPERM {
+                    return 12;
+                }
+                if libc::getsid(0) < 0 {
+                    return 13;
                 }
             }
             0

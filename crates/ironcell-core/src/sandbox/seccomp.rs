@@ -105,7 +105,7 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_set_tid_address, libc::SYS_rt_sigaction, libc::SYS_rt_sigprocmask,
     libc::SYS_rt_sigreturn, libc::SYS_sigaltstack, libc::SYS_rt_sigtimedwait,
     libc::SYS_rt_sigsuspend, libc::SYS_rt_sigpending, libc::SYS_sched_yield,
-    libc::SYS_sched_getaffinity, libc::SYS_sched_getparam, libc::SYS_sched_getscheduler,
+    libc::SYS_sched_getparam, libc::SYS_sched_getscheduler,
     libc::SYS_sched_get_priority_max, libc::SYS_sched_get_priority_min, libc::SYS_exit,
     libc::SYS_exit_group, libc::SYS_kill, libc::SYS_tgkill, libc::SYS_clone, libc::SYS_prlimit64,
     // Identity and system facts (read-only).
@@ -320,8 +320,19 @@ const PRCTL_ALLOWED: &[u64] = &[
 ];
 
 #[allow(clippy::unnecessary_cast)]
-fn allow_list() -> Result<Rules, SeccompError> {
+fn allow_list(own_pid: u32) -> Result<Rules, SeccompError> {
     let mut rules = Rules::new();
+    // sched_getaffinity of another process (SECURITY.md #140) gets ENOSYS rather than EPERM:
+    // glibc's `pthread_getattr_np` asks it for the calling thread by its id, and takes ENOSYS
+    // (only) as "no affinity to report", so a worker's other threads still get their
+    // attributes. The worker itself is 0 or its pid.
+    for value in [0, u64::from(own_pid)] {
+        when(
+            &mut rules,
+            libc::SYS_sched_getaffinity,
+            vec![arg32(0, Op::Eq, value)?],
+        )?;
+    }
     always(&mut rules, ALLOWED);
     always(&mut rules, ALLOWED_LEGACY);
     // The refused calls pass this filter so that the refusals filter's EPERM (a readable
@@ -380,6 +391,43 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
         libc::SYS_prlimit64,
         vec![arg32(0, Op::Ne, 0)?, arg32(0, Op::Ne, pid)?],
     )?;
+    // Other processes, read by pid (SECURITY.md #140): each of these answered for any pid on
+    // the machine (a worker listed all 117 processes with their sessions, process groups and
+    // CPU time, other sessions' workers among them). Only 0 (the caller) and its own pid pass;
+    // a worker has no child, and its main thread's id is its pid.
+    for nr in PID_READERS {
+        when(
+            &mut rules,
+            *nr,
+            vec![arg32(0, Op::Ne, 0)?, arg32(0, Op::Ne, pid)?],
+        )?;
+    }
+    // getpriority(which, who): a process (PRIO_PROCESS) or process group (PRIO_PGRP; the
+    // worker leads its own) by id, or every process of a user (PRIO_USER; 0: the caller's).
+    when(
+        &mut rules,
+        libc::SYS_getpriority,
+        vec![arg32(1, Op::Ne, 0)?, arg32(1, Op::Ne, pid)?],
+    )?;
+    when(
+        &mut rules,
+        libc::SYS_getpriority,
+        vec![
+            arg32(0, Op::Eq, libc::PRIO_USER as u64)?,
+            arg32(1, Op::Ne, 0)?,
+        ],
+    )?;
+    // A negative clock id names a process's or thread's CPU clock by pid (or a clock device
+    // by descriptor): only the caller's own pass, as 0 or as its pid. Other threads of the
+    // worker cannot be named (their ids are not known here); `time.thread_time()` and
+    // `time.process_time()` use the static ids.
+    for nr in CLOCK_USERS {
+        let mut conds = vec![arg32(0, Op::MaskedEq(NEGATIVE), NEGATIVE)?];
+        for clock in own_cpu_clocks(0).into_iter().chain(own_cpu_clocks(own_pid)) {
+            conds.push(arg32(0, Op::Ne, u64::from(clock))?);
+        }
+        when(&mut rules, *nr, conds)?;
+    }
     when(
         &mut rules,
         libc::SYS_ioctl,
@@ -428,6 +476,37 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     Ok(rules)
 }
 
+/// Calls whose first argument is a pid they read (SECURITY.md #140).
+const PID_READERS: &[libc::c_long] = &[
+    libc::SYS_getsid,
+    libc::SYS_getpgid,
+    libc::SYS_sched_getparam,
+    libc::SYS_sched_getscheduler,
+    libc::SYS_get_robust_list,
+];
+
+/// Calls whose first argument is a clock id.
+const CLOCK_USERS: &[libc::c_long] = &[
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_getres,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_timer_create,
+];
+
+/// The sign bit of a 32-bit argument.
+const NEGATIVE: u64 = 0x8000_0000;
+
+/// The CPU clocks that name the process `pid` or its main thread, as the kernel encodes them
+/// (`~pid << 3 | kind`; kinds 0-2: profiling, virtual, scheduler time; +4: the thread's).
+/// `pid` 0 is the caller.
+fn own_cpu_clocks(pid: u32) -> [u32; 6] {
+    [0, 1, 2, 4, 5, 6].map(|kind| cpu_clock(pid, kind))
+}
+
+fn cpu_clock(pid: u32, kind: u32) -> u32 {
+    (!pid << 3) | kind
+}
+
 fn kill_list() -> Rules {
     let mut rules = Rules::new();
     always(&mut rules, KILLED);
@@ -463,7 +542,7 @@ enum ByNumber {
 /// [`merge_stacked`].
 fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
     let arch = arch()?;
-    let allowed = allow_list()?;
+    let allowed = allow_list(own_pid)?;
     let refused = refusals(own_pid)?;
     let killed = kill_list();
     let conditional: std::collections::BTreeSet<i64> = allowed
@@ -608,7 +687,7 @@ pub fn stacked_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompEr
     let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
     let eperm = SeccompAction::Errno(libc::EPERM as u32);
     let filters = [
-        SeccompFilter::new(allow_list()?, enosys, SeccompAction::Allow, arch)?,
+        SeccompFilter::new(allow_list(own_pid)?, enosys, SeccompAction::Allow, arch)?,
         SeccompFilter::new(refusals(own_pid)?, SeccompAction::Allow, eperm, arch)?,
         SeccompFilter::new(
             kill_list(),
@@ -748,8 +827,37 @@ const PID_PLACEHOLDER: u32 = 0x7e1d_0c3b;
 #[derive(Debug, Clone)]
 pub struct CompiledWorkerFilters {
     programs: Vec<BpfProgram>,
-    /// (program, instruction) of every comparison with the worker's own pid.
-    pid_sites: Vec<(usize, usize)>,
+    /// (program, instruction, what it compares with) of every comparison with a value that
+    /// follows from the worker's own pid.
+    pid_sites: Vec<(usize, usize, FromPid)>,
+}
+
+/// A constant of the filter that follows from the worker's pid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FromPid {
+    /// The pid itself.
+    Pid,
+    /// One of its CPU clocks ([`cpu_clock`] of this kind).
+    CpuClock(u32),
+}
+
+impl FromPid {
+    const ALL: [FromPid; 7] = [
+        FromPid::Pid,
+        FromPid::CpuClock(0),
+        FromPid::CpuClock(1),
+        FromPid::CpuClock(2),
+        FromPid::CpuClock(4),
+        FromPid::CpuClock(5),
+        FromPid::CpuClock(6),
+    ];
+
+    fn of(self, pid: u32) -> u32 {
+        match self {
+            FromPid::Pid => pid,
+            FromPid::CpuClock(kind) => cpu_clock(pid, kind),
+        }
+    }
 }
 
 impl CompiledWorkerFilters {
@@ -767,15 +875,14 @@ impl CompiledWorkerFilters {
                 if x == y {
                     continue;
                 }
-                let only_the_pid = x.code == y.code
-                    && x.jt == y.jt
-                    && x.jf == y.jf
-                    && x.k == PID_PLACEHOLDER
-                    && y.k == PID_PLACEHOLDER ^ 0x5a5;
-                if !only_the_pid {
-                    return Err(SeccompError::PidTemplate);
+                let same_jumps = x.code == y.code && x.jt == y.jt && x.jf == y.jf;
+                let from_pid = FromPid::ALL
+                    .into_iter()
+                    .find(|d| x.k == d.of(PID_PLACEHOLDER) && y.k == d.of(PID_PLACEHOLDER ^ 0x5a5));
+                match from_pid {
+                    Some(d) if same_jumps => pid_sites.push((p, i, d)),
+                    _ => return Err(SeccompError::PidTemplate),
                 }
-                pid_sites.push((p, i));
             }
         }
         if pid_sites.is_empty() {
@@ -791,8 +898,8 @@ impl CompiledWorkerFilters {
     /// `build_worker_filters(own_pid)`.
     pub fn for_pid(&self, own_pid: u32) -> Vec<BpfProgram> {
         let mut programs = self.programs.clone();
-        for &(p, i) in &self.pid_sites {
-            programs[p][i].k = own_pid;
+        for &(p, i, d) in &self.pid_sites {
+            programs[p][i].k = d.of(own_pid);
         }
         programs
     }
@@ -882,7 +989,16 @@ mod tests {
         values.extend(FCNTL_ALLOWED.iter().copied());
         values.extend(FCNTL_REFUSED.iter().copied());
         values.extend(PRCTL_ALLOWED.iter().copied());
+        values.extend(
+            own_cpu_clocks(0)
+                .into_iter()
+                .chain(own_cpu_clocks(pid))
+                .chain(own_cpu_clocks(pid + 1))
+                .map(u64::from),
+        );
         values.extend([
+            NEGATIVE,
+            libc::PRIO_USER as u64,
             libc::TIOCSTI as u64,
             libc::F_SETFL as u64,
             libc::O_ASYNC as u64,
@@ -905,7 +1021,7 @@ mod tests {
         let mut thirds = vec![0, libc::O_ASYNC as u64, libc::O_NONBLOCK as u64];
         thirds.extend(SOCKOPT_REFUSED.iter().copied());
         thirds.push(libc::SO_KEEPALIVE as u64);
-        let conditional: Vec<i64> = allow_list()
+        let conditional: Vec<i64> = allow_list(pid)
             .unwrap()
             .into_iter()
             .chain(refusals(pid).unwrap())
@@ -996,6 +1112,47 @@ mod tests {
             assert_eq!(sockopt(opt), eperm, "option {opt}");
         }
         assert_eq!(sockopt(libc::SO_KEEPALIVE), ok);
+        // Other processes cannot be read by pid (#140); the worker itself can, as 0 or as its
+        // pid, and so can its own CPU clocks and every static clock.
+        let me = u64::from(pid);
+        let affinity = |who: u64| call(libc::SYS_sched_getaffinity, [who, 128, 0, 0, 0, 0]);
+        assert_eq!((affinity(0), affinity(me)), (ok, ok));
+        assert_eq!((affinity(1), affinity(me + 1)), (enosys, enosys));
+        for n in PID_READERS {
+            assert_eq!(call(*n, [0, 0, 0, 0, 0, 0]), ok, "{n}");
+            assert_eq!(call(*n, [me, 0, 0, 0, 0, 0]), ok, "{n}");
+            assert_eq!(call(*n, [1, 0, 0, 0, 0, 0]), eperm, "{n}");
+            assert_eq!(call(*n, [me + 1, 0, 0, 0, 0, 0]), eperm, "{n}");
+        }
+        let prio = |which: u64, who: u64| call(libc::SYS_getpriority, [which, who, 0, 0, 0, 0]);
+        let (process, group, user) = (
+            libc::PRIO_PROCESS as u64,
+            libc::PRIO_PGRP as u64,
+            libc::PRIO_USER as u64,
+        );
+        assert_eq!(prio(process, 0), ok);
+        assert_eq!(prio(process, me), ok);
+        assert_eq!(prio(group, me), ok);
+        assert_eq!(prio(user, 0), ok);
+        assert_eq!(prio(process, 1), eperm);
+        assert_eq!(prio(group, 1), eperm);
+        assert_eq!(prio(user, me), eperm);
+        for n in CLOCK_USERS {
+            for clock in [0, 1, 2, 3, 7, 11] {
+                assert_eq!(call(*n, [clock, 0, 0, 0, 0, 0]), ok, "{n} {clock}");
+            }
+            for clock in own_cpu_clocks(0).into_iter().chain(own_cpu_clocks(pid)) {
+                assert_eq!(call(*n, [u64::from(clock), 0, 0, 0, 0, 0]), ok, "{n}");
+            }
+            // Another process's clocks, another thread's, and a clock device's (fd 3).
+            for other in own_cpu_clocks(1).into_iter().chain(own_cpu_clocks(pid + 1)) {
+                assert_eq!(call(*n, [u64::from(other), 0, 0, 0, 0, 0]), eperm, "{n}");
+            }
+            assert_eq!(
+                call(*n, [u64::from((!3u32 << 3) | 3), 0, 0, 0, 0, 0]),
+                eperm
+            );
+        }
         // The lockdown turned huge pages off (#132); the code may read that, not undo it.
         let prctl = |op: libc::c_int| call(libc::SYS_prctl, [op as u64, 0, 0, 0, 0, 0]);
         assert_eq!(prctl(libc::PR_GET_THP_DISABLE), ok);
@@ -1016,8 +1173,14 @@ mod tests {
     #[test]
     fn the_programs_compiled_once_are_the_ones_compiled_for_each_pid() {
         let compiled = CompiledWorkerFilters::compile().unwrap();
-        // kill, tgkill and prlimit64 compare their first argument with the worker's pid.
-        assert_eq!(compiled.pid_sites.len(), 3, "{:?}", compiled.pid_sites);
+        // kill, tgkill, prlimit64, sched_getaffinity, the five pid readers and getpriority compare an argument
+        // with the worker's pid; the four clock calls with its six CPU clocks.
+        let pids = |d: FromPid| compiled.pid_sites.iter().filter(|s| s.2 == d).count();
+        assert_eq!(pids(FromPid::Pid), 10, "{:?}", compiled.pid_sites);
+        for kind in [0, 1, 2, 4, 5, 6] {
+            assert_eq!(pids(FromPid::CpuClock(kind)), 4, "{:?}", compiled.pid_sites);
+        }
+        assert_eq!(compiled.pid_sites.len(), 34);
         for pid in [1, 2, 1234, 65_535, 4_194_304] {
             assert_eq!(
                 compiled.for_pid(pid),
@@ -1035,7 +1198,7 @@ mod tests {
                 "syscall {nr}"
             );
         }
-        let allowed = allow_list().unwrap();
+        let allowed = allow_list(1234).unwrap();
         for nr in REFUSED.iter().chain(REFUSED_LEGACY) {
             assert!(
                 allowed.contains_key(nr),
