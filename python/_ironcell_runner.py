@@ -777,6 +777,7 @@ def run_cell(code, run_id=0):
     out = {"status": "ok", "result": None, "error": None, "exit_code": None, "images": []}
     try:
         _register_source(code)
+        _write_plot_pages_ahead(code)
         try:
             tree = ast.parse(code, CELL_FILENAME, "exec")
         except SyntaxError as exc:
@@ -878,14 +879,7 @@ def _warm_up_plots(font_cache_dir=None):
         import matplotlib.font_manager  # noqa: F401 - builds or loads the font list
         import matplotlib.pyplot as plt
 
-        # The default size and resolution, like a user's first figure: the same glyphs, sizes
-        # and buffers get loaded (a smaller test figure leaves more for the first real plot).
-        fig = plt.figure()
-        try:
-            fig.gca().plot([0, 1], [0, 1])
-            fig.savefig(io.BytesIO(), format="png")
-        finally:
-            plt.close(fig)
+        _draw_a_default_figure(plt, io)
         # matplotlib empties its font cache in every forked child (os.register_at_fork), which
         # frees FreeType's structures all over the heap: a private copy of each of those pages
         # per worker. Empty it here instead; a worker's first plot opens the font either way.
@@ -900,6 +894,46 @@ def _warm_up_plots(font_cache_dir=None):
             os.environ.pop("MPLCONFIGDIR", None)
         else:
             os.environ["MPLCONFIGDIR"] = saved
+
+
+def _draw_a_default_figure(plt, io):
+    # The default size and resolution, like a user's first figure: the same glyphs, sizes and
+    # buffers get loaded (a smaller test figure leaves more for the first real plot).
+    fig = plt.figure()
+    try:
+        fig.gca().plot([0, 1], [0, 1])
+        fig.savefig(io.BytesIO(), format="png")
+    finally:
+        plt.close(fig)
+
+
+def zygote_probe_plot():
+    """In the zygote's probe child (never a worker), after the warm-up: draws the warm-up's
+    figure again, as a worker's first plot would, so the probe can tell which pages it wrote
+    (`ironcell_core::prefault`). Raises if pyplot was not warmed."""
+    import io
+
+    _draw_a_default_figure(sys.modules["matplotlib.pyplot"], io)
+
+
+# Words that make a cell a likely first plot: before the first cell that has one of them, the
+# worker writes ahead the pages the zygote's probe plot wrote (one call per run of pages, about
+# a third of the cost of taking each copy-on-write fault inside the plot). Once per worker; a
+# cell that plots without them just takes its faults as it goes.
+_PLOT_WORDS = ("plt", "matplotlib", "pyplot", "pylab", "seaborn", ".plot", ".hist", "savefig")
+_plot_pages_ahead = [True, 0]  # still to do; pages written ahead (for scripts/bench.py)
+
+
+def _write_plot_pages_ahead(code):
+    if not _plot_pages_ahead[0] or not any(word in code for word in _PLOT_WORDS):
+        return
+    _plot_pages_ahead[0] = False
+    try:
+        import _ironcell_bridge
+
+        _plot_pages_ahead[1] = _ironcell_bridge.write_plot_pages_ahead()
+    except Exception as exc:  # noqa: BLE001 - an optimisation, never a failure of the cell
+        print(f"[ironcell] writing plot pages ahead failed: {exc}", file=sys.stderr)
 
 
 class _ImageScan:

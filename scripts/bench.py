@@ -412,7 +412,14 @@ COUNTED_PLOT = ("import resource as _r\n_f0 = _r.getrusage(_r.RUSAGE_SELF).ru_mi
                 + "_r.getrusage(_r.RUSAGE_SELF).ru_minflt - _f0\n")
 
 
-def plots(c: Client, n: int) -> tuple[list[float], list[float], list[int], list[int]] | None:
+# Pages a new session's worker wrote ahead before its first plotting cell ran (not counted in
+# the cell's own faults; docs/ARCHITECTURE.md, "A first plot's pages written ahead"). 0 from a
+# binary without it.
+PAGES_AHEAD = ("import _ironcell_runner\n"
+               "getattr(_ironcell_runner, '_plot_pages_ahead', [None, 0])[1]")
+
+
+def plots(c: Client, n: int) -> tuple[list[float], list[float], list[int], list[int], list[int]] | None:
     probe = c.run("import importlib.util\nimportlib.util.find_spec('matplotlib') is not None", session="plotprobe")
     if probe["result"] != "True":
         return None
@@ -424,14 +431,15 @@ def plots(c: Client, n: int) -> tuple[list[float], list[float], list[int], list[
         if c.run("import os\nos.environ.get('MPLCONFIGDIR')", session=f"plotwait{i}")["result"] not in (None, "None"):
             break
         time.sleep(0.5)
-    new, warm, new_faults, warm_faults = [], [], [], []
+    new, warm, new_faults, warm_faults, ahead = [], [], [], [], []
     for k in range(n):
         for times, faults in ((new, new_faults), (warm, warm_faults)):
             t = time.perf_counter()
             rec = c.run(COUNTED_PLOT, session=f"plotnew{k}")
             times.append((time.perf_counter() - t) * 1000)
             faults.append(int(rec["result"]))
-    return new, warm, new_faults, warm_faults
+        ahead.append(int(c.run(PAGES_AHEAD, session=f"plotnew{k}")["result"]))
+    return new, warm, new_faults, warm_faults, ahead
 
 
 def python_plot_ms(py: str, n: int) -> list[float] | None:
@@ -848,11 +856,12 @@ def main() -> int:
               (f"idle python3 with numpy + pandas: {base_uss_np:.1f} MiB" if base_uss_np else "numpy/pandas not installed")
               + ("" if pre_ok else " (preload did not take)"))
     if plot:
-        new_p, warm_p, new_f, warm_f = plot
+        new_p, warm_p, new_f, warm_f, ahead = plot
         table.row("first matplotlib plot, new session", ms(new_p, 1),
                   f"python3 -c importing matplotlib and plotting: {ms(py_plot, 1)}{ratio(new_p, py_plot)}")
         table.row("matplotlib plot, warm session", ms(warm_p, 1),
-                  f"page faults per plot (median): {statistics.median(new_f):.0f} new, {statistics.median(warm_f):.0f} warm")
+                  f"page faults per plot (median): {statistics.median(new_f):.0f} new (after "
+                  f"{statistics.median(ahead):.0f} pages written ahead), {statistics.median(warm_f):.0f} warm")
     else:
         table.row("first matplotlib plot", "skipped", "matplotlib is not installed")
     table.row("round trip, empty session", ms(empty_rt, 3), "")

@@ -97,28 +97,29 @@ fn resident_pages(addr: usize) -> usize {
 /// The `[start, end)` address ranges of `/proc/self/maps` lines that are private, writable
 /// and anonymous (no file; the `[heap]`). One per mapping: a huge page cannot straddle two.
 fn anonymous_writable_ranges(maps: &str) -> Vec<(usize, usize)> {
-    let mut ranges: Vec<(usize, usize)> = Vec::new();
-    for line in maps.lines() {
+    private_writable_mappings(maps)
+        .filter(|(_, _, path)| path.is_empty() || *path == "[heap]")
+        .map(|(a, b, _)| (a, b))
+        .collect()
+}
+
+/// The private, writable mappings of a `/proc/<pid>/maps` text: `(start, end, path)`, the path
+/// empty for anonymous memory (`[heap]`, `[stack]` as the kernel names them).
+pub(crate) fn private_writable_mappings(maps: &str) -> impl Iterator<Item = (usize, usize, &str)> {
+    maps.lines().filter_map(|line| {
         let mut fields = line.split_whitespace();
-        let (Some(span), Some(perms)) = (fields.next(), fields.next()) else {
-            continue;
-        };
+        let (span, perms) = (fields.next()?, fields.next()?);
         let path = fields.nth(3).unwrap_or("");
-        if !perms.starts_with("rw")
-            || !perms.ends_with('p')
-            || !(path.is_empty() || path == "[heap]")
-        {
-            continue;
+        if !perms.starts_with("rw") || !perms.ends_with('p') {
+            return None;
         }
-        let Some((a, b)) = span.split_once('-') else {
-            continue;
-        };
-        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
-            continue;
-        };
-        ranges.push((a, b));
-    }
-    ranges
+        let (a, b) = span.split_once('-')?;
+        let (a, b) = (
+            usize::from_str_radix(a, 16).ok()?,
+            usize::from_str_radix(b, 16).ok()?,
+        );
+        Some((a, b, path))
+    })
 }
 
 #[cfg(test)]

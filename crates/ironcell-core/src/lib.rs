@@ -4,7 +4,7 @@
 //! - [`control`]: host ↔ zygote messages and the [`control::WorkerSpec`] a worker is forked with.
 //! - [`frame`]: host ↔ worker framing and messages on a session socket.
 //! - [`arenas`] and [`hugepages`]: the zygote's heap laid out so a fork copies fewer page-table
-//!   entries.
+//!   entries; [`prefault`]: a worker's first plot takes its copy-on-write faults ahead, in bulk.
 //! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, the private `/tmp`, and the lockdown
 //!   order. The host plans; the worker applies.
 //!
@@ -15,4 +15,5 @@ pub mod arenas;
 pub mod control;
 pub mod frame;
 pub mod hugepages;
+pub mod prefault;
 pub mod sandbox;

@@ -242,6 +242,14 @@ pub mod _ironcell_bridge {
         }
     }
 
+    /// Before a worker's first cell that looks like a plot: writes ahead, without the GIL, the
+    /// pages a first plot copies (`ironcell_core::prefault`). Returns how many; 0 after the
+    /// first call, or with nothing to write.
+    #[pyfunction]
+    fn write_plot_pages_ahead(py: Python<'_>) -> usize {
+        py.detach(crate::zygote::write_plot_pages_ahead)
+    }
+
     /// Sends a request; `callback(payload)` is called on the bridge thread with the answer.
     #[pyfunction]
     fn submit(

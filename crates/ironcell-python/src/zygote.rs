@@ -14,7 +14,8 @@
 //! dies.
 
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 
 use anyhow::{Context, anyhow};
@@ -363,7 +364,22 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         fill_pymalloc_holes(py);
         fill_malloc_holes();
         log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
-        Ok(message)
+        // Last: the probe must see the heap as the workers will inherit it.
+        let probe_started = std::time::Instant::now();
+        let probe = probe_plot_pages(py);
+        let noted = match &probe {
+            Ok(runs) => format!(
+                "; a first plot's {} pages ({} runs, probed in {:.0} ms) are written ahead in a worker",
+                runs.pages(),
+                runs.runs().len(),
+                probe_started.elapsed().as_secs_f64() * 1000.0
+            ),
+            Err(e) => format!("; plot pages not probed: {e:#}"),
+        };
+        if let Ok(runs) = probe {
+            let _ = PLOT_PAGES.set(runs);
+        }
+        Ok(message + &noted)
     })();
     let message = outcome.unwrap_or_else(|e| format!("matplotlib warm-up failed: {e}"));
     let pyplot = py
@@ -382,6 +398,132 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         pyplot,
         message,
         ms,
+    }
+}
+
+/// The pages a first plot writes, as the zygote's probe found them ([`probe_plot_pages`]);
+/// workers inherit them with the fork.
+static PLOT_PAGES: std::sync::OnceLock<ironcell_core::prefault::PageRuns> =
+    std::sync::OnceLock::new();
+
+/// How long the probe may take to draw its figure and read its pages.
+const PROBE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Forks a probe that draws the warm-up's figure once more and reports which pages of its
+/// private writable mappings it wrote (`ironcell_core::prefault`): the pages a worker's first
+/// plot would copy one fault at a time. Runs on the zygote's only thread, right before it
+/// serves forks again; the probe is trusted code (matplotlib, as in the warm-up), never a
+/// worker's, and is reaped here, so the zygote's loop never reports it as a worker.
+fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::PageRuns> {
+    use ironcell_core::prefault::{PageRuns, private_writable_ranges};
+    if ironcell_core::sandbox::sys::threads_of_this_process() != Some(1) {
+        return Err(anyhow!("the zygote has more than one thread"));
+    }
+    let ranges = private_writable_ranges().context("reading /proc/self/maps")?;
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // SAFETY: as in `worker::fork`: single-threaded, with the GIL held.
+    unsafe { pyo3::ffi::PyOS_BeforeFork() };
+    // SAFETY: plain fork(2); the child runs Python (with the GIL this thread holds) and exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
+        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
+        drop(read);
+        let code = match probe_child(py, &ranges, write) {
+            Ok(()) => 0,
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "ironcell plot probe: {e:#}");
+                1
+            }
+        };
+        // SAFETY: ends the probe without running the zygote's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    // SAFETY: in the parent, after fork, with the GIL held.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
+    drop(write);
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error()).context("fork");
+    }
+    let got = read_until_eof(&read, PROBE_DEADLINE);
+    if got.is_err() {
+        // SAFETY: our own child, not reaped yet.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child, which nothing else reaps (the loop waits only later).
+    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0
+        && nix::errno::Errno::last() == nix::errno::Errno::EINTR
+    {}
+    let bytes = got?;
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        return Err(anyhow!("the probe failed (wait status {status:#x})"));
+    }
+    PageRuns::from_bytes(&bytes).ok_or_else(|| anyhow!("the probe's page list is malformed"))
+}
+
+/// The probe child's work: what a worker does first, the figure, then its own page map.
+fn probe_child(
+    py: Python<'_>,
+    ranges: &[std::ops::Range<usize>],
+    write: OwnedFd,
+) -> anyhow::Result<()> {
+    let runner = py
+        .import("sys")
+        .and_then(|sys| sys.getattr("modules")?.get_item("_ironcell_runner"))
+        .map_err(|e| anyhow!("{e}"))?;
+    runner
+        .call_method0("worker_after_fork")
+        .and_then(|_| runner.call_method0("zygote_probe_plot"))
+        .map_err(|e| anyhow!("drawing: {e}"))?;
+    let runs = ironcell_core::prefault::exclusive_pages(ranges).context("reading pagemap")?;
+    std::fs::File::from(write)
+        .write_all(&runs.to_bytes())
+        .context("writing the page list")
+}
+
+/// Reads `fd` to its end, for at most `deadline`.
+fn read_until_eof(fd: &OwnedFd, deadline: std::time::Duration) -> anyhow::Result<Vec<u8>> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let until = std::time::Instant::now() + deadline;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(anyhow!("the probe took over {}s", deadline.as_secs()));
+        }
+        let ms = PollTimeout::try_from(left.as_millis().min(60_000) as i32 + 1)
+            .unwrap_or(PollTimeout::MAX);
+        let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, ms) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(e.into()),
+        }
+        match nix::unistd::read(fd, &mut buf) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
+            Err(e) => return Err(e.into()),
+        }
+        if out.len() > 16 * ironcell_core::prefault::MAX_PAGES {
+            return Err(anyhow!("the probe's page list is too long"));
+        }
+    }
+}
+
+/// In a worker, before its first cell that looks like a plot: writes ahead the pages the
+/// zygote's probe plot wrote (`ironcell_core::prefault`). Once per process; returns the pages
+/// written, 0 when there is nothing to write (no matplotlib, or the probe failed).
+pub(crate) fn write_plot_pages_ahead() -> usize {
+    static DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if DONE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return 0;
+    }
+    match PLOT_PAGES.get() {
+        Some(runs) => ironcell_core::prefault::populate_for_writing(runs).pages,
+        None => 0,
     }
 }
 
