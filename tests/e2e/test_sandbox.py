@@ -396,6 +396,18 @@ def test_140_other_processes_cannot_be_read_by_pid(box):
     for pid in (0, me):
         seen = eval(box.run(f"probe({pid})", session="pid-prober")["result"])
         assert all(v.startswith("ok") for v in seen.values()), (pid, seen)
+    # Nor through a priority-inheritance futex (#142): TRYLOCK_PI looks up the thread id in the
+    # futex word machine-wide (ESRCH for a free pid, EPERM for a live one); every PI command is
+    # ENOSYS, for the worker's own id too.
+    trylock_pi = (
+        "def trylock_pi(pid):\n"
+        "    word = ctypes.c_uint32(pid)\n"
+        "    rc = libc.syscall(202, ctypes.byref(word), 8 | 128, 0, 0, 0, 0)\n"
+        "    return 'ok' if rc == 0 else f'errno:{ctypes.get_errno()}'\n"
+    )
+    box.run(trylock_pi, session="pid-prober")
+    for pid in (1, box.srv.proc.pid, other, me, me + 1):
+        assert box.run(f"trylock_pi({pid})", session="pid-prober")["result"] == "'errno:38'", pid
     # Its own clocks and a thread's own attributes keep working.
     rec = box.run(
         "import threading, time\n"
@@ -1377,6 +1389,10 @@ def _pid_reads(b, ctx):
     assert b.outcome("os.getpriority(os.PRIO_PROCESS, 1)") == "PermissionError:1"
     assert b.outcome("__import__('time').clock_gettime(((~1) << 3) | 2)") == "PermissionError:1"
     assert b.outcome("os.getsid(0) == os.getpid()") == "ok:True"
+    # A priority-inheritance futex naming pid 1 (#142): ENOSYS, as every PI command.
+    trylock_pi = ("(lambda ct: (ct.CDLL(None, use_errno=True).syscall(202, ct.byref(ct.c_uint32(1)), "
+                  "8 | 128, 0, 0, 0, 0), ct.get_errno()))(__import__('ctypes'))")
+    assert b.outcome(trylock_pi) == "ok:(-1, 38)"
 
 
 def _metadata(b, ctx):

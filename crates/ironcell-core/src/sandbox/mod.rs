@@ -267,7 +267,7 @@ impl Sandbox {
             (
                 "no reading other processes by pid (session, group, priority, CPU clock)",
                 vec![sc(
-                    "getsid, getpgid, getpriority, sched_get*, get_robust_list and CPU clocks only on itself",
+                    "getsid, getpgid, getpriority, sched_get*, get_robust_list and CPU clocks only on itself; no PI futexes",
                 )],
             ),
             (

@@ -101,7 +101,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_brk, libc::SYS_msync, libc::SYS_mincore, libc::SYS_mbind, libc::SYS_get_mempolicy,
     libc::SYS_set_mempolicy, libc::SYS_mlock, libc::SYS_munlock, libc::SYS_membarrier,
     // Threads, futexes, signals to itself (Python threads, ThreadPoolExecutor, asyncio.to_thread).
-    libc::SYS_futex, libc::SYS_set_robust_list, libc::SYS_get_robust_list, libc::SYS_rseq,
+    // futex: only its commands without priority inheritance (`allow_list`, FUTEX_ALLOWED).
+    libc::SYS_set_robust_list, libc::SYS_get_robust_list, libc::SYS_rseq,
     libc::SYS_set_tid_address, libc::SYS_rt_sigaction, libc::SYS_rt_sigprocmask,
     libc::SYS_rt_sigreturn, libc::SYS_sigaltstack, libc::SYS_rt_sigtimedwait,
     libc::SYS_rt_sigsuspend, libc::SYS_rt_sigpending, libc::SYS_sched_yield,
@@ -333,6 +334,18 @@ fn allow_list(own_pid: u32) -> Result<Rules, SeccompError> {
             vec![arg32(0, Op::Eq, value)?],
         )?;
     }
+    // futex without its priority-inheritance commands (SECURITY.md #142): LOCK_PI, TRYLOCK_PI
+    // and the rest look up, machine-wide, the thread id written in the futex word (ESRCH for an
+    // id nobody has, EPERM for a live one: a cell swept pids 1-20,000 and found every process
+    // and thread). They get ENOSYS, which glibc takes as "no PI mutexes" (`pthread_mutex_init`
+    // of a PTHREAD_PRIO_INHERIT mutex then fails with ENOTSUP); CPython and Rust use none.
+    for &cmd in FUTEX_ALLOWED {
+        when(
+            &mut rules,
+            libc::SYS_futex,
+            vec![arg32(1, Op::MaskedEq(FUTEX_CMD_MASK), cmd)?],
+        )?;
+    }
     always(&mut rules, ALLOWED);
     always(&mut rules, ALLOWED_LEGACY);
     // The refused calls pass this filter so that the refusals filter's EPERM (a readable
@@ -475,6 +488,22 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     )?;
     Ok(rules)
 }
+
+/// futex commands a worker may use: wait, wake, requeue, wake-op and the bitset forms; not
+/// FUTEX_FD (gone since 2.6.26) nor any priority-inheritance command (6-8, 11-13).
+const FUTEX_ALLOWED: &[u64] = &[
+    libc::FUTEX_WAIT as u64,
+    libc::FUTEX_WAKE as u64,
+    libc::FUTEX_REQUEUE as u64,
+    libc::FUTEX_CMP_REQUEUE as u64,
+    libc::FUTEX_WAKE_OP as u64,
+    libc::FUTEX_WAIT_BITSET as u64,
+    libc::FUTEX_WAKE_BITSET as u64,
+];
+
+/// The kernel's `FUTEX_CMD_MASK`: a futex op without its private and clock flags.
+const FUTEX_CMD_MASK: u64 =
+    !((libc::FUTEX_PRIVATE_FLAG | libc::FUTEX_CLOCK_REALTIME) as u32) as u64;
 
 /// Calls whose first argument is a pid they read (SECURITY.md #140).
 const PID_READERS: &[libc::c_long] = &[
@@ -996,6 +1025,10 @@ mod tests {
                 .chain(own_cpu_clocks(pid + 1))
                 .map(u64::from),
         );
+        values.extend((0..=13u64).flat_map(|cmd| {
+            let private = cmd | libc::FUTEX_PRIVATE_FLAG as u64;
+            [cmd, private, private | libc::FUTEX_CLOCK_REALTIME as u64]
+        }));
         values.extend([
             NEGATIVE,
             libc::PRIO_USER as u64,
@@ -1112,6 +1145,20 @@ mod tests {
             assert_eq!(sockopt(opt), eperm, "option {opt}");
         }
         assert_eq!(sockopt(libc::SO_KEEPALIVE), ok);
+        // futex: waits and wakes, private or not, with either clock; no priority inheritance
+        // (#142), whose commands look up another process's thread by id.
+        let futex = |op: u64| call(libc::SYS_futex, [0, op, 0, 0, 0, 0]);
+        let private = libc::FUTEX_PRIVATE_FLAG as u64;
+        for &cmd in FUTEX_ALLOWED {
+            assert_eq!(futex(cmd), ok, "futex {cmd}");
+            assert_eq!(futex(cmd | private), ok, "futex {cmd}");
+            let realtime = libc::FUTEX_CLOCK_REALTIME as u64;
+            assert_eq!(futex(cmd | private | realtime), ok, "futex {cmd}");
+        }
+        for cmd in [2, 6, 7, 8, 11, 12, 13, 14] {
+            assert_eq!(futex(cmd), enosys, "futex {cmd}");
+            assert_eq!(futex(cmd | private), enosys, "futex {cmd}");
+        }
         // Other processes cannot be read by pid (#140); the worker itself can, as 0 or as its
         // pid, and so can its own CPU clocks and every static clock.
         let me = u64::from(pid);
