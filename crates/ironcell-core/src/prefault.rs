@@ -148,6 +148,28 @@ pub fn exclusive_pages(ranges: &[Range<usize>]) -> std::io::Result<PageRuns> {
     Ok(found)
 }
 
+/// Whether this kernel has `MADV_POPULATE_WRITE` (Linux 5.14): asked on one page of a mapping
+/// of its own, made for the question.
+pub fn populate_supported() -> bool {
+    // SAFETY: a fresh private anonymous page, advised, then unmapped; nothing else uses it.
+    unsafe {
+        let page = libc::mmap(
+            std::ptr::null_mut(),
+            PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if page == libc::MAP_FAILED {
+            return false;
+        }
+        let supported = libc::madvise(page, PAGE, MADV_POPULATE_WRITE) == 0;
+        libc::munmap(page, PAGE);
+        supported
+    }
+}
+
 /// What [`populate_for_writing`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Populated {
@@ -155,19 +177,19 @@ pub struct Populated {
     pub pages: usize,
     /// Runs it refused (no longer mapped, or no longer writable, in this process).
     pub refused: usize,
-    /// The kernel has no `MADV_POPULATE_WRITE` (before 5.14): nothing was done.
-    pub unsupported: bool,
 }
 
-/// Takes the write faults of `runs` now, one `madvise(MADV_POPULATE_WRITE)` per run: each page
-/// becomes this process's own, as a write would make it, with its contents unchanged. A run
-/// that is no longer mapped or writable here is skipped.
+/// Takes the write faults of `runs` now, one `madvise(MADV_POPULATE_WRITE)` per run (the
+/// caller asked [`populate_supported`] first): each page becomes this process's own, as a write
+/// would make it, with its contents unchanged. A run that is no longer mapped or writable here
+/// is skipped. The runs are the zygote's layout: if the process has since put a shared file
+/// mapping where one of them was, that file's pages are dirtied with what they hold.
 pub fn populate_for_writing(runs: &PageRuns) -> Populated {
     let mut done = Populated::default();
     for run in runs.runs() {
         // SAFETY: advice on whole pages; MADV_POPULATE_WRITE faults them in as a write would,
-        // without changing their contents, and fails (ENOMEM, EFAULT) on addresses that are not
-        // mapped writable in this process rather than touching them.
+        // without changing their contents, and fails (ENOMEM, EFAULT, EINVAL) on addresses
+        // that are not mapped writable (or not as ordinary memory) rather than touching them.
         let rc = unsafe {
             libc::madvise(
                 run.start as *mut c_void,
@@ -177,14 +199,9 @@ pub fn populate_for_writing(runs: &PageRuns) -> Populated {
         };
         if rc == 0 {
             done.pages += (run.end - run.start) / PAGE;
-            continue;
+        } else {
+            done.refused += 1;
         }
-        let errno = std::io::Error::last_os_error().raw_os_error();
-        if errno == Some(libc::EINVAL) && done.pages == 0 && done.refused == 0 {
-            done.unsupported = true;
-            return done;
-        }
-        done.refused += 1;
     }
     done
 }
@@ -277,17 +294,16 @@ mod tests {
         let m = Mapping::new(16, libc::MAP_PRIVATE);
         m.write(2, 7);
         let runs = PageRuns(vec![m.page(2)..m.page(4), m.page(10)..m.page(11)]);
-        let done = populate_for_writing(&runs);
-        if done.unsupported {
+        if !populate_supported() {
             eprintln!("MADV_POPULATE_WRITE is not supported by this kernel");
             return;
         }
+        let done = populate_for_writing(&runs);
         assert_eq!(
             done,
             Populated {
                 pages: 3,
                 refused: 0,
-                unsupported: false
             }
         );
         assert_eq!(m.resident(), vec![2, 3, 10]);

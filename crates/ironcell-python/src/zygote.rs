@@ -419,8 +419,15 @@ fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::P
     if ironcell_core::sandbox::sys::threads_of_this_process() != Some(1) {
         return Err(anyhow!("the zygote has more than one thread"));
     }
+    if !ironcell_core::prefault::populate_supported() {
+        return Err(anyhow!(
+            "this kernel has no MADV_POPULATE_WRITE (Linux 5.14)"
+        ));
+    }
     let ranges = private_writable_ranges().context("reading /proc/self/maps")?;
     let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // SAFETY: getpid(2) cannot fail.
+    let zygote = unsafe { libc::getpid() };
     // SAFETY: as in `worker::fork`: single-threaded, with the GIL held.
     unsafe { pyo3::ffi::PyOS_BeforeFork() };
     // SAFETY: plain fork(2); the child runs Python (with the GIL this thread holds) and exits.
@@ -429,12 +436,18 @@ fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::P
         // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         drop(read);
-        let code = match probe_child(py, &ranges, write) {
-            Ok(()) => 0,
-            Err(e) => {
+        // Never back into the zygote's loop: a panic ends the probe too.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            detach_probe(zygote, write.as_raw_fd())?;
+            probe_child(py, &ranges, write)
+        }));
+        let code = match outcome {
+            Ok(Ok(())) => 0,
+            Ok(Err(e)) => {
                 let _ = writeln!(std::io::stderr(), "ironcell plot probe: {e:#}");
                 1
             }
+            Err(_) => 1,
         };
         // SAFETY: ends the probe without running the zygote's exit handlers.
         unsafe { libc::_exit(code) };
@@ -450,16 +463,73 @@ fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::P
         // SAFETY: our own child, not reaped yet.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    let mut status = 0;
-    // SAFETY: waits for our own child, which nothing else reaps (the loop waits only later).
-    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0
-        && nix::errno::Errno::last() == nix::errno::Errno::EINTR
-    {}
+    let status = reap_probe(pid)?;
     let bytes = got?;
     if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
         return Err(anyhow!("the probe failed (wait status {status:#x})"));
     }
     PageRuns::from_bytes(&bytes).ok_or_else(|| anyhow!("the probe's page list is malformed"))
+}
+
+/// A probe the zygote gave up waiting for (killed, but not gone yet): its end is not a worker's,
+/// and the zygote's loop does not report it to the host.
+static UNREAPED_PROBE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Waits for the probe for at most a second after its pipe closed or it was killed; a probe
+/// that is still there then is left to the zygote's loop, which reaps it without a word.
+fn reap_probe(pid: libc::pid_t) -> anyhow::Result<libc::c_int> {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our own child with a valid out-pointer.
+        let rc = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if rc == pid {
+            return Ok(status);
+        }
+        if rc < 0 && nix::errno::Errno::last() != nix::errno::Errno::EINTR {
+            return Err(std::io::Error::last_os_error()).context("waiting for the probe");
+        }
+        if std::time::Instant::now() >= until {
+            // SAFETY: our own child, not reaped yet.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            UNREAPED_PROBE.store(pid, std::sync::atomic::Ordering::Relaxed);
+            return Err(anyhow!("the probe did not end"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// The probe child sheds what it does not need of the zygote, as a worker does: it dies with
+/// the zygote (and gives up if the zygote is already gone), ends itself past the deadline, keeps
+/// no descriptor but its pipe (the host must see the control socket close when the zygote
+/// dies), and gets 4 KiB pages like a worker (#132), so its list names the pages a worker writes.
+fn detach_probe(zygote: libc::pid_t, keep: RawFd) -> anyhow::Result<()> {
+    // SAFETY: prctl, getppid, alarm and close_range with integer arguments only.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
+            || libc::getppid() != zygote
+        {
+            return Err(anyhow!("the zygote is gone"));
+        }
+        libc::alarm(PROBE_DEADLINE.as_secs() as libc::c_uint);
+        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+        let keep = keep as libc::c_uint;
+        if keep > 3 {
+            libc::syscall(
+                libc::SYS_close_range,
+                3 as libc::c_uint,
+                keep - 1,
+                0 as libc::c_uint,
+            );
+        }
+        libc::syscall(
+            libc::SYS_close_range,
+            keep + 1,
+            libc::c_uint::MAX,
+            0 as libc::c_uint,
+        );
+    }
+    Ok(())
 }
 
 /// The probe child's work: what a worker does first, the figure, then its own page map.
@@ -772,6 +842,9 @@ fn report_exited_children(ctl: RawFd) -> anyhow::Result<()> {
                 nix::errno::Errno::ECHILD => return Ok(()),
                 e => return Err(e.into()),
             }
+        }
+        if pid == UNREAPED_PROBE.load(std::sync::atomic::Ordering::Relaxed) {
+            continue; // the plot probe, not a worker
         }
         let status = if libc::WIFEXITED(raw) {
             ExitInfo::Code(libc::WEXITSTATUS(raw))
