@@ -356,9 +356,19 @@ impl Zygote {
         })
     }
 
-    /// Whether the zygote process has gone away (it then cannot spawn anything).
+    /// Whether the zygote process has gone away (it then cannot spawn anything, and its
+    /// workers are dying). Asks the process itself too: it has exited (and sent its workers
+    /// their parent-death signal) before the event thread may have read the end of its socket,
+    /// and a spare handed to a session in between would die under the session's first cell.
     pub fn is_dead(&self) -> bool {
-        self.shared.dead.load(Ordering::SeqCst)
+        if self.shared.dead.load(Ordering::SeqCst) {
+            return true;
+        }
+        // waitpid(WNOHANG) (the status is kept once reaped): the zygote is our child and
+        // nothing else reaps it; an error (no such child) means it is gone as well.
+        lock(&self.child)
+            .try_wait()
+            .map_or(true, |status| status.is_some())
     }
 
     /// Waits until the interpreter is warm; returns what the zygote reported.
