@@ -438,7 +438,7 @@ fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::P
         drop(read);
         // Never back into the zygote's loop: a panic ends the probe too.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            detach_probe(zygote, write.as_raw_fd())?;
+            let write = detach_probe(zygote, write)?;
             probe_child(py, &ranges, write)
         }));
         let code = match outcome {
@@ -501,36 +501,24 @@ fn reap_probe(pid: libc::pid_t) -> anyhow::Result<libc::c_int> {
 
 /// The probe child sheds what it does not need of the zygote, as a worker does: it dies with
 /// the zygote (and gives up if the zygote is already gone), ends itself past the deadline, keeps
-/// no descriptor but its pipe (the host must see the control socket close when the zygote
-/// dies), and gets 4 KiB pages like a worker (#132), so its list names the pages a worker writes.
-fn detach_probe(zygote: libc::pid_t, keep: RawFd) -> anyhow::Result<()> {
-    // SAFETY: prctl, getppid, alarm and close_range with integer arguments only.
+/// no descriptor but its pipe, moved to fd 3 (the host must see the control socket close when
+/// the zygote dies), and gets 4 KiB pages like a worker (#132), so its list names the pages a
+/// worker writes.
+fn detach_probe(zygote: libc::pid_t, pipe: OwnedFd) -> anyhow::Result<OwnedFd> {
+    crate::worker::die_with_zygote(nix::unistd::Pid::from_raw(zygote))?;
+    // SAFETY: alarm and prctl with integer arguments only.
     unsafe {
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
-            || libc::getppid() != zygote
-        {
-            return Err(anyhow!("the zygote is gone"));
-        }
         libc::alarm(PROBE_DEADLINE.as_secs() as libc::c_uint);
         libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
-        let keep = keep as libc::c_uint;
-        if keep > 3 {
-            libc::syscall(
-                libc::SYS_close_range,
-                3 as libc::c_uint,
-                keep - 1,
-                0 as libc::c_uint,
-            );
-        }
-        libc::syscall(
-            libc::SYS_close_range,
-            keep + 1,
-            libc::c_uint::MAX,
-            0 as libc::c_uint,
-        );
     }
-    Ok(())
+    crate::worker::move_fd_to(pipe, PROBE_PIPE_FD)?;
+    crate::worker::close_fds_from(PROBE_PIPE_FD + 1)?;
+    // SAFETY: fd 3 now holds the pipe (dup2 above), and nothing else in this process owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(PROBE_PIPE_FD) })
 }
+
+/// Where the probe keeps its pipe: the first number after stdio, like a worker's socket.
+const PROBE_PIPE_FD: RawFd = 3;
 
 /// The probe child's work: what a worker does first, the figure, then its own page map.
 fn probe_child(

@@ -157,13 +157,7 @@ fn serve_session(
 
     // Step 3: own session; die with the zygote.
     nix::unistd::setsid().context("setsid")?;
-    // SAFETY: prctl with integer arguments only.
-    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
-    }
-    if nix::unistd::getppid() != zygote {
-        anyhow::bail!("the zygote exited while the worker started");
-    }
+    die_with_zygote(zygote)?;
 
     // Step 4: scratch directory and environment.
     std::env::set_current_dir(&spec.scratch)
@@ -452,8 +446,21 @@ fn json_to_python<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<B
     }
 }
 
+/// Has the kernel SIGKILL this process when the zygote, its parent, exits, and fails if the
+/// zygote is already gone (the signal would then never come).
+pub(crate) fn die_with_zygote(zygote: nix::unistd::Pid) -> anyhow::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
+    }
+    if nix::unistd::getppid() != zygote {
+        anyhow::bail!("the zygote exited while its child started");
+    }
+    Ok(())
+}
+
 /// Moves `fd` to the number `target` (which must be free or hold something we may replace).
-fn move_fd_to(fd: OwnedFd, target: RawFd) -> anyhow::Result<()> {
+pub(crate) fn move_fd_to(fd: OwnedFd, target: RawFd) -> anyhow::Result<()> {
     let raw = fd.as_raw_fd();
     if raw == target {
         // Keep it, but make sure it survives (it arrived with O_CLOEXEC).
@@ -470,7 +477,7 @@ fn move_fd_to(fd: OwnedFd, target: RawFd) -> anyhow::Result<()> {
 }
 
 /// Closes every descriptor numbered `first` or higher.
-fn close_fds_from(first: RawFd) -> anyhow::Result<()> {
+pub(crate) fn close_fds_from(first: RawFd) -> anyhow::Result<()> {
     // SAFETY: close_range(2) with integer arguments; errno checked at once.
     let rc = unsafe {
         libc::syscall(
