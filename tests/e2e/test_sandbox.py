@@ -306,6 +306,26 @@ def test_18_asyncio_with_sleep_queues_and_to_thread_works(box):
 # Processes and privilege
 # ---------------------------------------------------------------------------------------------
 
+def test_19b_threads_must_share_the_descriptor_table(box):
+    """A thread cloned without CLONE_FILES (or CLONE_FS) would own a copy of the descriptor
+    table: 1,024 more descriptors, and the socket buffers they hold, per thread (red-team pass
+    18: 6.9 GB held under a 256 MiB memory limit). Refused before the kernel acts, so no child
+    ever runs on the caller's stack; pthreads (all five flags) still start."""
+    code = (
+        "import ctypes, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "VM, FS, FILES, SIGHAND, THREAD = 0x100, 0x200, 0x400, 0x800, 0x10000\n"
+        "def errno_of(flags):\n"
+        "    ctypes.set_errno(0)\n"
+        "    rc = libc.syscall(56, flags, 0, 0, 0, 0)\n"
+        "    return (rc, ctypes.get_errno())\n"
+        "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+        "[errno_of(VM | FS | SIGHAND | THREAD), errno_of(VM | FILES | SIGHAND | THREAD)]"
+    )
+    assert box.run(code)["result"] == "[(-1, 1), (-1, 1)]"
+
+
 def test_19_no_new_process_can_be_started(box):
     assert box.outcome("os.fork()") == "PermissionError:1"
     assert box.outcome("__import__('subprocess').run(['id'])") == "PermissionError:1"
