@@ -994,6 +994,18 @@ mod tests {
         }
     }
 
+    /// The flags glibc's `pthread_create` passes to clone (sysdeps/unix/sysv/linux/createthread.c).
+    #[allow(clippy::unnecessary_cast)]
+    const PTHREAD_CLONE_FLAGS: u64 = (libc::CLONE_VM
+        | libc::CLONE_FS
+        | libc::CLONE_FILES
+        | libc::CLONE_SIGHAND
+        | libc::CLONE_THREAD
+        | libc::CLONE_SYSVSEM
+        | libc::CLONE_SETTLS
+        | libc::CLONE_PARENT_SETTID
+        | libc::CLONE_CHILD_CLEARTID) as u64;
+
     /// What the kernel answers with `programs` installed in order.
     fn stacked(programs: &[BpfProgram], nr: u32, arch: u32, args: [u64; 6]) -> u32 {
         let mut verdict = libc::SECCOMP_RET_ALLOW;
@@ -1051,6 +1063,8 @@ mod tests {
             libc::CLONE_THREAD as u64,
             (libc::CLONE_THREAD | libc::CLONE_VM) as u64,
             libc::CLONE_VM as u64,
+            PTHREAD_CLONE_FLAGS,
+            PTHREAD_CLONE_FLAGS & !(libc::CLONE_FILES as u64),
             libc::AF_UNIX as u64,
             libc::AF_INET as u64,
         ]);
@@ -1130,6 +1144,23 @@ mod tests {
             libc::SECCOMP_RET_KILL_PROCESS
         );
         assert_eq!(run(merged, 1000, native, [0; 6]), enosys);
+        // Threads as glibc's pthread_create makes them; not without their own descriptor table
+        // (#143), nor a fork.
+        let clone = |flags: u64| run(merged, nr(libc::SYS_clone), native, [flags, 0, 0, 0, 0, 0]);
+        assert_eq!(clone(PTHREAD_CLONE_FLAGS), ok);
+        for missing in [
+            libc::CLONE_THREAD,
+            libc::CLONE_VM,
+            libc::CLONE_FS,
+            libc::CLONE_FILES,
+            libc::CLONE_SIGHAND,
+        ] {
+            assert_eq!(
+                clone(PTHREAD_CLONE_FLAGS & !(missing as u64)),
+                eperm,
+                "{missing:#x}"
+            );
+        }
         // No BPF program of the worker's own (#131): seccomp refused, its prctl form unknown,
         // socket filters refused, other socket options allowed.
         let call = |n: libc::c_long, args: [u64; 6]| run(merged, nr(n), native, args);
