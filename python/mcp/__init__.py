@@ -633,6 +633,12 @@ class ServerProxy:
         for t in tools:
             if identifier(t["name"]) == base or t["name"] == base:
                 return self._function(t, sync)
+        # Not in the list: hidden by a rule (a ToolError naming it, as a call would raise), or
+        # added since the list was read, or not there at all.
+        try:
+            return self._function(_request_sync("tools", {"server": self._name, "tool": base}), sync)
+        except ToolNotFoundError:
+            pass
         names = ", ".join(identifier(t["name"]) for t in tools) or "(none)"
         raise ToolNotFoundError(f"server {self._name!r} has no tool {base!r}; it has: {names}")
 

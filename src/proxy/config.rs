@@ -375,6 +375,42 @@ fn read_source(
 
 type Parsed = Option<(ServerConfig, Vec<ConfigProblem>)>;
 
+/// The fields of a server entry ironcell reads.
+const FIELDS: &[&str] = &[
+    "command",
+    "args",
+    "env",
+    "cwd",
+    "description",
+    "type",
+    "disabled",
+    "allow",
+    "deny",
+    "readOnly",
+    "confirm",
+    "auditArguments",
+];
+
+/// The fields that restrict what code may call: one of them misspelt skips the server.
+const RULE_FIELDS: &[&str] = &["allow", "deny", "readOnly", "confirm", "auditArguments"];
+
+/// The field `key` is most likely a misspelling of: same letters in another case, or one edit
+/// away (two for names longer than five letters).
+fn nearest_field(key: &str) -> Option<&'static str> {
+    let key = key.to_ascii_lowercase();
+    FIELDS
+        .iter()
+        .map(|f| {
+            (
+                strsim::damerau_levenshtein(&key, &f.to_ascii_lowercase()),
+                *f,
+            )
+        })
+        .filter(|(d, f)| *d <= if f.len() > 5 { 2 } else { 1 })
+        .min()
+        .map(|(_, f)| f)
+}
+
 fn parse_entry(
     name: &str,
     entry: &Value,
@@ -392,6 +428,31 @@ fn parse_entry(
     };
     if e.get("disabled").and_then(Value::as_bool) == Some(true) {
         return Ok(None);
+    }
+    let mut warnings = Vec::new();
+    for key in e.keys().filter(|k| !FIELDS.contains(&k.as_str())) {
+        match nearest_field(key) {
+            Some(f) if RULE_FIELDS.contains(&f) => {
+                return Err(problem(
+                    Some(key),
+                    format!(
+                        "is not a field; did you mean {f:?}? A misspelt rule would leave open the \
+                         tools it should restrict, so this server is not used until it is fixed"
+                    ),
+                ));
+            }
+            Some(f) => warnings.push(problem(
+                Some(key),
+                format!("is not a field (ignored); did you mean {f:?}?"),
+            )),
+            None => warnings.push(problem(
+                Some(key),
+                format!(
+                    "is not a field ironcell reads (ignored); it reads {}",
+                    FIELDS.join(", ")
+                ),
+            )),
+        }
     }
     if let Some(t) = e.get("type").and_then(Value::as_str)
         && t != "stdio"
@@ -431,7 +492,6 @@ fn parse_entry(
         }
         Some(_) => return Err(problem(Some("args"), "must be an array of strings".into())),
     };
-    let mut warnings = Vec::new();
     let mut vars = BTreeMap::new();
     match e.get("env") {
         None | Some(Value::Null) => {}
@@ -624,6 +684,43 @@ mod tests {
             "{text:?}"
         );
         assert!(text.iter().any(|t| t.contains("only stdio")), "{text:?}");
+
+        // A misspelt rule skips the server (it would leave its tools open); any other unknown
+        // field is reported and ignored.
+        std::fs::write(
+            cwd.join("mcp_bridge_config.json"),
+            r#"{"mcpServers": {"a": {"command": "x", "Deny": ["delete_*"]},
+                 "b": {"command": "x", "readonly": true}, "c": {"command": "x", "alow": []},
+                 "d": {"command": "x", "comand": "y"}, "e": {"command": "x", "url": "http://h"}}}"#,
+        )
+        .unwrap();
+        let c = load(&MapEnv(HashMap::new()), &cwd, None);
+        assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["d", "e"]);
+        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        for (server, field, fix) in [
+            ("a", "Deny", "deny"),
+            ("b", "readonly", "readOnly"),
+            ("c", "alow", "allow"),
+        ] {
+            assert!(
+                text.iter().any(
+                    |t| t.contains(&format!("server \"{server}\", field `{field}`"))
+                        && t.contains(&format!("did you mean \"{fix}\"?"))
+                        && t.contains("not used")
+                ),
+                "{text:?}"
+            );
+        }
+        assert!(
+            text.iter().any(|t| t
+                .contains("field `comand`: is not a field (ignored); did you mean \"command\"?")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.contains("field `url`: is not a field ironcell reads (ignored)")),
+            "{text:?}"
+        );
 
         std::fs::write(cwd.join("mcp_bridge_config.json"), "{ not json").unwrap();
         let c = load(&MapEnv(HashMap::new()), &cwd, None);

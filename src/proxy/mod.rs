@@ -427,6 +427,18 @@ impl Proxy {
         serde_json::to_value(&visible).map_err(|e| ProxyError::unavailable(e.to_string()))
     }
 
+    /// One tool as code may see it, or the error a call of it would get: unknown, or hidden
+    /// by a rule (named). What `mcp_<server>.<tool>` asks for a name its list lacks.
+    pub async fn tool_json(&self, server: &str, tool: &str) -> Result<Value, ProxyError> {
+        let upstream = self.upstream(server)?;
+        let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
+        let hints = Hints::of(&resolved.entry);
+        if let Verdict::Denied(why) = upstream.config.rules.verdict(server, tool, hints) {
+            return Err(denied(&why, upstream));
+        }
+        serde_json::to_value(&resolved.entry).map_err(|e| ProxyError::unavailable(e.to_string()))
+    }
+
     pub async fn search(&self, query: &str, limit: usize) -> Value {
         let fetches = self
             .upstreams
@@ -480,12 +492,7 @@ impl Proxy {
             .verdict(server, tool, Hints::of(&resolved.entry))
         {
             Verdict::Allowed => {}
-            Verdict::Denied(why) => {
-                return Err(ProxyError::refused(
-                    ErrorKind::Denied,
-                    format!("{why} (in {}); code cannot call it", upstream.config.source),
-                ));
-            }
+            Verdict::Denied(why) => return Err(denied(&why, upstream)),
             Verdict::NeedsApproval(why) => {
                 self.approve(session, server, tool, &args, &why, &upstream.config.source)
                     .await?
@@ -590,7 +597,10 @@ impl Proxy {
         let mut summary = None;
         let outcome = match method {
             ProxyMethod::Servers => Ok(json!(self.server_summaries())),
-            ProxyMethod::Tools => self.tools_json(&s("server")).await,
+            ProxyMethod::Tools => match params.get("tool").and_then(Value::as_str) {
+                Some(tool) => self.tool_json(&s("server"), tool).await,
+                None => self.tools_json(&s("server")).await,
+            },
             ProxyMethod::Search => {
                 let limit = params
                     .get("limit")
@@ -657,6 +667,14 @@ impl Proxy {
             u.stop().await;
         }
     }
+}
+
+/// The error for a call of a tool the rules hide: names the rule and where it is set.
+fn denied(why: &str, upstream: &Upstream) -> ProxyError {
+    ProxyError::refused(
+        ErrorKind::Denied,
+        format!("{why} (in {}); code cannot call it", upstream.config.source),
+    )
 }
 
 #[cfg(test)]

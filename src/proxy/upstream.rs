@@ -35,6 +35,7 @@ use rmcp::{ClientHandler, RoleClient};
 
 use super::ProxyError;
 use super::config::ServerConfig;
+use super::rules::{Hints, Verdict};
 
 /// Host variables a server child inherits (what the MCP SDKs' stdio clients pass), before the
 /// entry's own `env` is added. Nothing else of ironcell's environment reaches it.
@@ -480,7 +481,20 @@ impl Upstream {
             _ => self.fetch(&live).await?,
         };
         let Some(entry) = catalog.tool(tool).cloned() else {
-            let names: Vec<&str> = catalog.tools.iter().map(|t| t.name.as_ref()).collect();
+            // The tools code may see: a hidden one is not named here either.
+            let names: Vec<&str> = catalog
+                .tools
+                .iter()
+                .filter(|t| {
+                    !matches!(
+                        self.config
+                            .rules
+                            .verdict(self.name(), &t.name, Hints::of(t)),
+                        Verdict::Denied(_)
+                    )
+                })
+                .map(|t| t.name.as_ref())
+                .collect();
             return Err(ProxyError::unknown_tool(format!(
                 "server {:?} has no tool {tool:?}; it has: {}",
                 self.name(),

@@ -117,6 +117,34 @@ out
         assert '"allow"' in allow_msg
         assert [c["outcome"] for c in r["upstream_calls"]] == ["denied", "denied", "denied"]
 
+        # The attribute form raises the same ToolError (not ToolNotFoundError), sync or not;
+        # an unknown name's error lists only the tools code may see.
+        code = """
+from mcp import ToolError, ToolNotFoundError
+out = []
+for f in (lambda: mcp_nodelete.delete_entities, lambda: mcp_nodelete.delete_entities_sync,
+          lambda: mcp_nodelete.no_such_tool):
+    try:
+        f()
+        out.append("found")
+    except ToolError as e:
+        out.append("ToolError: " + str(e))
+    except ToolNotFoundError as e:
+        out.append("ToolNotFoundError: " + str(e))
+try:
+    await runtime.call_tool("nodelete", "no_such_tool", {})
+except ToolNotFoundError as e:
+    out.append("ToolNotFoundError: " + str(e))
+out
+"""
+        r = await run(s, code)
+        attr, attr_sync, unknown, unknown_call = eval(r["result"])
+        assert attr.startswith("ToolError: ") and '"deny"' in attr and "delete_*" in attr, attr
+        assert attr_sync == attr, (attr, attr_sync)
+        assert unknown.startswith("ToolNotFoundError: ") and "create_entities" in unknown, unknown
+        assert unknown_call.startswith("ToolNotFoundError: ") and "create_entities" in unknown_call, unknown_call
+        assert "delete_" not in unknown and "delete_" not in unknown_call, (unknown, unknown_call)
+
         # What the rules allow still works.
         r = await run(s, "await mcp_ro.read_graph()\n'read ok'")
         assert r["result"] == "'read ok'", r
