@@ -83,9 +83,48 @@ enum PolicyAction {
     Show,
 }
 
+/// The environment variable a refused value was read from, when it was not given as a flag:
+/// clap's message names only the flag (`--cgroups`), which the user never typed.
+fn env_var_behind(e: &clap::Error) -> Option<String> {
+    use clap::CommandFactory;
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation) {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let long = arg.split_whitespace().next()?.strip_prefix("--")?;
+    let given = std::env::args_os()
+        .filter_map(|a| a.into_string().ok())
+        .any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    if given {
+        return None;
+    }
+    let cmd = Cli::command();
+    let var = cmd
+        .get_arguments()
+        .find(|a| a.get_long() == Some(long))?
+        .get_env()?;
+    std::env::var_os(var).map(|_| var.to_string_lossy().into_owned())
+}
+
 /// Parses the command line and runs the chosen command.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let var = env_var_behind(&e);
+            let _ = e.print();
+            if let Some(var) = var {
+                eprintln!(
+                    "The value comes from the environment variable {var}: fix or unset it where \
+                     ironcell is started (your MCP client's config, or the shell)."
+                );
+            }
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
     init_logging(&cli.log_level);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

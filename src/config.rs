@@ -135,7 +135,8 @@ pub struct Settings {
         default_value = "on",
         value_parser = clap::builder::BoolishValueParser::new(),
         action = clap::ArgAction::Set,
-        value_name = "on|off"
+        value_name = "on|off",
+        hide_possible_values = true
     )]
     pub warm_plots: bool,
 
@@ -161,10 +162,11 @@ pub struct Settings {
     pub approval: crate::proxy::rules::ApprovalMode,
 
     /// Free space kept on the disk of the state dir (`256m`; `0` turns the guard off). When free
-    /// space falls under it (and again each time it falls a further 64 MiB), every session's
-    /// worker is stopped, which frees what it held (files it deleted but kept open or mapped,
-    /// which no quota sees; its session's files are kept). Runs are never refused.
-    #[arg(long, global = true, env = "IRONCELL_MIN_FREE_DISK", default_value = "256m", value_parser = parse_size)]
+    /// space falls under it (and again each time it falls a further 64 MiB), the workers that
+    /// were running or writing are stopped, which frees what they held (files deleted but kept
+    /// open or mapped, which no quota sees; session files are kept); if it is still under 2 s
+    /// later, every session's worker is (at most once per 10 minutes). Runs are never refused.
+    #[arg(long, global = true, env = "IRONCELL_MIN_FREE_DISK", default_value = "256m", value_parser = parse_size_or_zero)]
     pub min_free_disk_bytes: u64,
 
     /// Largest audit log before it is rotated (one older file is kept).
@@ -190,6 +192,19 @@ pub struct Settings {
         ignore_case = true
     )]
     pub private_tmp: crate::sandbox::private_tmp::PrivateTmpMode,
+
+    /// Root workers' thread cap: `auto` puts each in a pids cgroup of its own where the host
+    /// has a writable cgroup v1 pids hierarchy; `off` never does (their threads are then not
+    /// capped). Workers of a normal user are capped by RLIMIT_NPROC either way.
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_CGROUPS",
+        value_enum,
+        default_value = "auto",
+        ignore_case = true
+    )]
+    pub cgroups: crate::sandbox::CgroupsMode,
 
     /// Where session scratch directories live (default: $XDG_STATE_HOME/ironcell or
     /// ~/.local/state/ironcell). If it cannot be written, a private directory under
@@ -258,6 +273,7 @@ impl Settings {
             self.memory_limit,
         );
         sandbox.private_tmp = self.private_tmp;
+        sandbox.set_cgroups(self.cgroups);
         Ok(sandbox)
     }
 
@@ -468,6 +484,17 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// Parses `1024`, `512k`, `512m`, `2g` (also `kb`/`mib`/`gib`; binary units).
+/// A size where `0` means "off" (`IRONCELL_MIN_FREE_DISK=0`).
+pub fn parse_size_or_zero(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let unit = t.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.');
+    if t[..t.len() - unit.len()].parse::<f64>() == Ok(0.0) {
+        parse_size(&format!("1{unit}"))?; // the unit must still be one
+        return Ok(0);
+    }
+    parse_size(s)
+}
+
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
     let digits_end = t
@@ -517,5 +544,10 @@ mod tests {
         assert_eq!(parse_size("100").unwrap(), 100);
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("0").is_err());
+        assert_eq!(parse_size_or_zero("0").unwrap(), 0);
+        assert_eq!(parse_size_or_zero("0m").unwrap(), 0);
+        assert_eq!(parse_size_or_zero("64m").unwrap(), 64 << 20);
+        assert!(parse_size_or_zero("0 parsecs").is_err());
+        assert!(parse_size_or_zero("").is_err());
     }
 }

@@ -51,6 +51,17 @@ pub enum SandboxMode {
     BestEffort,
 }
 
+/// Whether root workers get a pids cgroup of their own, their thread cap (see [`cgroup`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CgroupsMode {
+    /// Where the host has a writable cgroup v1 pids hierarchy (root only).
+    #[default]
+    Auto,
+    /// Never: root workers' threads are then not capped (the no-cgroup fallback).
+    Off,
+}
+
 /// Everything a worker needs to lock itself down. Built by the host, applied by the worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SandboxPlan {
@@ -79,8 +90,10 @@ pub struct Sandbox {
     pub seccomp_available: bool,
     pub memory_bytes: u64,
     /// Where root workers make their pids cgroups (see [`cgroup`]); `None` when not root, when
-    /// no writable pids hierarchy exists, or when `IRONCELL_CGROUPS=off`.
+    /// no writable pids hierarchy exists, or when cgroups are off.
     pub pids_cgroup_parent: Option<PathBuf>,
+    /// The operator's choice (`--cgroups`, IRONCELL_CGROUPS); see [`Sandbox::set_cgroups`].
+    pub cgroups: CgroupsMode,
     /// Whether workers run as real uid 0, for which the kernel ignores RLIMIT_NPROC.
     pub root_workers: bool,
     /// Private `/tmp` per session (see [`private_tmp`]); set from the settings.
@@ -110,13 +123,6 @@ impl Sandbox {
             abi = abi.min(cap.max(0));
         }
         let memory_bytes = memory_override.unwrap_or(policy.limits.memory_mib << 20);
-        // `IRONCELL_CGROUPS=off` proves (and lets operators choose) the no-cgroup fallback.
-        let cgroups_off = std::env::var("IRONCELL_CGROUPS").is_ok_and(|v| v == "off");
-        let pids_cgroup_parent = if cgroups_off {
-            None
-        } else {
-            cgroup::pids_parent_for_workers()
-        };
         Sandbox {
             policy,
             mode,
@@ -125,7 +131,8 @@ impl Sandbox {
             landlock_abi_cap: abi_cap,
             seccomp_available: sys::seccomp_available(),
             memory_bytes,
-            pids_cgroup_parent,
+            pids_cgroup_parent: cgroup::pids_parent_for_workers(),
+            cgroups: CgroupsMode::Auto,
             root_workers: nix::unistd::getuid().is_root(),
             private_tmp: private_tmp::PrivateTmpMode::Auto,
         }
@@ -135,6 +142,32 @@ impl Sandbox {
     pub fn address_space_bytes(&self) -> u64 {
         self.memory_bytes
             .saturating_add(self.policy.limits.address_space_headroom_mib << 20)
+    }
+
+    /// `off` proves (and lets operators choose) the no-cgroup fallback.
+    pub fn set_cgroups(&mut self, mode: CgroupsMode) {
+        self.cgroups = mode;
+        self.pids_cgroup_parent = match mode {
+            CgroupsMode::Auto => cgroup::pids_parent_for_workers(),
+            CgroupsMode::Off => None,
+        };
+    }
+
+    /// Why nothing caps a worker's threads, with the fix, when [`Sandbox::thread_cap_layer`]
+    /// is `None`.
+    pub fn no_thread_cap_reason(&self) -> &'static str {
+        match self.cgroups {
+            CgroupsMode::Off => {
+                "workers run as root, which RLIMIT_NPROC never binds, and IRONCELL_CGROUPS=off \
+                 (--cgroups off) keeps them out of a pids cgroup (unset it, or run ironcell as a \
+                 normal user)"
+            }
+            CgroupsMode::Auto => {
+                "workers run as root, which RLIMIT_NPROC never binds, and no writable pids \
+                 cgroup exists (run ironcell as a normal user, or as root with the cgroup v1 \
+                 pids hierarchy mounted and writable)"
+            }
+        }
     }
 
     /// What caps a worker's threads on this host, or `None` when nothing does.
