@@ -134,7 +134,7 @@ const SYSTEM_CANDIDATES: &[&str] = &[
 /// Chooses the interpreter (first match wins; see the module docs).
 pub fn choose(lookup: &dyn Lookup) -> Result<Interpreter, PythonError> {
     if let Some(p) = lookup.setting() {
-        return resolve(expand_home(&p, lookup), Source::Setting);
+        return resolve(setting_path(&p, lookup), Source::Setting);
     }
     if let Some(v) = lookup.var("VIRTUAL_ENV") {
         return resolve(PathBuf::from(v), Source::VirtualEnv);
@@ -157,6 +157,27 @@ pub fn choose(lookup: &dyn Lookup) -> Result<Interpreter, PythonError> {
     Err(PythonError::NotFound {
         tried: format!("looked for {}", tried.join("; then ")),
     })
+}
+
+/// `--python` as an absolute path, links kept (a venv's `bin/python` is a link to its base
+/// interpreter, and must stay the venv's): `~` expanded, a bare name such as `python3.12` that
+/// is not in the current directory found on PATH, anything else taken from the current
+/// directory. The zygote runs elsewhere (`/`), and `setup` writes it into a client's config.
+pub fn setting_path(p: &Path, lookup: &dyn Lookup) -> PathBuf {
+    let p = expand_home(p, lookup);
+    if p.is_absolute() {
+        return p;
+    }
+    let bare = p.components().count() == 1 && !p.starts_with(".");
+    if bare
+        && std::fs::symlink_metadata(&p).is_err()
+        && let Some(found) = lookup
+            .var("PATH")
+            .and_then(|path| find_on_path(&path, &p.to_string_lossy()))
+    {
+        return found;
+    }
+    std::path::absolute(&p).unwrap_or(p)
 }
 
 fn expand_home(p: &Path, lookup: &dyn Lookup) -> PathBuf {
@@ -454,6 +475,40 @@ mod tests {
             chosen.map(|i| i.executable),
             Ok(b.join("bin/python3")),
             "a prefix resolves to its bin/python3"
+        );
+    }
+
+    #[test]
+    fn a_relative_setting_becomes_absolute_and_a_bare_name_is_found_on_path() {
+        let bin = fake_prefix(&tmp("onpath")).join("bin");
+        let lookup = Fake {
+            setting: None,
+            vars: vec![
+                ("PATH", bin.display().to_string()),
+                ("HOME", "/home/u".into()),
+            ],
+        };
+        assert_eq!(
+            setting_path(Path::new("python3"), &lookup),
+            bin.join("python3")
+        );
+        let cwd = std::env::current_dir().unwrap_or_default();
+        assert_eq!(
+            setting_path(Path::new("env/bin/python"), &lookup),
+            cwd.join("env/bin/python")
+        );
+        assert_eq!(
+            setting_path(Path::new("./python3"), &lookup),
+            cwd.join("python3")
+        );
+        assert_eq!(
+            setting_path(Path::new("~/venv"), &lookup),
+            Path::new("/home/u/venv")
+        );
+        // Links are kept: a venv's interpreter must stay the venv's.
+        assert_eq!(
+            setting_path(&bin.join("python3"), &lookup),
+            bin.join("python3")
         );
     }
 

@@ -200,7 +200,14 @@ fn explicit_setting_flags(wsl: Option<&wsl::Wsl>) -> anyhow::Result<Vec<(String,
         for v in raw {
             let v = v.to_string_lossy().into_owned();
             let v = match id {
-                "allow_read" | "allow_write" | "state_dir" => absolute(&v, wsl)?,
+                "allow_read" | "allow_write" | "state_dir" | "tools" => absolute(&v, wsl)?,
+                "python" => {
+                    // Checked now, not at the client's next start; links kept (a venv's).
+                    use crate::python::{ProcessLookup, choose, setting_path};
+                    let p = setting_path(Path::new(&v), &ProcessLookup(None));
+                    choose(&ProcessLookup(Some(&p))).with_context(|| format!("--python {v}"))?;
+                    p.display().to_string()
+                }
                 "policy" if v != "default" && v != "strict" => absolute(&v, wsl)?,
                 _ => v,
             };
