@@ -177,6 +177,34 @@ def test_11a_one_file_grown_without_bound_hits_the_file_size_limit(box):
     box.run("os.remove('big')")
 
 
+def test_11c_fallocate_cannot_take_disk_past_the_file_size_limit(box):
+    """fallocate(FALLOC_FL_KEEP_SIZE) does not change the size, so the kernel does not check
+    RLIMIT_FSIZE: 2 GiB of blocks under a 256 MiB file limit in 4 ms (red-team pass 18, #144).
+    Refused, and ZERO_RANGE with it; posix_fallocate (mode 0) is held to the limit, and a
+    punched hole still gives blocks back."""
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]\n"
+        "fd = os.open('prealloc', os.O_CREAT | os.O_RDWR, 0o600)\n"
+        "def mode(m, length):\n"
+        "    ctypes.set_errno(0)\n"
+        "    return (libc.fallocate(fd, m, 0, length), ctypes.get_errno())\n"
+        "out = [mode(1, 1 << 30), mode(0x11, 1 << 30), os.fstat(fd).st_blocks]\n"
+        "try:\n"
+        "    os.posix_fallocate(fd, 0, 1 << 30)\n"
+        "except OSError as e:\n"
+        "    out.append(e.errno)\n"
+        "os.posix_fallocate(fd, 0, 1 << 20)\n"
+        "out += [os.fstat(fd).st_size, mode(3, 1 << 20), os.fstat(fd).st_blocks]\n"
+        "os.close(fd)\n"
+        "os.remove('prealloc')\n"
+        "out"
+    )
+    # EPERM twice, nothing allocated; EFBIG; 1 MiB allocated, then punched out again.
+    assert box.run(code)["result"] == "[(-1, 1), (-1, 1), 0, 27, 1048576, (0, 0), 0]"
+
+
 def test_11b_many_files_past_the_scratch_quota_kill_the_worker(tmp_path):
     policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
     policy = policy.replace("scratch_quota_mib = 1024", "scratch_quota_mib = 8")

@@ -407,6 +407,20 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
             vec![arg32(0, Op::MaskedEq(flag), 0)?],
         )?;
     }
+    // fallocate(2) allocates and punches holes only as `posix_fallocate` and `truncate` would:
+    // with FALLOC_FL_KEEP_SIZE (and with ZERO_RANGE, INSERT_RANGE...) ext4 and tmpfs take disk
+    // blocks without checking RLIMIT_FSIZE, since the size does not change (red-team pass 18:
+    // 2 GiB under a 256 MiB file limit in 4 ms, or the disk taken below the free-disk floor in
+    // one call, before the guard's next look). Mode 0 is held to RLIMIT_FSIZE; a punched hole
+    // (PUNCH_HOLE|KEEP_SIZE) only gives blocks back.
+    when(
+        &mut rules,
+        libc::SYS_fallocate,
+        vec![
+            arg32(1, Op::Ne, 0)?,
+            arg32(1, Op::Ne, FALLOCATE_PUNCH_HOLE)?,
+        ],
+    )?;
     // Signals and rlimits only for itself (0 means "self" for prlimit64).
     when(&mut rules, libc::SYS_kill, vec![arg32(0, Op::Ne, pid)?])?;
     when(&mut rules, libc::SYS_tgkill, vec![arg32(0, Op::Ne, pid)?])?;
@@ -499,6 +513,10 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     )?;
     Ok(rules)
 }
+
+/// The one fallocate mode besides 0 a worker may use: it frees blocks and allocates none.
+#[allow(clippy::unnecessary_cast)]
+const FALLOCATE_PUNCH_HOLE: u64 = (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u64;
 
 /// futex commands a worker may use: wait, wake, requeue, wake-op and the bitset forms; not
 /// FUTEX_FD (gone since 2.6.26) nor any priority-inheritance command (6-8, 11-13).
@@ -1067,6 +1085,9 @@ mod tests {
             PTHREAD_CLONE_FLAGS & !(libc::CLONE_FILES as u64),
             libc::AF_UNIX as u64,
             libc::AF_INET as u64,
+            libc::FALLOC_FL_KEEP_SIZE as u64,
+            FALLOCATE_PUNCH_HOLE,
+            libc::FALLOC_FL_ZERO_RANGE as u64,
         ]);
         let more: Vec<u64> = values
             .iter()
@@ -1160,6 +1181,27 @@ mod tests {
                 eperm,
                 "{missing:#x}"
             );
+        }
+        // fallocate only as posix_fallocate (held to RLIMIT_FSIZE) or to punch a hole (#144).
+        let fallocate = |mode: u64| {
+            run(
+                merged,
+                nr(libc::SYS_fallocate),
+                native,
+                [3, mode, 0, 1 << 30, 0, 0],
+            )
+        };
+        assert_eq!(fallocate(0), ok);
+        assert_eq!(fallocate(FALLOCATE_PUNCH_HOLE), ok);
+        for mode in [
+            libc::FALLOC_FL_KEEP_SIZE,
+            libc::FALLOC_FL_ZERO_RANGE,
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+            libc::FALLOC_FL_INSERT_RANGE,
+            libc::FALLOC_FL_COLLAPSE_RANGE,
+            libc::FALLOC_FL_UNSHARE_RANGE,
+        ] {
+            assert_eq!(fallocate(mode as u64), eperm, "{mode:#x}");
         }
         // No BPF program of the worker's own (#131): seccomp refused, its prctl form unknown,
         // socket filters refused, other socket options allowed.
