@@ -88,7 +88,10 @@ enum PolicyAction {
 fn env_var_behind(e: &clap::Error) -> Option<String> {
     use clap::CommandFactory;
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    if !matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation) {
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
         return None;
     }
     let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {

@@ -177,6 +177,22 @@ struct Lister {
     skip_hidden: bool,
     since: Option<SystemTime>,
     incomplete: Option<String>,
+    /// Files left out because their names are not UTF-8.
+    unlisted: usize,
+}
+
+/// What a listing says of files it left out because their names are not UTF-8 (a URI and a
+/// reported path are text): they exist, count against the quota, and can be renamed.
+pub fn unlisted_names_note(count: Option<usize>) -> String {
+    let which = match count {
+        Some(1) => "1 file whose name is not UTF-8 is".to_string(),
+        Some(n) => format!("{n} files whose names are not UTF-8 are"),
+        None => "files whose names are not UTF-8 are".to_string(),
+    };
+    format!(
+        "{which} left out (they still count against the scratch quota); give them UTF-8 names, \
+         e.g. os.rename(b'name\\xff.txt', 'name.txt')"
+    )
 }
 
 impl host_fs::Visitor for Lister {
@@ -202,8 +218,9 @@ impl host_fs::Visitor for Lister {
         if e.relative_path_len() >= libc::PATH_MAX as usize {
             return host_fs::Step::Descend;
         }
-        if let Some(rel) = e.relative_path() {
-            self.files.push((rel, e.stat.st_size.max(0) as u64, mtime));
+        match e.relative_path() {
+            Some(rel) => self.files.push((rel, e.stat.st_size.max(0) as u64, mtime)),
+            None => self.unlisted += 1,
         }
         if self.files.len() >= self.limit {
             return host_fs::Step::Stop;
@@ -238,9 +255,13 @@ fn walk_files(root: &Path, limit: usize, skip_hidden: bool, since: Option<System
         skip_hidden,
         since,
         incomplete: None,
+        unlisted: 0,
     };
     if let Err(e) = host_fs::walk(dir.as_fd(), &mut lister) {
         lister.incomplete = Some(format!("the listing stopped: {e}"));
+    }
+    if lister.unlisted > 0 && lister.incomplete.is_none() {
+        lister.incomplete = Some(unlisted_names_note(Some(lister.unlisted)));
     }
     lister.files.sort();
     Listing {

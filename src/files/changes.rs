@@ -70,6 +70,8 @@ struct Tracked {
     /// The host is renaming the session's directory (a spare handed to its session): the
     /// root's own move event is expected, and harmless (every path here is relative to it).
     root_moving: bool,
+    /// An event named a file whose name is not UTF-8 (left out of listings; the next one says so).
+    unlisted_names: bool,
 }
 
 struct Inner {
@@ -224,7 +226,9 @@ impl ChangeTracker {
             return;
         }
         let Ok(name) = std::str::from_utf8(name) else {
-            return; // not listable anyway (paths are reported as UTF-8)
+            // Not listable (paths are reported as UTF-8); the next listing says so.
+            t.unlisted_names |= !name.starts_with(b".");
+            return;
         };
         if name.is_empty() || name.starts_with('.') {
             return;
@@ -290,6 +294,7 @@ impl ChangeTracker {
         let t = guard.sessions.get(session)?;
         let quiet = t.rescan.is_none()
             && t.untracked.is_none()
+            && !t.unlisted_names
             && t.touched.is_empty()
             && t.new_dirs.is_empty()
             && !t.wds.is_empty();
@@ -377,6 +382,7 @@ impl ChangeTracker {
             files: Vec::new(),
             added: Vec::new(),
             failed: None,
+            unlisted: 0,
             watched: t.wds.len(),
             host_watched: dirs.len(),
             host_cap: self.max_watches,
@@ -428,8 +434,10 @@ impl ChangeTracker {
             files,
             added,
             failed,
+            unlisted,
             ..
         } = reg;
+        let unlisted_by_events = std::mem::take(&mut t.unlisted_names);
         for (wd, _) in &added {
             t.wds.insert(*wd);
         }
@@ -452,9 +460,14 @@ impl ChangeTracker {
         files.sort_by(|a, b| a.path.cmp(&b.path));
         files.dedup_by(|a, b| a.path == b.path);
         files.truncate(limit);
+        let incomplete = if unlisted > 0 {
+            Some(super::unlisted_names_note(Some(unlisted)))
+        } else {
+            unlisted_by_events.then(|| super::unlisted_names_note(None))
+        };
         Changes {
             files,
-            incomplete: None,
+            incomplete,
             method,
         }
     }
@@ -469,6 +482,8 @@ struct Registrar<'a> {
     files: Vec<FileRef>,
     added: Vec<(i32, String)>,
     failed: Option<String>,
+    /// Changed files left out because their names are not UTF-8.
+    unlisted: usize,
     watched: usize,
     /// Watches of every session of the server, this one's so far included, and their cap.
     host_watched: usize,
@@ -567,6 +582,9 @@ impl host_fs::Visitor for WalkVisitor<'_, '_> {
             return host_fs::Step::Skip;
         }
         let Some(rel) = e.relative_path().map(|r| join(self.base, &r)) else {
+            if host_fs::is_regular(e.stat) && mtime_of(e.stat) >= self.reg.since {
+                self.reg.unlisted += 1;
+            }
             return host_fs::Step::Skip;
         };
         if host_fs::is_dir(e.stat) {

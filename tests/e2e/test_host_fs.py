@@ -438,3 +438,16 @@ def test_141_a_directory_of_150k_long_names_does_not_grow_the_hosts_memory(box):
     r = box.run("import os\nfor n in os.listdir('.'):\n    os.unlink(n)\nlen(os.listdir('.'))",
                 session="many-names", timeout_s=300)
     assert r["result"] == "0", r
+
+
+def test_147_a_file_whose_name_is_not_utf8_is_said_to_be_left_out(box):
+    # Listings and URIs are text, so such a file cannot be listed; it still counts against the
+    # quota, and the run that wrote it says it was left out and how to rename it (red-team pass 18).
+    rec = box.run("open(b'bad\\xff.txt', 'wb').write(b'x' * 10)\nopen('good.txt', 'w').write('y')", session="names")
+    assert [f["path"] for f in rec["files"]] == ["good.txt"], rec
+    said = [n for n in rec.get("notices", []) if "not UTF-8" in n]
+    assert said and "left out" in said[0] and "os.rename" in said[0], rec
+    rec = box.run("'nothing written'", session="names")
+    assert not [n for n in rec.get("notices", []) if "not UTF-8" in n], rec
+    box.run("os.rename(b'bad\\xff.txt', 'fixed.txt')", session="names")
+    assert "ironcell://session/names/fixed.txt" in resource_uris(box)
