@@ -129,6 +129,16 @@ pub fn main() -> ExitCode {
         }
     };
     init_logging(&cli.log_level);
+    if matches!(
+        cli.command,
+        Some(Command::Audit { .. } | Command::Setup(_) | Command::Policy { .. })
+    ) {
+        // Printing commands end quietly when their reader does (`ironcell audit | head`),
+        // as other command-line tools do, rather than panic on EPIPE. Not `serve`: its
+        // stdout is the MCP stream, and a client gone is handled (workers stopped) there.
+        // SAFETY: at start, before any thread; restores the default disposition.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

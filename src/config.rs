@@ -100,7 +100,7 @@ pub struct Settings {
     pub policy: String,
 
     /// Memory limit per worker (`512m`, `2g`); overrides the policy's `limits.memory_mib`.
-    #[arg(long, global = true, env = "MCP_BRIDGE_MEMORY_LIMIT", value_parser = parse_size)]
+    #[arg(long, global = true, env = "MCP_BRIDGE_MEMORY_LIMIT", value_parser = parse_memory_limit)]
     pub memory_limit: Option<u64>,
 
     /// Use at most this Landlock ABI even if the kernel has a newer one (testing what older
@@ -249,18 +249,16 @@ pub struct Settings {
 
 /// Why no state directory could be used: names every path tried and the fix.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "no usable state directory: {tried}. Fix: set MCP_BRIDGE_STATE_DIR (or --state-dir) to a directory this user ({user}) can write, or make HOME writable"
-)]
+#[error("no usable state directory: {tried}. Fix: {fix}")]
 pub struct StateDirError {
     pub tried: String,
-    pub user: String,
+    pub fix: String,
 }
 
 impl Settings {
     /// Loads the policy file and probes the kernel: the sandbox this server will apply.
     pub fn sandbox(&self) -> Result<crate::sandbox::Sandbox, crate::sandbox::policy::PolicyError> {
-        let mut policy = crate::sandbox::policy::Policy::load(&self.policy)?;
+        let mut policy = crate::sandbox::policy::Policy::load(&expand_tilde(&self.policy))?;
         policy.add_grants(
             &self.allow_read,
             &self.allow_write,
@@ -418,9 +416,21 @@ impl Settings {
                 candidate = nix::unistd::mkdtemp(&template).ok();
             }
         }
+        let user = format!("uid {}", nix::unistd::getuid());
+        let fix = if self.state_dir.is_some() {
+            format!(
+                "make MCP_BRIDGE_STATE_DIR (or --state-dir) a directory this user ({user}) can \
+                 write, or unset it"
+            )
+        } else {
+            format!(
+                "set MCP_BRIDGE_STATE_DIR (or --state-dir) to a directory this user ({user}) can \
+                 write, or make HOME writable"
+            )
+        };
         Err(StateDirError {
             tried: tried.join("; "),
-            user: format!("uid {}", nix::unistd::getuid()),
+            fix,
         })
     }
 }
@@ -484,6 +494,26 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// Parses `1024`, `512k`, `512m`, `2g` (also `kb`/`mib`/`gib`; binary units).
+/// `~/x` as `$HOME/x` (a path set in a client's config reaches ironcell unexpanded).
+fn expand_tilde(p: &str) -> String {
+    match (p.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => Path::new(&home).join(rest).display().to_string(),
+        _ => p.to_string(),
+    }
+}
+
+/// A memory limit: at least what the policy allows (64 MiB; a worker needs ~30 MiB to start
+/// Python, and fails at setup below it).
+pub fn parse_memory_limit(s: &str) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if v < 64 << 20 {
+        return Err(format!(
+            "{s:?} is too small: a worker needs at least 64m (64 MiB)"
+        ));
+    }
+    Ok(v)
+}
+
 /// A size where `0` means "off" (`IRONCELL_MIN_FREE_DISK=0`).
 pub fn parse_size_or_zero(s: &str) -> Result<u64, String> {
     let t = s.trim();

@@ -405,6 +405,13 @@ pub fn explain_boot_failure(python: &Interpreter, message: &str, stderr_tail: &s
     let tail = stderr_tail.trim();
     if !tail.is_empty() {
         text.push_str(&format!(". Its last words on stderr: {tail}"));
+        if tail.contains("Unknown option: -I") {
+            // Python 2 (and 3 before 3.4) has no isolated mode.
+            text.push_str(
+                ". This is Python 2 or an early Python 3: ironcell needs CPython 3.9 or newer; \
+                 name one with --python (IRONCELL_PYTHON)",
+            );
+        }
         if tail.contains("platform independent libraries") || tail.contains("encodings") {
             text.push_str(&format!(
                 ". Its standard library is not readable by the user ironcell runs as ({}); choose an interpreter this user can read with --python",
@@ -510,6 +517,18 @@ mod tests {
             setting_path(&bin.join("python3"), &lookup),
             bin.join("python3")
         );
+    }
+
+    #[test]
+    fn python_2_is_named_as_too_old() {
+        let python = Interpreter {
+            executable: PathBuf::from("/usr/bin/python2"),
+            given: PathBuf::from("/usr/bin/python2"),
+            source: Source::Setting,
+            kind: Kind::Interpreter,
+        };
+        let text = explain_boot_failure(&python, "it exited", "Unknown option: -I\nusage: ...");
+        assert!(text.contains("needs CPython 3.9 or newer"), "{text}");
     }
 
     #[test]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HARNESS, IRONCELL, RawServer, server_env, shared_tmp_dir, wait_until
+from conftest import HARNESS, IRONCELL, TEST_PYTHON, RawServer, server_env, shared_tmp_dir, wait_until
 
 PYENV = Path("/root/.pyenv/versions")
 
@@ -350,3 +350,24 @@ def test_the_host_links_no_libpython():
     p = subprocess.run(["ldd", str(IRONCELL)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "libpython" not in p.stdout, p.stdout
+
+
+def test_a_relative_python_is_taken_from_the_starting_directory_and_a_bare_name_from_path(state_dir, tmp_path):
+    # The zygote starts in /, so a relative --python once failed with "No such file".
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "env" / "bin" / "python3").symlink_to(TEST_PYTHON)
+    env = server_env(state_dir, IRONCELL_PYTHON=None, PATH=f"{Path(TEST_PYTHON).parent}:/usr/bin:/bin")
+    for given in ("env/bin/python3", Path(TEST_PYTHON).name):
+        p = subprocess.run([str(IRONCELL), "exec", "--python", given, "6 * 7"], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=60)
+        assert p.returncode == 0 and "42" in p.stdout, (given, p.stdout, p.stderr)
+
+
+def test_a_setting_that_cannot_be_used_names_the_variable_it_came_from(state_dir):
+    env = server_env(state_dir, MCP_BRIDGE_MEMORY_LIMIT="20m")
+    p = subprocess.run([str(IRONCELL), "exec", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 2 and "at least 64m" in p.stderr and "MCP_BRIDGE_MEMORY_LIMIT" in p.stderr, p.stderr
+    # `0` turns the free-disk guard off, as documented, rather than being refused.
+    env = server_env(state_dir, IRONCELL_MIN_FREE_DISK="0")
+    p = subprocess.run([str(IRONCELL), "exec", "6 * 7"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0 and "42" in p.stdout, p.stderr

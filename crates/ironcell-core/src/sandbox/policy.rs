@@ -65,11 +65,11 @@ fn default_threads() -> u64 {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    #[error("cannot read policy file {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error(
+        "cannot read policy file {path}: {error}. IRONCELL_POLICY (--policy) takes `default`, \
+         `strict`, or the path of a policy TOML file (see sandbox-policy/README.md)"
+    )]
+    Read { path: String, error: std::io::Error },
     #[error("policy {source_name}: {message}")]
     Parse {
         source_name: String,
@@ -97,9 +97,9 @@ impl Policy {
             "default" => Policy::parse(DEFAULT_POLICY, "default (embedded)"),
             "strict" => Policy::parse(STRICT_POLICY, "strict (embedded)"),
             path => {
-                let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+                let text = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
                     path: path.to_string(),
-                    source,
+                    error,
                 })?;
                 Policy::parse_overlay(&text, path)
             }
