@@ -42,8 +42,9 @@ class ServerNotFoundError(MCPError, LookupError):
     """No configured server has that name."""
 
 
-class ToolNotFoundError(MCPError, LookupError):
-    """The server has no tool of that name."""
+class ToolNotFoundError(MCPError, LookupError, AttributeError):
+    """The server has no tool of that name. Also an AttributeError, so `hasattr(mcp_x, name)`
+    and `getattr(mcp_x, name, None)` work on a server's module."""
 
 
 class ServerUnavailableError(MCPError):

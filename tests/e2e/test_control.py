@@ -131,6 +131,7 @@ for f in (lambda: mcp_nodelete.delete_entities, lambda: mcp_nodelete.delete_enti
         out.append("ToolError: " + str(e))
     except ToolNotFoundError as e:
         out.append("ToolNotFoundError: " + str(e))
+out.append(hasattr(mcp_nodelete, "no_such_tool") or getattr(mcp_nodelete, "no_such_tool", "absent"))
 try:
     await runtime.call_tool("nodelete", "no_such_tool", {})
 except ToolNotFoundError as e:
@@ -138,7 +139,8 @@ except ToolNotFoundError as e:
 out
 """
         r = await run(s, code)
-        attr, attr_sync, unknown, unknown_call = eval(r["result"])
+        attr, attr_sync, unknown, absent, unknown_call = eval(r["result"])
+        assert absent == "absent", r  # hasattr and getattr with a default work
         assert attr.startswith("ToolError: ") and '"deny"' in attr and "delete_*" in attr, attr
         assert attr_sync == attr, (attr, attr_sync)
         assert unknown.startswith("ToolNotFoundError: ") and "create_entities" in unknown, unknown
