@@ -72,6 +72,9 @@ pub struct LoadedConfig {
     pub skipped: Vec<SkippedServer>,
     /// Sources that were read, in precedence order.
     pub sources: Vec<String>,
+    /// Every server name a source defined, usable or not: a lower source never defines it
+    /// again (an entry skipped for a misspelt rule must not be replaced by one without rules).
+    pub claimed: std::collections::BTreeSet<String>,
 }
 
 /// The environment to read `MCP_BRIDGE_CONFIG`, `HOME` and `${VAR}`s from (the process's, or a
@@ -354,8 +357,8 @@ fn read_source(
         }
     };
     for (name, entry) in table {
-        if loaded.servers.contains_key(name) {
-            continue; // a higher-precedence source already defines it
+        if !loaded.claimed.insert(name.clone()) {
+            continue; // a higher-precedence source already defines it (usable or not)
         }
         match parse_entry(name, entry, env, source) {
             Ok(None) => {}
@@ -394,6 +397,15 @@ const FIELDS: &[&str] = &[
 /// The fields that restrict what code may call: one of them misspelt skips the server.
 const RULE_FIELDS: &[&str] = &["allow", "deny", "readOnly", "confirm", "auditArguments"];
 
+/// Other clients' names for tool rules (Claude Code, Gemini CLI): written here they would be
+/// ignored and leave the tools open, so they skip the server and name ironcell's field.
+const OTHER_CLIENTS_RULES: &[(&str, &str)] = &[
+    ("disallowedTools", "deny"),
+    ("excludeTools", "deny"),
+    ("allowedTools", "allow"),
+    ("includeTools", "allow"),
+];
+
 /// The field `key` is most likely a misspelling of: same letters in another case, or one edit
 /// away (two for names longer than five letters).
 fn nearest_field(key: &str) -> Option<&'static str> {
@@ -431,6 +443,16 @@ fn parse_entry(
     }
     let mut warnings = Vec::new();
     for key in e.keys().filter(|k| !FIELDS.contains(&k.as_str())) {
+        if let Some((_, ours)) = OTHER_CLIENTS_RULES.iter().find(|(theirs, _)| theirs == key) {
+            return Err(problem(
+                Some(key),
+                format!(
+                    "is another client's tool rule, which ironcell does not read; write it as \
+                     {ours:?}. This server is not used until then, since running it without the \
+                     rule would leave its tools open"
+                ),
+            ));
+        }
         match nearest_field(key) {
             Some(f) if RULE_FIELDS.contains(&f) => {
                 return Err(problem(
@@ -719,6 +741,35 @@ mod tests {
         assert!(
             text.iter()
                 .any(|t| t.contains("field `url`: is not a field ironcell reads (ignored)")),
+            "{text:?}"
+        );
+
+        // Fail closed: a skipped or disabled entry is not replaced by a lower source's entry of
+        // the same name; `null` is not "no rule"; other clients' rule names are not ignored.
+        std::fs::write(
+            cwd.join("mcp_bridge_config.json"),
+            r#"{"mcpServers": {"a": {"command": "x"}, "b": {"command": "x"},
+                 "c": {"command": "x"}, "d": {"command": "x"}}}"#,
+        )
+        .unwrap();
+        let env = MapEnv(HashMap::from([(
+            "MCP_BRIDGE_CONFIG",
+            r#"{"mcpServers": {"a": {"command": "x", "Deny": ["delete_*"]},
+                 "b": {"command": "x", "disabled": true}, "c": {"command": "x", "deny": null},
+                 "d": {"command": "x", "disallowedTools": ["delete_*"]}}}"#
+                .to_string(),
+        )]));
+        let c = load(&env, &cwd, None);
+        assert!(c.servers.is_empty(), "{:?}", c.servers.keys());
+        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        assert!(
+            text.iter()
+                .any(|t| t.contains("server \"c\", field `deny`")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.contains("field `disallowedTools`") && t.contains("\"deny\"")),
             "{text:?}"
         );
 

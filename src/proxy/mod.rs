@@ -171,6 +171,10 @@ pub fn error_payload(kind: ErrorKind, message: &str) -> Value {
 pub const MAX_CALL_SUMMARIES: usize = 1000;
 /// Longest server or tool name, argument name, kept in a call's summary (the worker chose them).
 const MAX_SUMMARY_NAME_CHARS: usize = 128;
+
+/// Longest server or tool name a worker may send (MCP tool names are at most 128 characters):
+/// error messages repeat the name, and must not grow with it.
+const MAX_NAME_BYTES: usize = 1024;
 /// Most argument names kept in a call's summary.
 const MAX_SUMMARY_KEYS: usize = 32;
 /// Largest argument values kept in a call's summary (as JSON) where `auditArguments` is on.
@@ -431,6 +435,7 @@ impl Proxy {
     /// by a rule (named). What `mcp_<server>.<tool>` asks for a name its list lacks.
     pub async fn tool_json(&self, server: &str, tool: &str) -> Result<Value, ProxyError> {
         let upstream = self.upstream(server)?;
+        hidden_by_name(server, tool, upstream)?;
         let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
         let hints = Hints::of(&resolved.entry);
         if let Verdict::Denied(why) = upstream.config.rules.verdict(server, tool, hints) {
@@ -485,6 +490,7 @@ impl Proxy {
             ));
         };
         let upstream = self.upstream(server)?;
+        hidden_by_name(server, tool, upstream)?;
         let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
         match upstream
             .config
@@ -595,11 +601,25 @@ impl Proxy {
                 .to_string()
         };
         let mut summary = None;
+        let names_fit = || -> Result<(), ProxyError> {
+            match ["server", "tool"].into_iter().find(|k| {
+                params
+                    .get(*k)
+                    .and_then(Value::as_str)
+                    .is_some_and(|v| v.len() > MAX_NAME_BYTES)
+            }) {
+                Some(k) => Err(ProxyError::bad_request(format!(
+                    "a {k} name is at most {MAX_NAME_BYTES} bytes"
+                ))),
+                None => Ok(()),
+            }
+        };
         let outcome = match method {
             ProxyMethod::Servers => Ok(json!(self.server_summaries())),
-            ProxyMethod::Tools => match params.get("tool").and_then(Value::as_str) {
-                Some(tool) => self.tool_json(&s("server"), tool).await,
-                None => self.tools_json(&s("server")).await,
+            ProxyMethod::Tools => match (names_fit(), params.get("tool").and_then(Value::as_str)) {
+                (Err(e), _) => Err(e),
+                (Ok(()), Some(tool)) => self.tool_json(&s("server"), tool).await,
+                (Ok(()), None) => self.tools_json(&s("server")).await,
             },
             ProxyMethod::Search => {
                 let limit = params
@@ -632,7 +652,10 @@ impl Proxy {
                     .get(&server)
                     .is_some_and(|u| u.config.rules.audit_arguments);
                 let arguments = audit_values.then(|| audited_arguments(&args));
-                let r = self.call(session, &server, &tool, args).await;
+                let r = match names_fit() {
+                    Ok(()) => self.call(session, &server, &tool, args).await,
+                    Err(e) => Err(e),
+                };
                 let outcome = match &r {
                     Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => CallOutcome::ToolError,
                     Ok(_) => CallOutcome::Ok,
@@ -666,6 +689,19 @@ impl Proxy {
         for u in self.upstreams.values() {
             u.stop().await;
         }
+    }
+}
+
+/// A name the `deny` and `allow` patterns hide is denied whether or not the server has such a
+/// tool, so a probe cannot tell a hidden tool from a missing one by the answer.
+fn hidden_by_name(server: &str, tool: &str, upstream: &Upstream) -> Result<(), ProxyError> {
+    let any_annotation = Hints {
+        read_only: Some(true),
+        destructive: None,
+    };
+    match upstream.config.rules.verdict(server, tool, any_annotation) {
+        Verdict::Denied(why) => Err(denied(&why, upstream)),
+        _ => Ok(()),
     }
 }
 
@@ -739,7 +775,12 @@ mod tests {
         let params = json!({"server": "S".repeat(1_000_000), "tool": "t".repeat(10_000),
                             "arguments": arguments});
         let (payload, summary) = proxy.handle("s", ProxyMethod::Call, &params).await;
-        assert_eq!(payload["error"]["kind"], "unknown_server", "{payload}");
+        assert_eq!(payload["error"]["kind"], "bad_request", "{payload}");
+        let message = payload["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.len() < 100,
+            "the name is not echoed: {message:.200}"
+        );
         let summary = summary.expect("a call always leaves a summary");
         assert_eq!(summary.server.chars().count(), MAX_SUMMARY_NAME_CHARS + 1);
         assert!(summary.server.ends_with('…'));

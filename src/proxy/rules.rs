@@ -81,9 +81,11 @@ impl Hints {
 impl ToolRules {
     /// Parses the rule fields of a configuration entry. Errors name the field.
     pub fn parse(entry: &serde_json::Map<String, Value>) -> Result<ToolRules, (String, String)> {
+        // `null` is refused rather than read as "no rule": a rule that came out empty by
+        // mistake must not leave the tools open.
         let patterns = |field: &str| -> Result<Vec<String>, (String, String)> {
             match entry.get(field) {
-                None | Some(Value::Null) => Ok(Vec::new()),
+                None => Ok(Vec::new()),
                 Some(Value::Array(a)) => a
                     .iter()
                     .enumerate()
@@ -103,13 +105,13 @@ impl ToolRules {
         };
         let flag = |field: &str| -> Result<bool, (String, String)> {
             match entry.get(field) {
-                None | Some(Value::Null) => Ok(false),
+                None => Ok(false),
                 Some(Value::Bool(b)) => Ok(*b),
                 Some(_) => Err((field.to_string(), "must be true or false".into())),
             }
         };
         let confirm = match entry.get("confirm") {
-            None | Some(Value::Null) => Confirm::Destructive,
+            None => Confirm::Destructive,
             Some(Value::Bool(true)) => Confirm::Always,
             Some(Value::Bool(false)) => Confirm::Never,
             Some(Value::Array(_)) => {
