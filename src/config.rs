@@ -258,7 +258,10 @@ pub struct StateDirError {
 impl Settings {
     /// Loads the policy file and probes the kernel: the sandbox this server will apply.
     pub fn sandbox(&self) -> Result<crate::sandbox::Sandbox, crate::sandbox::policy::PolicyError> {
-        let mut policy = crate::sandbox::policy::Policy::load(&expand_tilde(&self.policy))?;
+        // A path set in a client's config reaches ironcell with its `~` unexpanded.
+        let lookup = crate::python::ProcessLookup(None);
+        let policy_path = crate::python::expand_home(Path::new(&self.policy), &lookup);
+        let mut policy = crate::sandbox::policy::Policy::load(&policy_path.to_string_lossy())?;
         policy.add_grants(
             &self.allow_read,
             &self.allow_write,
@@ -493,15 +496,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v * scale))
 }
 
-/// Parses `1024`, `512k`, `512m`, `2g` (also `kb`/`mib`/`gib`; binary units).
-/// `~/x` as `$HOME/x` (a path set in a client's config reaches ironcell unexpanded).
-fn expand_tilde(p: &str) -> String {
-    match (p.strip_prefix("~/"), std::env::var_os("HOME")) {
-        (Some(rest), Some(home)) => Path::new(&home).join(rest).display().to_string(),
-        _ => p.to_string(),
-    }
-}
-
 /// A memory limit: at least what the policy allows (64 MiB; a worker needs ~30 MiB to start
 /// Python, and fails at setup below it).
 pub fn parse_memory_limit(s: &str) -> Result<u64, String> {
@@ -525,6 +519,7 @@ pub fn parse_size_or_zero(s: &str) -> Result<u64, String> {
     parse_size(s)
 }
 
+/// Parses `1024`, `512k`, `512m`, `2g` (also `kb`/`mib`/`gib`; binary units).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
     let digits_end = t

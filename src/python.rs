@@ -180,7 +180,8 @@ pub fn setting_path(p: &Path, lookup: &dyn Lookup) -> PathBuf {
     std::path::absolute(&p).unwrap_or(p)
 }
 
-fn expand_home(p: &Path, lookup: &dyn Lookup) -> PathBuf {
+/// `~/x` as `$HOME/x`.
+pub fn expand_home(p: &Path, lookup: &dyn Lookup) -> PathBuf {
     match (p.strip_prefix("~"), lookup.var("HOME")) {
         (Ok(rest), Some(home)) => Path::new(&home).join(rest),
         _ => p.to_path_buf(),

@@ -421,12 +421,7 @@ impl Proxy {
         let visible: Vec<&rmcp::model::Tool> = catalog
             .tools
             .iter()
-            .filter(|t| {
-                !matches!(
-                    upstream.config.rules.verdict(server, &t.name, Hints::of(t)),
-                    Verdict::Denied(_)
-                )
-            })
+            .filter(|t| !upstream.config.rules.hides(server, t))
             .collect();
         serde_json::to_value(&visible).map_err(|e| ProxyError::unavailable(e.to_string()))
     }
@@ -434,14 +429,38 @@ impl Proxy {
     /// One tool as code may see it, or the error a call of it would get: unknown, or hidden
     /// by a rule (named). What `mcp_<server>.<tool>` asks for a name its list lacks.
     pub async fn tool_json(&self, server: &str, tool: &str) -> Result<Value, ProxyError> {
-        let upstream = self.upstream(server)?;
-        hidden_by_name(server, tool, upstream)?;
-        let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
-        let hints = Hints::of(&resolved.entry);
-        if let Verdict::Denied(why) = upstream.config.rules.verdict(server, tool, hints) {
-            return Err(denied(&why, upstream));
-        }
+        let (_, resolved, _) = self.resolve_visible(server, tool).await?;
         serde_json::to_value(&resolved.entry).map_err(|e| ProxyError::unavailable(e.to_string()))
+    }
+
+    /// `tool` of `server` as code may reach it, and why its call needs approval if it does (a
+    /// hidden tool is the error a call gets). A name the patterns hide is refused before it is
+    /// looked up, so the answer does not say whether the server has it.
+    async fn resolve_visible(
+        &self,
+        server: &str,
+        tool: &str,
+    ) -> Result<(&Upstream, upstream::Resolved, Option<String>), ProxyError> {
+        let upstream = self.upstream(server)?;
+        let denied = |why: &str| {
+            ProxyError::refused(
+                ErrorKind::Denied,
+                format!("{why} (in {}); code cannot call it", upstream.config.source),
+            )
+        };
+        if let Some(why) = upstream.config.rules.hides_name(server, tool) {
+            return Err(denied(&why));
+        }
+        let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
+        match upstream
+            .config
+            .rules
+            .verdict(server, tool, Hints::of(&resolved.entry))
+        {
+            Verdict::Denied(why) => Err(denied(&why)),
+            Verdict::NeedsApproval(why) => Ok((upstream, resolved, Some(why))),
+            Verdict::Allowed => Ok((upstream, resolved, None)),
+        }
     }
 
     pub async fn search(&self, query: &str, limit: usize) -> Value {
@@ -462,14 +481,7 @@ impl Proxy {
             c.tools
                 .iter()
                 .zip(c.index.iter())
-                .filter(|(t, _)| {
-                    !matches!(
-                        u.config
-                            .rules
-                            .verdict(&u.config.name, &t.name, Hints::of(t)),
-                        Verdict::Denied(_)
-                    )
-                })
+                .filter(|(t, _)| !u.config.rules.hides(&u.config.name, t))
                 .map(|(_, i)| i)
         });
         let hits = search::search(visible, query, limit);
@@ -489,20 +501,10 @@ impl Proxy {
                 "tool arguments must be a dict".into(),
             ));
         };
-        let upstream = self.upstream(server)?;
-        hidden_by_name(server, tool, upstream)?;
-        let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
-        match upstream
-            .config
-            .rules
-            .verdict(server, tool, Hints::of(&resolved.entry))
-        {
-            Verdict::Allowed => {}
-            Verdict::Denied(why) => return Err(denied(&why, upstream)),
-            Verdict::NeedsApproval(why) => {
-                self.approve(session, server, tool, &args, &why, &upstream.config.source)
-                    .await?
-            }
+        let (upstream, resolved, approval) = self.resolve_visible(server, tool).await?;
+        if let Some(why) = approval {
+            self.approve(session, server, tool, &args, &why, &upstream.config.source)
+                .await?;
         }
         let result = upstream.call(resolved, args, self.call_timeout).await?;
         let size = serde_json::to_string(&result).map(|s| s.len()).unwrap_or(0);
@@ -601,22 +603,12 @@ impl Proxy {
                 .to_string()
         };
         let mut summary = None;
-        let names_fit = || -> Result<(), ProxyError> {
-            match ["server", "tool"].into_iter().find(|k| {
-                params
-                    .get(*k)
-                    .and_then(Value::as_str)
-                    .is_some_and(|v| v.len() > MAX_NAME_BYTES)
-            }) {
-                Some(k) => Err(ProxyError::bad_request(format!(
-                    "a {k} name is at most {MAX_NAME_BYTES} bytes"
-                ))),
-                None => Ok(()),
-            }
-        };
         let outcome = match method {
             ProxyMethod::Servers => Ok(json!(self.server_summaries())),
-            ProxyMethod::Tools => match (names_fit(), params.get("tool").and_then(Value::as_str)) {
+            ProxyMethod::Tools => match (
+                names_fit(params),
+                params.get("tool").and_then(Value::as_str),
+            ) {
                 (Err(e), _) => Err(e),
                 (Ok(()), Some(tool)) => self.tool_json(&s("server"), tool).await,
                 (Ok(()), None) => self.tools_json(&s("server")).await,
@@ -652,7 +644,7 @@ impl Proxy {
                     .get(&server)
                     .is_some_and(|u| u.config.rules.audit_arguments);
                 let arguments = audit_values.then(|| audited_arguments(&args));
-                let r = match names_fit() {
+                let r = match names_fit(params) {
                     Ok(()) => self.call(session, &server, &tool, args).await,
                     Err(e) => Err(e),
                 };
@@ -692,25 +684,21 @@ impl Proxy {
     }
 }
 
-/// A name the `deny` and `allow` patterns hide is denied whether or not the server has such a
-/// tool, so a probe cannot tell a hidden tool from a missing one by the answer.
-fn hidden_by_name(server: &str, tool: &str, upstream: &Upstream) -> Result<(), ProxyError> {
-    let any_annotation = Hints {
-        read_only: Some(true),
-        destructive: None,
-    };
-    match upstream.config.rules.verdict(server, tool, any_annotation) {
-        Verdict::Denied(why) => Err(denied(&why, upstream)),
-        _ => Ok(()),
+/// Server and tool names longer than [`MAX_NAME_BYTES`] are refused before anything looks them
+/// up or repeats them in an error.
+fn names_fit(params: &Value) -> Result<(), ProxyError> {
+    for k in ["server", "tool"] {
+        if params
+            .get(k)
+            .and_then(Value::as_str)
+            .is_some_and(|v| v.len() > MAX_NAME_BYTES)
+        {
+            return Err(ProxyError::bad_request(format!(
+                "a {k} name is at most {MAX_NAME_BYTES} bytes"
+            )));
+        }
     }
-}
-
-/// The error for a call of a tool the rules hide: names the rule and where it is set.
-fn denied(why: &str, upstream: &Upstream) -> ProxyError {
-    ProxyError::refused(
-        ErrorKind::Denied,
-        format!("{why} (in {}); code cannot call it", upstream.config.source),
-    )
+    Ok(())
 }
 
 #[cfg(test)]

@@ -138,6 +138,28 @@ impl ToolRules {
         })
     }
 
+    /// Whether code may not see `tool` (listed by the server with its annotations).
+    pub fn hides(&self, server: &str, tool: &rmcp::model::Tool) -> bool {
+        matches!(
+            self.verdict(server, &tool.name, Hints::of(tool)),
+            Verdict::Denied(_)
+        )
+    }
+
+    /// Why a tool of this name is hidden whatever its annotations (by `deny` or `allow`), so
+    /// a probe is denied whether or not the server has such a tool and cannot tell the two
+    /// apart. `None` when only the tool's annotations could hide it (`readOnly`).
+    pub fn hides_name(&self, server: &str, tool: &str) -> Option<String> {
+        let most_permissive = Hints {
+            read_only: Some(true),
+            destructive: None,
+        };
+        match self.verdict(server, tool, most_permissive) {
+            Verdict::Denied(why) => Some(why),
+            _ => None,
+        }
+    }
+
     /// What the rules say about `tool` of server `server`.
     pub fn verdict(&self, server: &str, tool: &str, hints: Hints) -> Verdict {
         if let Some(p) = self.deny.iter().find(|p| glob_match(p, tool)) {

@@ -35,7 +35,6 @@ use rmcp::{ClientHandler, RoleClient};
 
 use super::ProxyError;
 use super::config::ServerConfig;
-use super::rules::{Hints, Verdict};
 
 /// Host variables a server child inherits (what the MCP SDKs' stdio clients pass), before the
 /// entry's own `env` is added. Nothing else of ironcell's environment reaches it.
@@ -485,14 +484,7 @@ impl Upstream {
             let names: Vec<&str> = catalog
                 .tools
                 .iter()
-                .filter(|t| {
-                    !matches!(
-                        self.config
-                            .rules
-                            .verdict(self.name(), &t.name, Hints::of(t)),
-                        Verdict::Denied(_)
-                    )
-                })
+                .filter(|t| !self.config.rules.hides(self.name(), t))
                 .map(|t| t.name.as_ref())
                 .collect();
             return Err(ProxyError::unknown_tool(format!(
