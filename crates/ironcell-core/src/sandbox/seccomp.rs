@@ -18,11 +18,18 @@
 //! 3. **kill-list** (installed last): calls with no business in a sandbox and a history of
 //!    kernel exploits end the process at once.
 //!
-//! The three are installed as **one** program ([`merge_stacked`]): the kill-list's, then the
-//! refusals', then the allow-list's instructions, each earlier program's "allow" turned into a
-//! jump to the next. The kernel converts and JIT-compiles every filter a worker installs, and
-//! runs every installed filter on every system call; one program costs one of each, with
-//! exactly the verdicts of the three stacked (a unit test compares them on every system call).
+//! Between the allow-list and the refusals sits a fourth, small one, **unsupported**: calls
+//! answered `EOPNOTSUPP`, as a filesystem without the feature would answer, so libc takes its
+//! slower portable path. Only `fallocate` mode 0: the kernel allocates blocks at 10+ GiB/s
+//! without a page written, faster than the free-disk guard can look (SECURITY.md #144), and
+//! glibc's `posix_fallocate` then writes a byte per block instead (0.4-0.7 GiB/s).
+//!
+//! The four are installed as **one** program ([`merge_stacked`]): the kill-list's, then the
+//! refusals', the unsupported calls' and the allow-list's instructions, each earlier program's
+//! "allow" turned into a jump to the next. The kernel converts and JIT-compiles every filter a
+//! worker installs, and runs every installed filter on every system call; one program costs
+//! one of each, with exactly the verdicts of the four stacked (a unit test compares them on
+//! every system call).
 //!
 //! These rules do not depend on the kernel's Landlock ABI: they are what provides the
 //! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot,
@@ -407,12 +414,11 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
             vec![arg32(0, Op::MaskedEq(flag), 0)?],
         )?;
     }
-    // fallocate(2) allocates and punches holes only as `posix_fallocate` and `truncate` would:
-    // with FALLOC_FL_KEEP_SIZE (and with ZERO_RANGE, INSERT_RANGE...) ext4 and tmpfs take disk
+    // fallocate(2) only punches holes (PUNCH_HOLE|KEEP_SIZE gives blocks back): with
+    // FALLOC_FL_KEEP_SIZE (and with ZERO_RANGE, INSERT_RANGE...) ext4 and tmpfs take disk
     // blocks without checking RLIMIT_FSIZE, since the size does not change (red-team pass 18:
     // 2 GiB under a 256 MiB file limit in 4 ms, or the disk taken below the free-disk floor in
-    // one call, before the guard's next look). Mode 0 is held to RLIMIT_FSIZE; a punched hole
-    // (PUNCH_HOLE|KEEP_SIZE) only gives blocks back.
+    // one call, before the guard's next look). Mode 0 is answered by [`unsupported`].
     when(
         &mut rules,
         libc::SYS_fallocate,
@@ -514,7 +520,22 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     Ok(rules)
 }
 
-/// The one fallocate mode besides 0 a worker may use: it frees blocks and allocates none.
+/// Calls answered `EOPNOTSUPP` (installed between the allow-list and the refusals, so a
+/// refusal's EPERM wins over it): libc falls back to its portable path, as on a filesystem that
+/// lacks the feature.
+fn unsupported() -> Result<Rules, SeccompError> {
+    let mut rules = Rules::new();
+    // fallocate mode 0 is held to RLIMIT_FSIZE per file, but over many files (O_TMPFILE ones
+    // have no name for the scratch quota to count) it took blocks at 10-65 GiB/s with no page
+    // written, 2-12 GiB below the free-disk floor before the guard's next look (red-team pass
+    // 21, SECURITY.md #144). Answered EOPNOTSUPP, glibc's `posix_fallocate` (Python's
+    // `os.posix_fallocate`, SQLite) writes one byte per block instead: the same blocks, through
+    // the page cache and its dirty-page throttling, at 0.4-0.7 GiB/s.
+    when(&mut rules, libc::SYS_fallocate, vec![arg32(1, Op::Eq, 0)?])?;
+    Ok(rules)
+}
+
+/// The one fallocate mode a worker may use natively: it frees blocks and allocates none.
 #[allow(clippy::unnecessary_cast)]
 const FALLOCATE_PUNCH_HOLE: u64 = (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u64;
 
@@ -572,7 +593,7 @@ fn kill_list() -> Rules {
     rules
 }
 
-/// The worker's filter: one program with the verdicts of the three of
+/// The worker's filter: one program with the verdicts of the four of
 /// [`stacked_worker_filters`] (a unit test compares them on every system call), laid out by
 /// [`searched_program`].
 pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
@@ -590,8 +611,8 @@ enum ByNumber {
     Conditional,
 }
 
-/// The three programs as one, laid out for the kernel's cost: seccompiler compares the system
-/// call number with each listed call in turn (about 1,800 instructions for the three), and the
+/// The four programs as one, laid out for the kernel's cost: seccompiler compares the system
+/// call number with each listed call in turn (about 1,800 instructions for the four), and the
 /// kernel converts and JIT-compiles every instruction of every filter each worker installs, and
 /// runs the filter on every system call. Here a binary search over the call number (runs of
 /// numbers with the same verdict) answers every call whose verdict does not depend on its
@@ -601,10 +622,15 @@ enum ByNumber {
 fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
     let arch = arch()?;
     let allowed = allow_list(own_pid)?;
+    let unsupported = unsupported()?;
     let refused = refusals(own_pid)?;
     let killed = kill_list();
+    if unsupported.values().any(Vec::is_empty) {
+        return Err(SeccompError::Merge("an unconditional EOPNOTSUPP"));
+    }
     let conditional: std::collections::BTreeSet<i64> = allowed
         .iter()
+        .chain(&unsupported)
         .chain(&refused)
         .filter(|(_, rules)| !rules.is_empty())
         .map(|(&nr, _)| nr)
@@ -624,6 +650,7 @@ fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
     };
     let highest = allowed
         .keys()
+        .chain(unsupported.keys())
         .chain(refused.keys())
         .chain(killed.keys())
         .copied()
@@ -650,11 +677,18 @@ fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
     };
     let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
     let eperm = SeccompAction::Errno(libc::EPERM as u32);
+    let eopnotsupp = SeccompAction::Errno(libc::EOPNOTSUPP as u32);
     let conditional_part = merge_stacked(&[
         BpfProgram::try_from(SeccompFilter::new(
             only(&allowed),
             enosys,
             SeccompAction::Allow,
+            arch,
+        )?)?,
+        BpfProgram::try_from(SeccompFilter::new(
+            unsupported,
+            SeccompAction::Allow,
+            eopnotsupp,
             arch,
         )?)?,
         BpfProgram::try_from(SeccompFilter::new(
@@ -739,13 +773,16 @@ fn emit_search(
     }
 }
 
-/// The three compiled programs, in installation order (allow-list, refusals, kill-list).
+/// The four compiled programs, in installation order (allow-list, unsupported, refusals,
+/// kill-list).
 pub fn stacked_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
     let arch = arch()?;
     let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
+    let eopnotsupp = SeccompAction::Errno(libc::EOPNOTSUPP as u32);
     let eperm = SeccompAction::Errno(libc::EPERM as u32);
     let filters = [
         SeccompFilter::new(allow_list(own_pid)?, enosys, SeccompAction::Allow, arch)?,
+        SeccompFilter::new(unsupported()?, SeccompAction::Allow, eopnotsupp, arch)?,
         SeccompFilter::new(refusals(own_pid)?, SeccompAction::Allow, eperm, arch)?,
         SeccompFilter::new(
             kill_list(),
@@ -784,8 +821,8 @@ const BPF_MAXINSNS: usize = 4096;
 /// - apart from that, each program has one verdict besides "allow", and no program is less
 ///   severe than one installed before it.
 ///
-/// Both are checked; the worker's programs (ENOSYS allow-list, EPERM refusals, kill-list)
-/// satisfy them.
+/// Both are checked; the worker's programs (ENOSYS allow-list, EOPNOTSUPP unsupported calls,
+/// EPERM refusals, kill-list) satisfy them.
 pub fn merge_stacked(programs: &[BpfProgram]) -> Result<BpfProgram, SeccompError> {
     let allow = libc::SECCOMP_RET_ALLOW;
     let kill = libc::SECCOMP_RET_KILL_PROCESS;
@@ -1039,20 +1076,20 @@ mod tests {
 
     #[test]
     #[allow(clippy::unnecessary_cast)]
-    fn the_merged_filter_answers_every_call_as_the_three_stacked_do() {
+    fn the_merged_filter_answers_every_call_as_the_four_stacked_do() {
         let pid = 4321u32;
-        let three = stacked_worker_filters(pid).unwrap();
+        let four = stacked_worker_filters(pid).unwrap();
         let merged = build_worker_filters(pid).unwrap();
         assert_eq!(merged.len(), 1);
         let merged = &merged[0];
         assert!(
-            merged.len() * 2 < three.iter().map(Vec::len).sum::<usize>(),
+            merged.len() * 2 < four.iter().map(Vec::len).sum::<usize>(),
             "{} instructions",
             merged.len()
         );
-        let arch = run(&three[0], 0, 0, [0; 6]); // wrong arch: killed
+        let arch = run(&four[0], 0, 0, [0; 6]); // wrong arch: killed
         assert_eq!(arch, libc::SECCOMP_RET_KILL_PROCESS);
-        let native = three[0][1].k;
+        let native = four[0][1].k;
         // Every value a rule compares with, its neighbours, and the same with high bits set.
         let mut values: Vec<u64> = vec![0, 1, 2, u64::from(pid), u64::from(pid) + 1, 0xffff_ffff];
         values.extend(IOCTL_ALLOWED.iter().copied());
@@ -1103,6 +1140,7 @@ mod tests {
         let conditional: Vec<i64> = allow_list(pid)
             .unwrap()
             .into_iter()
+            .chain(unsupported().unwrap())
             .chain(refusals(pid).unwrap())
             .filter(|(_, rules)| !rules.is_empty())
             .map(|(nr, _)| nr)
@@ -1117,7 +1155,7 @@ mod tests {
                                 let args = [x, y, z, 0, 0, 0];
                                 assert_eq!(
                                     run(merged, nr, a, args),
-                                    stacked(&three, nr, a, args),
+                                    stacked(&four, nr, a, args),
                                     "nr {nr} arch {a:#x} args {args:?}"
                                 );
                                 checked += 1;
@@ -1128,7 +1166,7 @@ mod tests {
                     for args in [[0; 6], [u64::from(pid), 1, 2, 3, 4, 5], [u64::MAX; 6]] {
                         assert_eq!(
                             run(merged, nr, a, args),
-                            stacked(&three, nr, a, args),
+                            stacked(&four, nr, a, args),
                             "nr {nr} arch {a:#x} args {args:?}"
                         );
                         checked += 1;
@@ -1182,7 +1220,8 @@ mod tests {
                 "{missing:#x}"
             );
         }
-        // fallocate only as posix_fallocate (held to RLIMIT_FSIZE) or to punch a hole (#144).
+        // fallocate only to punch a hole; mode 0 (posix_fallocate) answered EOPNOTSUPP, so
+        // glibc writes the blocks instead (#144).
         let fallocate = |mode: u64| {
             run(
                 merged,
@@ -1191,7 +1230,9 @@ mod tests {
                 [3, mode, 0, 1 << 30, 0, 0],
             )
         };
-        assert_eq!(fallocate(0), ok);
+        let eopnotsupp = libc::SECCOMP_RET_ERRNO | libc::EOPNOTSUPP as u32;
+        assert_eq!(fallocate(0), eopnotsupp);
+        assert_eq!(fallocate(1 << 32), eopnotsupp, "the mode is a 32-bit int");
         assert_eq!(fallocate(FALLOCATE_PUNCH_HOLE), ok);
         for mode in [
             libc::FALLOC_FL_KEEP_SIZE,
@@ -1292,13 +1333,13 @@ mod tests {
 
     #[test]
     fn a_merge_that_would_change_a_verdict_is_refused() {
-        let three = stacked_worker_filters(1).unwrap();
+        let four = stacked_worker_filters(1).unwrap();
         // Kill-list installed first, then the ENOSYS allow-list: the kill-list's kills would be
         // answered ENOSYS by a merge; it must refuse.
-        let wrong = vec![three[2].clone(), three[0].clone()];
+        let wrong = vec![four[3].clone(), four[0].clone()];
         assert!(merge_stacked(&wrong).is_err());
         // EPERM refusals before an allow-list whose verdict is as severe: fine (later wins).
-        assert!(merge_stacked(&three).is_ok());
+        assert!(merge_stacked(&four).is_ok());
     }
 
     #[test]
