@@ -320,7 +320,7 @@ fn read_source(
         }
     };
     loaded.sources.push(source.to_string());
-    let doc: Value = match serde_json::from_str(&text) {
+    let (doc, duplicates) = match parse_noting_duplicates(&text) {
         Ok(v) => v,
         Err(e) => {
             loaded
@@ -329,6 +329,38 @@ fn read_source(
             return;
         }
     };
+    let table_key = match (doc.get("mcpServers"), doc.get("servers")) {
+        (Some(_), _) => "mcpServers",
+        _ => "servers",
+    };
+    // A key given twice: serde_json keeps the last, which may be the one without the rule.
+    // Within a server entry (or a server named twice) that server is not used; the table of
+    // servers given twice, none of either's is. Their names stay claimed, so a lower source
+    // cannot stand in for them. Keys ironcell does not read may repeat.
+    let mut twice: BTreeMap<String, String> = BTreeMap::new();
+    for (path, dropped) in &duplicates {
+        match path.as_slice() {
+            [table, name, rest @ ..] if table == table_key => {
+                twice.entry(name.clone()).or_insert_with(|| rest.join("."));
+            }
+            [table] if table == table_key => {
+                loaded.problems.push(problem(
+                    None,
+                    Some(table),
+                    "is given twice; ironcell does not guess which one was meant, so none of \
+                     the servers of either is used until one is removed"
+                        .into(),
+                ));
+                for servers in [dropped, &doc[table_key]] {
+                    if let Value::Object(m) = servers {
+                        loaded.claimed.extend(m.keys().cloned());
+                    }
+                }
+                return;
+            }
+            _ => {}
+        }
+    }
     let table = match (doc.get("mcpServers"), doc.get("servers")) {
         (Some(Value::Object(m)), _) | (None, Some(Value::Object(m))) => m,
         (Some(_), _) => {
@@ -360,6 +392,25 @@ fn read_source(
         if !loaded.claimed.insert(name.clone()) {
             continue; // a higher-precedence source already defines it (usable or not)
         }
+        if let Some(field) = twice.get(name) {
+            let (field, what) = if field.is_empty() {
+                (None, "this server is defined twice in this file")
+            } else {
+                (
+                    Some(field.as_str()),
+                    "is given twice in this server's entry",
+                )
+            };
+            loaded.problems.push(problem(
+                Some(name),
+                field,
+                format!(
+                    "{what}; ironcell does not guess which one was meant, so this server is not \
+                     used until one is removed"
+                ),
+            ));
+            continue;
+        }
         match parse_entry(name, entry, env, source) {
             Ok(None) => {}
             Ok(Some((server, warnings))) => {
@@ -374,6 +425,92 @@ fn read_source(
             Err(p) => loaded.problems.push(p),
         }
     }
+}
+
+/// A key given twice in one object: its path (array elements by index) and the value that
+/// serde_json would have dropped without a word.
+type Twice = (Vec<String>, Value);
+
+/// Parses JSON as `serde_json::from_str::<Value>` does (the last of two keys kept), and also
+/// returns every key given twice.
+fn parse_noting_duplicates(text: &str) -> serde_json::Result<(Value, Vec<Twice>)> {
+    use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
+    use std::cell::RefCell;
+
+    struct Seed<'a> {
+        path: Vec<String>,
+        twice: &'a RefCell<Vec<Twice>>,
+    }
+    impl<'a> Seed<'a> {
+        fn at(&self, key: String) -> Seed<'a> {
+            let mut path = self.path.clone();
+            path.push(key);
+            Seed {
+                path,
+                twice: self.twice,
+            }
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Seed<'_> {
+        type Value = Value;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Seed<'_> {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(v) = seq.next_element_seed(self.at(out.len().to_string()))? {
+                out.push(v);
+            }
+            Ok(Value::Array(out))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut out = serde_json::Map::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let value = map.next_value_seed(self.at(key.clone()))?;
+                if let Some(dropped) = out.insert(key.clone(), value) {
+                    self.twice.borrow_mut().push((self.at(key).path, dropped));
+                }
+            }
+            Ok(Value::Object(out))
+        }
+    }
+
+    let twice = RefCell::new(Vec::new());
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = Seed {
+        path: Vec::new(),
+        twice: &twice,
+    }
+    .deserialize(&mut de)?;
+    de.end()?;
+    Ok((value, twice.into_inner()))
 }
 
 type Parsed = Option<(ServerConfig, Vec<ConfigProblem>)>;
@@ -776,5 +913,75 @@ mod tests {
         std::fs::write(cwd.join("mcp_bridge_config.json"), "{ not json").unwrap();
         let c = load(&MapEnv(HashMap::new()), &cwd, None);
         assert!(c.problems[0].to_string().contains("not valid JSON"));
+    }
+
+    #[test]
+    fn a_key_given_twice_is_not_resolved_by_keeping_the_last() {
+        // serde_json keeps the last of two keys: here the one without the rule.
+        let cwd = dir("twice");
+        std::fs::write(
+            cwd.join("mcp_bridge_config.json"),
+            r#"{"mcpServers": {"a": {"command": "x"}, "b": {"command": "x"}, "z": {"command": "x"}}}"#,
+        )
+        .unwrap();
+        let env = MapEnv(HashMap::from([(
+            "MCP_BRIDGE_CONFIG",
+            r#"{"mcpServers": {"a": {"command": "x", "deny": ["delete_*"], "deny": []},
+                 "b": {"command": "x", "readOnly": true}, "b": {"command": "x"},
+                 "c": {"command": "x", "env": {"K": "1"}}}}"#
+                .to_string(),
+        )]));
+        let c = load(&env, &cwd, None);
+        assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["c", "z"]);
+        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        assert!(
+            text.iter()
+                .any(|t| t.contains("server \"a\", field `deny`: is given twice")
+                    && t.contains("not used")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|t| t.contains("server \"b\": this server is defined twice")),
+            "{text:?}"
+        );
+        // Outside any server entry: none of the file's servers, and no lower source's either.
+        let env = MapEnv(HashMap::from([(
+            "MCP_BRIDGE_CONFIG",
+            r#"{"mcpServers": {"z": {"command": "x", "deny": ["*"]}}, "mcpServers": {"y": {"command": "x"}}}"#
+                .to_string(),
+        )]));
+        let c = load(&env, &cwd, None);
+        assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert!(
+            c.problems[0]
+                .to_string()
+                .contains("field `mcpServers`: is given twice"),
+            "{:?}",
+            c.problems
+        );
+        // A key ironcell does not read may repeat (Claude Desktop's own settings).
+        let env = MapEnv(HashMap::from([(
+            "MCP_BRIDGE_CONFIG",
+            r#"{"theme": 1, "theme": 2, "mcpServers": {"y": {"command": "x"}}}"#.to_string(),
+        )]));
+        let c = load(&env, &cwd, None);
+        assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["a", "b", "y", "z"]);
+        assert!(c.problems.is_empty(), "{:?}", c.problems);
+        // Nested and array positions are named by path; no duplicate, no problem.
+        let (v, twice) =
+            parse_noting_duplicates(r#"{"s": [{"k": 1, "k": 2}], "t": {"u": 1}}"#).unwrap();
+        assert_eq!(
+            twice,
+            [(vec!["s".into(), "0".into(), "k".into()], 1.into())]
+        );
+        assert_eq!(v["s"][0]["k"], 2);
+        assert!(parse_noting_duplicates("[1, {}] x").is_err());
+        assert!(
+            parse_noting_duplicates(r#"{"a": 1.5, "b": null, "c": -3}"#)
+                .unwrap()
+                .1
+                .is_empty()
+        );
     }
 }

@@ -5,7 +5,8 @@
 //! the client's per-tool approval prompt. The host owns the only path from the sandbox to the
 //! upstreams, so this is where the rules live. Per server, in the proxy configuration:
 //!
-//! - `allow`: glob patterns (`*`, `?`) of tool names; when present, only matching tools exist.
+//! - `allow`: glob patterns (`*`, `?`) of tool names; when present, only matching tools exist
+//!   (`[]`: none does; a rule written empty must not leave every tool open).
 //! - `deny`: glob patterns of tool names that never exist (wins over `allow`).
 //! - `readOnly: true`: only tools the server annotates `readOnlyHint: true` exist.
 //! - `confirm`: `true` (every call needs approval), `false` (none does, even tools annotated
@@ -23,8 +24,9 @@ use serde_json::Value;
 /// The rules of one server, as written in its configuration entry.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ToolRules {
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub allow: Vec<String>,
+    /// `None`: no allow list; `Some([])`: nothing is allowed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub deny: Vec<String>,
     #[serde(rename = "readOnly", skip_serializing_if = "std::ops::Not::not")]
@@ -130,7 +132,10 @@ impl ToolRules {
             }
         };
         Ok(ToolRules {
-            allow: patterns("allow")?,
+            allow: match entry.get("allow") {
+                None => None,
+                Some(_) => Some(patterns("allow")?),
+            },
             deny: patterns("deny")?,
             read_only: flag("readOnly")?,
             confirm,
@@ -167,17 +172,21 @@ impl ToolRules {
                 "{server}.{tool} is denied by the rule \"deny\": [{p:?}] of server {server:?}"
             ));
         }
-        if !self.allow.is_empty() && !self.allow.iter().any(|p| glob_match(p, tool)) {
-            return Verdict::Denied(format!(
-                "{server}.{tool} is not in the \"allow\" list of server {server:?}"
-            ));
+        if let Some(allow) = &self.allow
+            && !allow.iter().any(|p| glob_match(p, tool))
+        {
+            return Verdict::Denied(if allow.is_empty() {
+                format!("server {server:?} has \"allow\": [], which allows no tool")
+            } else {
+                format!("{server}.{tool} is not in the \"allow\" list of server {server:?}")
+            });
         }
         if self.read_only && hints.read_only != Some(true) {
             return Verdict::Denied(format!(
                 "server {server:?} is \"readOnly\": true, and {tool} is not annotated readOnlyHint: true"
             ));
         }
-        if self.allow.iter().any(|p| p == tool) {
+        if self.allow.iter().flatten().any(|p| p == tool) {
             return Verdict::Allowed; // named exactly: the user allowed it on purpose
         }
         let listed = |ps: &[String]| ps.iter().any(|p| glob_match(p, tool));
@@ -262,6 +271,17 @@ mod tests {
             r.verdict("m", "create_entities", PLAIN),
             Verdict::Denied(_)
         ));
+    }
+
+    #[test]
+    fn an_empty_allow_list_allows_nothing() {
+        let r = rules(json!({"allow": []}));
+        match r.verdict("m", "read_graph", RO) {
+            Verdict::Denied(why) => assert!(why.contains("\"allow\": []"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        assert!(r.hides_name("m", "anything").is_some());
+        assert_eq!(rules(json!({})).verdict("m", "x", PLAIN), Verdict::Allowed);
     }
 
     #[test]
