@@ -451,7 +451,13 @@ impl Proxy {
         if let Some(why) = upstream.config.rules.hides_name(server, tool) {
             return Err(denied(&why));
         }
-        let resolved = self.note_failure(server, upstream.resolve(tool).await)?;
+        let resolved = match self.note_failure(server, upstream.resolve(tool).await) {
+            // On a readOnly server, a missing name is answered as a hidden one is (#149).
+            Err(e) if e.kind == ErrorKind::UnknownTool && upstream.config.rules.read_only => {
+                return Err(denied(&rules::read_only_denial(server, tool)));
+            }
+            other => other?,
+        };
         match upstream
             .config
             .rules

@@ -182,9 +182,7 @@ impl ToolRules {
             });
         }
         if self.read_only && hints.read_only != Some(true) {
-            return Verdict::Denied(format!(
-                "server {server:?} is \"readOnly\": true, and {tool} is not annotated readOnlyHint: true"
-            ));
+            return Verdict::Denied(read_only_denial(server, tool));
         }
         if self.allow.iter().flatten().any(|p| p == tool) {
             return Verdict::Allowed; // named exactly: the user allowed it on purpose
@@ -209,6 +207,15 @@ impl ToolRules {
             }
         }
     }
+}
+
+/// Why code cannot call `tool` of a `readOnly` server: the same words whether the server has
+/// such a tool without the annotation or no such tool at all, so a probe cannot tell which.
+pub fn read_only_denial(server: &str, tool: &str) -> String {
+    format!(
+        "server {server:?} is \"readOnly\": true, and it has no tool {tool:?} annotated \
+         readOnlyHint: true (`await runtime.query_tool_docs({server:?})` lists the ones code can call)"
+    )
 }
 
 /// Shell-style glob: `*` any run of characters, `?` one character, everything else literal.

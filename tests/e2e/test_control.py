@@ -101,7 +101,8 @@ from mcp import ToolError
 out = []
 for server, tool, args in [("ro", "create_entities", {"entities": []}),
                            ("nodelete", "delete_entities", {"entityNames": ["x"]}),
-                           ("only", "search_nodes", {"query": "x"})]:
+                           ("only", "search_nodes", {"query": "x"}),
+                           ("ro", "no_such_tool", {})]:
     try:
         await mcp_servers[server].call_tool(tool, args)
         out.append("called")
@@ -111,11 +112,14 @@ out
 """
         r = await run(s, code)
         assert not r.is_error, r
-        ro_msg, deny_msg, allow_msg = eval(r["result"])
+        ro_msg, deny_msg, allow_msg, ro_missing_msg = eval(r["result"])
         assert "readOnly" in ro_msg and "readOnlyHint" in ro_msg
         assert '"deny"' in deny_msg and "delete_*" in deny_msg
         assert '"allow"' in allow_msg
-        assert [c["outcome"] for c in r["upstream_calls"]] == ["denied", "denied", "denied"]
+        # A readOnly server answers a name it lacks as it answers a hidden one: code cannot
+        # tell which of its non-read-only names exist (#149).
+        assert ro_missing_msg == ro_msg.replace("create_entities", "no_such_tool"), (ro_msg, ro_missing_msg)
+        assert [c["outcome"] for c in r["upstream_calls"]] == ["denied"] * 4
 
         # The attribute form raises the same ToolError (not ToolNotFoundError), sync or not;
         # an unknown name's error lists only the tools code may see.
@@ -156,7 +160,8 @@ out
     lines = audit_lines(state_dir)
     denied = [c for line in lines for c in line.get("upstream_calls", []) if c["outcome"] == "denied"]
     assert {(c["server"], c["tool"]) for c in denied} == {
-        ("ro", "create_entities"), ("nodelete", "delete_entities"), ("only", "search_nodes")
+        ("ro", "create_entities"), ("nodelete", "delete_entities"), ("only", "search_nodes"),
+        ("ro", "no_such_tool"),
     }
     # Argument names are kept, values are not (no auditArguments).
     assert all("arguments" not in c for line in lines for c in line.get("upstream_calls", []))
