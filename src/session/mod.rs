@@ -38,7 +38,7 @@ mod spawn;
 use cell::{Cell, link_outputs};
 use font_cache::FONT_CACHE_BUILD_DIR;
 use live::{LiveWorker, Liveness, Outgoing, SendError};
-use quota::{enforce_scratch_quotas_periodically, remove_scratch};
+use quota::{enforce_scratch_quotas_periodically, guard_free_disk_periodically, remove_scratch};
 
 /// How long a new worker may take to report `ready`.
 const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -319,6 +319,7 @@ impl SessionManager {
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             enforce_scratch_quotas_periodically(&manager);
+            guard_free_disk_periodically(&manager);
             resident::watch_memory_periodically(&manager);
             let m = manager.clone();
             manager.spawn_until_stopped(async move {

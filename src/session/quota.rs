@@ -252,7 +252,36 @@ pub(super) fn enforce_scratch_quotas_periodically(manager: &Arc<SessionManager>)
             let Some(manager) = weak.upgrade() else { break };
             manager.changes.drain();
             manager.enforce_scratch_quotas().await;
-            manager.guard_free_disk().await;
+        }
+    });
+}
+
+/// How often the free-disk guard looks, far from the floor and within [`GUARD_NEAR`] of it.
+/// Blocks can be taken at up to ~7 GiB/s (red-team pass 22: sparse files' holes read into the
+/// page cache, then written through a mapping): a look every 100 ms lets ~0.7 GiB through, one
+/// every 20 ms ~140 MiB; and 1 GiB of margin is crossed in no less than ~140 ms, so the guard
+/// is on the short tick before a fill reaches the floor.
+const GUARD_TICK: Duration = Duration::from_millis(100);
+const GUARD_TICK_NEAR: Duration = Duration::from_millis(20);
+const GUARD_NEAR: u64 = 1 << 30;
+
+/// Runs the free-disk guard on its own task until the manager stops. Not on the quota watch's:
+/// a walk of a session's directory takes as long as the session makes it (125,000 directories:
+/// 2.5-16 s), and a guard that waited for it did not look at the disk meanwhile (red-team pass
+/// 22: a session that saw the walk start filled the disk 6.6 GiB under the floor).
+pub(super) fn guard_free_disk_periodically(manager: &Arc<SessionManager>) {
+    let floor = manager.settings.min_free_disk_bytes;
+    if floor == 0 {
+        return; // the guard is off
+    }
+    let weak = Arc::downgrade(manager);
+    manager.spawn_until_stopped(async move {
+        loop {
+            let Some(manager) = weak.upgrade() else { break };
+            let free = manager.guard_free_disk().await;
+            drop(manager);
+            let near = free.is_some_and(|f| f < floor.saturating_add(GUARD_NEAR));
+            tokio::time::sleep(if near { GUARD_TICK_NEAR } else { GUARD_TICK }).await;
         }
     });
 }
@@ -350,7 +379,8 @@ impl SessionManager {
         .flatten()
     }
 
-    /// The free-disk guard, on the quota watch's tick while any session has a worker. The
+    /// The free-disk guard, one look ([`guard_free_disk_periodically`] says how often), while
+    /// any session has a worker; returns the free space it read, if it read it. The
     /// scratch quota counts the names in a session's directory, so space a worker holds in
     /// files it deleted but kept open or mapped shows nowhere but in the disk's free space.
     /// When free space falls under the floor, and again each time it falls a further
@@ -365,7 +395,7 @@ impl SessionManager {
     /// frees the disk over and over cannot stop the idle sessions each time. Runs are never
     /// refused: named files within the quotas may keep the disk under the floor, and one
     /// session must not lock the others out by that.
-    pub(super) async fn guard_free_disk(&self) {
+    pub(super) async fn guard_free_disk(&self) -> Option<u64> {
         let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
         let any_worker = sessions.iter().any(|s| match s.state.try_lock() {
             Ok(st) => st.worker.is_some(),
@@ -377,11 +407,9 @@ impl SessionManager {
         // taken for a crossing later.
         let watch = *lock(&self.disk_watch);
         if !any_worker && watch == DiskWatch::Armed {
-            return;
+            return None;
         }
-        let Some(free) = self.free_disk_bytes().await else {
-            return;
-        };
+        let free = self.free_disk_bytes().await?;
         // Read after the free space: a write that the next look finds is after this look's
         // clock readings, so it shows against the older of the two marks.
         let wrote: HashSet<String> = sessions
@@ -409,7 +437,7 @@ impl SessionManager {
         };
         let scope = lock(&self.disk_stops_done).scope(stop, free, floor, Instant::now());
         let (whom, targets) = match scope {
-            StopScope::Nobody => return,
+            StopScope::Nobody => return Some(free),
             StopScope::Writers => (
                 "the workers that were running or writing as it fell were stopped",
                 Some(&wrote),
@@ -450,6 +478,7 @@ impl SessionManager {
             *n += 1;
             w.clone_from(&why);
         });
+        Some(free)
     }
 
     /// Acts on the quota watch's verdict between runs: kills the session's worker, removes the

@@ -307,16 +307,18 @@ def host_peak_rss_mib(host: Host) -> float:
 
 def hold_deleted_space(files: int, start: str, end: str) -> str:
     """A cell that holds `files` x 200 MiB in files it deletes at once, each kept alive by a
-    4 KiB `mmap` in `maps` (no fd, no name: the scratch quota cannot see them)."""
+    4 KiB `mmap` in `maps` (no fd, no name: the scratch quota cannot see them). Each is
+    deleted before it is filled (`posix_fallocate` writes the blocks: seccomp answers the
+    fallocate call EOPNOTSUPP), so a worker stopped while it fills leaves no named file."""
     return f"""
 import os, mmap
 {start}
 for i in range({files}):
     fd = os.open(f"held{{i}}", os.O_RDWR | os.O_CREAT)
+    os.unlink(f"held{{i}}")
     os.posix_fallocate(fd, 0, 200 << 20)
     maps.append(mmap.mmap(fd, 4096))
     os.close(fd)
-    os.unlink(f"held{{i}}")
 {end}
 """
 
