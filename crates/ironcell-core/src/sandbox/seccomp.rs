@@ -1174,6 +1174,35 @@ mod tests {
                 }
             }
         }
+        // The loop above leaves arguments 3-5 at 0; mmap's rule reads its fourth (the flags).
+        let mut flags: Vec<u64> = vec![0, u64::MAX];
+        for shared in [
+            0,
+            libc::MAP_SHARED,
+            libc::MAP_PRIVATE,
+            libc::MAP_SHARED_VALIDATE,
+        ] {
+            for extra in [
+                0,
+                libc::MAP_ANONYMOUS,
+                libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            ] {
+                let f = (shared | extra) as u64;
+                flags.extend([f, f | 0x0c, f | (1 << 32), f | 0x10_0000]);
+            }
+        }
+        for &f in &flags {
+            for a in [native, native ^ 1] {
+                let args = [0, 4096, 3, f, u64::MAX, 0];
+                let nr = libc::SYS_mmap as u32;
+                assert_eq!(
+                    run(merged, nr, a, args),
+                    stacked(&four, nr, a, args),
+                    "mmap arch {a:#x} flags {f:#x}"
+                );
+                checked += 1;
+            }
+        }
         assert!(checked > 100_000, "{checked}");
         // And the verdicts are the policy's, not merely equal.
         let ok = libc::SECCOMP_RET_ALLOW;
