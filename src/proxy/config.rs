@@ -329,9 +329,11 @@ fn read_source(
             return;
         }
     };
-    let table_key = match (doc.get("mcpServers"), doc.get("servers")) {
-        (Some(_), _) => "mcpServers",
-        _ => "servers",
+    // "mcpServers" wins where a file has both.
+    let table_key = if doc.get("mcpServers").is_some() {
+        "mcpServers"
+    } else {
+        "servers"
     };
     // A key given twice: serde_json keeps the last, which may be the one without the rule.
     // Within a server entry (or a server named twice) that server is not used; the table of
@@ -361,25 +363,17 @@ fn read_source(
             _ => {}
         }
     }
-    let table = match (doc.get("mcpServers"), doc.get("servers")) {
-        (Some(Value::Object(m)), _) | (None, Some(Value::Object(m))) => m,
-        (Some(_), _) => {
+    let table = match doc.get(table_key) {
+        Some(Value::Object(m)) => m,
+        Some(_) => {
             loaded.problems.push(problem(
                 None,
-                Some("mcpServers"),
+                Some(table_key),
                 "must be an object of servers".into(),
             ));
             return;
         }
-        (None, Some(_)) => {
-            loaded.problems.push(problem(
-                None,
-                Some("servers"),
-                "must be an object of servers".into(),
-            ));
-            return;
-        }
-        (None, None) => {
+        None => {
             loaded.problems.push(problem(
                 None,
                 None,
@@ -764,6 +758,16 @@ mod tests {
         }
     }
 
+    /// An environment whose only variable is `MCP_BRIDGE_CONFIG`.
+    fn bridge_config(json: &str) -> MapEnv {
+        MapEnv(HashMap::from([("MCP_BRIDGE_CONFIG", json.to_string())]))
+    }
+
+    /// The problems loading found, as the log shows them.
+    fn problems(c: &LoadedConfig) -> Vec<String> {
+        c.problems.iter().map(|p| p.to_string()).collect()
+    }
+
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("ironcell-cfg-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
@@ -831,7 +835,7 @@ mod tests {
         .unwrap();
         let c = load(&MapEnv(HashMap::new()), &cwd, None);
         assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["ok"]);
-        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        let text = problems(&c);
         assert!(
             text.iter()
                 .any(|t| t.contains("server \"noargs\", field `args`")),
@@ -855,7 +859,7 @@ mod tests {
         .unwrap();
         let c = load(&MapEnv(HashMap::new()), &cwd, None);
         assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["d", "e"]);
-        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        let text = problems(&c);
         for (server, field, fix) in [
             ("a", "Deny", "deny"),
             ("b", "readonly", "readOnly"),
@@ -889,16 +893,14 @@ mod tests {
                  "c": {"command": "x"}, "d": {"command": "x"}}}"#,
         )
         .unwrap();
-        let env = MapEnv(HashMap::from([(
-            "MCP_BRIDGE_CONFIG",
+        let env = bridge_config(
             r#"{"mcpServers": {"a": {"command": "x", "Deny": ["delete_*"]},
                  "b": {"command": "x", "disabled": true}, "c": {"command": "x", "deny": null},
-                 "d": {"command": "x", "disallowedTools": ["delete_*"]}}}"#
-                .to_string(),
-        )]));
+                 "d": {"command": "x", "disallowedTools": ["delete_*"]}}}"#,
+        );
         let c = load(&env, &cwd, None);
         assert!(c.servers.is_empty(), "{:?}", c.servers.keys());
-        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        let text = problems(&c);
         assert!(
             text.iter()
                 .any(|t| t.contains("server \"c\", field `deny`")),
@@ -924,16 +926,14 @@ mod tests {
             r#"{"mcpServers": {"a": {"command": "x"}, "b": {"command": "x"}, "z": {"command": "x"}}}"#,
         )
         .unwrap();
-        let env = MapEnv(HashMap::from([(
-            "MCP_BRIDGE_CONFIG",
+        let env = bridge_config(
             r#"{"mcpServers": {"a": {"command": "x", "deny": ["delete_*"], "deny": []},
                  "b": {"command": "x", "readOnly": true}, "b": {"command": "x"},
-                 "c": {"command": "x", "env": {"K": "1"}}}}"#
-                .to_string(),
-        )]));
+                 "c": {"command": "x", "env": {"K": "1"}}}}"#,
+        );
         let c = load(&env, &cwd, None);
         assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["c", "z"]);
-        let text: Vec<String> = c.problems.iter().map(|p| p.to_string()).collect();
+        let text = problems(&c);
         assert!(
             text.iter()
                 .any(|t| t.contains("server \"a\", field `deny`: is given twice")
@@ -946,11 +946,9 @@ mod tests {
             "{text:?}"
         );
         // Outside any server entry: none of the file's servers, and no lower source's either.
-        let env = MapEnv(HashMap::from([(
-            "MCP_BRIDGE_CONFIG",
-            r#"{"mcpServers": {"z": {"command": "x", "deny": ["*"]}}, "mcpServers": {"y": {"command": "x"}}}"#
-                .to_string(),
-        )]));
+        let env = bridge_config(
+            r#"{"mcpServers": {"z": {"command": "x", "deny": ["*"]}}, "mcpServers": {"y": {"command": "x"}}}"#,
+        );
         let c = load(&env, &cwd, None);
         assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["a", "b"]);
         assert!(
@@ -961,10 +959,8 @@ mod tests {
             c.problems
         );
         // A key ironcell does not read may repeat (Claude Desktop's own settings).
-        let env = MapEnv(HashMap::from([(
-            "MCP_BRIDGE_CONFIG",
-            r#"{"theme": 1, "theme": 2, "mcpServers": {"y": {"command": "x"}}}"#.to_string(),
-        )]));
+        let env =
+            bridge_config(r#"{"theme": 1, "theme": 2, "mcpServers": {"y": {"command": "x"}}}"#);
         let c = load(&env, &cwd, None);
         assert_eq!(c.servers.keys().collect::<Vec<_>>(), ["a", "b", "y", "z"]);
         assert!(c.problems.is_empty(), "{:?}", c.problems);
