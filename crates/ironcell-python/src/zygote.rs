@@ -364,6 +364,8 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         fill_pymalloc_holes(py);
         fill_malloc_holes();
         log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
+        // After the collapse, which would fill the reserve's pages in with zeros.
+        reserve_malloc_heap(PLOT_HEAP_RESERVE);
         // Last: the probe must see the heap as the workers will inherit it.
         let probe_started = std::time::Instant::now();
         let probe = probe_plot_pages(py);
@@ -693,6 +695,70 @@ pub(crate) fn fill_malloc_holes() {
             "filled the zygote's malloc holes"
         );
     }
+}
+
+/// How much heap [`reserve_malloc_heap`] leaves free for a first plot: a new session's first
+/// plot grew the heap by ~2.8 MiB (Debian's 3.11, matplotlib 3.6), which a warm session reuses.
+const PLOT_HEAP_RESERVE: usize = 4 << 20;
+
+/// Leaves `bytes` of the zygote's malloc heap mapped but free and untouched, in one chunk that
+/// sits below a block the zygote never frees (so glibc does not give it back to the kernel), for
+/// the allocations of a worker's first plot.
+///
+/// Why: the hole filling above sends a worker's allocations to the heap's top, and a first plot
+/// (its image buffers, its temporary arrays) grew the heap there by ~700 pages, each one a fault
+/// of its own in the middle of the plot, where a warm session reuses the memory its first plot
+/// freed. Inside the heap as the zygote leaves it, those pages are the probe's too: it writes
+/// them, finds them its own, and lists them with the copy-on-write pages, so a worker's first
+/// plot takes them ahead in bulk (`ironcell_core::prefault`). A worker that never plots spends
+/// nothing on them: the pages are not present, in the zygote or in any worker that does not
+/// write them, and an allocation served from the chunk costs what one from the top did.
+///
+/// glibc only, and only from the heap (`brk`): blocks served by `mmap` are given back and the
+/// reserve is smaller or not made.
+fn reserve_malloc_heap(bytes: usize) {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        /// Below glibc's smallest `mmap` threshold (128 KiB) and above its per-size caches.
+        const BLOCK: usize = 120 << 10;
+        let mut blocks: Vec<*mut libc::c_void> = Vec::with_capacity(bytes / BLOCK + 2);
+        let mut contiguous = true;
+        while blocks.len() <= bytes / BLOCK {
+            // SAFETY: mallinfo2 only reads the allocator's statistics.
+            let before = unsafe { libc::mallinfo2() };
+            // SAFETY: a plain allocation; freed below, or kept as the fence.
+            let p = unsafe { libc::malloc(BLOCK) };
+            if p.is_null() {
+                break;
+            }
+            // SAFETY: as above.
+            let after = unsafe { libc::mallinfo2() };
+            if after.hblks > before.hblks {
+                // SAFETY: `p` came from malloc above and is not used elsewhere.
+                unsafe { libc::free(p) };
+                break;
+            }
+            if let Some(&last) = blocks.last() {
+                // Each block right above the last (one chunk header between them).
+                let gap = (p as usize).wrapping_sub(last as usize);
+                contiguous &= gap == BLOCK + 2 * std::mem::size_of::<usize>();
+            }
+            blocks.push(p);
+        }
+        // The last block is the fence: never freed, it keeps the chunk below off the top.
+        blocks.pop();
+        for p in &blocks {
+            // SAFETY: each came from malloc above and is not used elsewhere.
+            unsafe { libc::free(*p) };
+        }
+        tracing::debug!(
+            reserved = blocks.len() * BLOCK,
+            contiguous,
+            "left part of the zygote's malloc heap free for a first plot"
+        );
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = bytes;
 }
 
 /// Fills the free blocks of pymalloc's partly used pools with allocations the zygote never
