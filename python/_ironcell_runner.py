@@ -916,21 +916,23 @@ def zygote_probe_plot():
     _draw_a_default_figure(sys.modules["matplotlib.pyplot"], io)
 
 
-# Words that make a cell a likely first plot: before the first cell that has one of them, the
-# worker writes ahead the pages the zygote's probe plot wrote (one call per run of pages, about
-# a third of the cost of taking each copy-on-write fault inside the plot). Once per worker; a
-# cell that plots without them just takes its faults as it goes.
-_PLOT_WORDS = ("plt", "matplotlib", "pyplot", "pylab", "seaborn", ".plot", ".hist", "savefig")
+# Before the first cell that looks like a plot (`_ironcell_bridge.looks_like_a_plot`, by the
+# words in ironcell_core::prefault::PLOT_WORDS), the worker writes ahead the pages the zygote's
+# probe plot wrote (one call per run of pages, instead of a copy-on-write fault each inside the
+# plot). Once per worker; a cell that plots without those words takes its faults as it goes.
+# The pool's plot spare does it in its warm-up cell, before any session asks for it.
 _plot_pages_ahead = [True, 0]  # still to do; pages written ahead (for scripts/bench.py)
 
 
 def _write_plot_pages_ahead(code):
-    if not _plot_pages_ahead[0] or not any(word in code for word in _PLOT_WORDS):
+    if not _plot_pages_ahead[0]:
         return
-    _plot_pages_ahead[0] = False
     try:
         import _ironcell_bridge
 
+        if not _ironcell_bridge.looks_like_a_plot(code):
+            return
+        _plot_pages_ahead[0] = False
         _plot_pages_ahead[1] = _ironcell_bridge.write_plot_pages_ahead()
     except Exception as exc:  # noqa: BLE001 - an optimisation, never a failure of the cell
         print(f"[ironcell] writing plot pages ahead failed: {exc}", file=sys.stderr)

@@ -119,16 +119,19 @@ fn not_applicable(s: &crate::config::Settings) -> Value {
     Value::Object(out)
 }
 
-/// The pool of pre-forked spares: how many wait, the pool's size, and the private memory they
-/// hold (USS from `smaps_rollup`; `null` where the kernel does not let the host read it).
+/// The pool of pre-forked spares: how many wait (and of them, the plot spare), the pool's size,
+/// and the private memory they hold (USS from `smaps_rollup`; `null` where the kernel does not
+/// let the host read it).
 fn spare_workers(sessions: &SessionManager) -> Value {
-    let pids = sessions.spare_pids();
-    let private: Option<u64> = pids.iter().map(|pid| private_bytes(*pid)).sum();
+    let spares = sessions.spare_pids();
+    let private: Option<u64> = spares.iter().map(|(pid, _)| private_bytes(*pid)).sum();
     json!({
-        "waiting": pids.len(),
+        "waiting": spares.len(),
+        "plot_spare_waiting": spares.iter().any(|(_, plots)| *plots),
         "pool_size": sessions.settings().pool_size,
+        "plot_spare": sessions.plot_spare_enabled(),
         "private_bytes": private,
-        "not_counted_in": "max_sessions (IRONCELL_POOL_SIZE sets how many; 0 disables)",
+        "not_counted_in": "max_sessions (IRONCELL_POOL_SIZE sets how many plain spares, 0 disables the pool; IRONCELL_PLOT_SPARE one more, with a first plot's pages written)",
     })
 }
 

@@ -288,6 +288,7 @@ impl SessionManager {
         };
         let session_slots = Arc::new(Semaphore::new(settings.max_sessions as usize));
         let pool_size = settings.pool_size as usize;
+        let plot_spare = settings.plot_spare && settings.warm_plots;
         crate::config::report_not_applicable_variables(&settings);
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
         let manager = Arc::new(SessionManager {
@@ -312,7 +313,7 @@ impl SessionManager {
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
             font_cache_settled: tokio::sync::watch::Sender::new(false),
-            pool: pool::Pool::new(pool_size),
+            pool: pool::Pool::new(pool_size, plot_spare),
             memory_marks: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             tasks: tokio_util::task::TaskTracker::new(),
@@ -365,9 +366,16 @@ impl SessionManager {
         self.stop.child_token()
     }
 
-    /// The pids of the spare workers waiting in the pool.
-    pub fn spare_pids(&self) -> Vec<i32> {
+    /// The pids of the spare workers waiting in the pool, each with whether it is the plot
+    /// spare.
+    pub fn spare_pids(&self) -> Vec<(i32, bool)> {
         self.pool.pids()
+    }
+
+    /// Whether the pool keeps a plot spare (once plots are warm): `IRONCELL_PLOT_SPARE`, with
+    /// the pool and `IRONCELL_WARM_PLOTS` on.
+    pub fn plot_spare_enabled(&self) -> bool {
+        self.pool.has_plot_place()
     }
 
     pub fn settings(&self) -> &Settings {
@@ -649,7 +657,7 @@ impl SessionManager {
             if let Some(n) = state.pending_notice.take() {
                 notices.push(n);
             }
-            let w = self.spawn_worker(&session).await?;
+            let w = self.spawn_worker(&session, &req.code).await?;
             state.worker = Some(w);
             session_state = crate::output::SessionState::Restarted;
             if notices.is_empty() {

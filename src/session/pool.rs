@@ -13,6 +13,12 @@
 //! `IRONCELL_POOL_SIZE`), cost memory while they wait, and are reported in `system://info`.
 //! A spare is handed only to a session without files (a new one, or one whose directory is
 //! empty): a session with files keeps its own directory and gets a fresh fork.
+//!
+//! With plots warm in the zygote, one more spare (`IRONCELL_PLOT_SPARE`) has also written a
+//! first plot's pages ahead (`ironcell_core::prefault`) in its warm-up cell: a new session whose
+//! first cell looks like a plot takes it, so that cell does not spend the ~3,000 page copies
+//! itself. Any other session leaves it waiting (it holds ~12 MiB of private memory, which an
+//! idle session that never plots should not carry) and takes a plain spare or a fresh fork.
 
 use std::sync::atomic::AtomicUsize;
 
@@ -26,6 +32,10 @@ use super::*;
 /// session's namespace (not even `_`: its last statement is not an expression).
 const WARM_UP_CELL: &str =
     "import os as _ironcell_warm_up\n_ironcell_warm_up.getpid()\ndel _ironcell_warm_up";
+/// The plot spare's: the same, with a word that makes the runner write a first plot's pages
+/// ahead before it runs ([`ironcell_core::prefault::looks_like_a_plot`]).
+const PLOT_WARM_UP_CELL: &str = "import os as _ironcell_warm_up\n_ironcell_warm_up.getpid()\n\
+del _ironcell_warm_up  # matplotlib: a first plot's pages are written ahead";
 
 /// After a spare failed to start, how long the pool waits before trying again.
 const REFILL_BACKOFF: Duration = Duration::from_secs(2);
@@ -47,6 +57,8 @@ pub(super) struct Spare {
     /// The font cache it was given (`MPLCONFIGDIR`); a spare from before the shared cache was
     /// published is not handed out.
     font_cache: Option<PathBuf>,
+    /// The plot spare: a first plot's pages written ahead ([`PLOT_WARM_UP_CELL`]).
+    plots: bool,
 }
 
 pub(super) struct Pool {
@@ -54,6 +66,9 @@ pub(super) struct Pool {
     spares: Mutex<Vec<Spare>>,
     /// One place per spare, waiting or starting.
     places: Arc<Semaphore>,
+    /// The plot spare's place: one permit, or none when there is no plot spare.
+    plot_place: Arc<Semaphore>,
+    has_plot_place: bool,
     /// Wakes the refill task at once: a spare was found dead.
     wanted: Notify,
     /// Wakes the refill task after a spare was taken: it refills once a run answered
@@ -81,11 +96,14 @@ impl Drop for Starting<'_> {
 }
 
 impl Pool {
-    pub(super) fn new(size: usize) -> Pool {
+    /// `size` plain spares, and the plot spare if `plot_spare` (never without a pool).
+    pub(super) fn new(size: usize, plot_spare: bool) -> Pool {
         Pool {
             size,
             spares: Mutex::new(Vec::new()),
             places: Arc::new(Semaphore::new(size)),
+            plot_place: Arc::new(Semaphore::new(usize::from(plot_spare && size > 0))),
+            has_plot_place: plot_spare && size > 0,
             wanted: Notify::new(),
             taken: Notify::new(),
             answered: Notify::new(),
@@ -95,13 +113,31 @@ impl Pool {
         }
     }
 
-    /// The pids of the waiting spares.
-    pub(super) fn pids(&self) -> Vec<i32> {
-        lock(&self.spares).iter().map(|s| s.worker.pid()).collect()
+    /// The pids of the waiting spares, and whether each is the plot spare.
+    pub(super) fn pids(&self) -> Vec<(i32, bool)> {
+        lock(&self.spares)
+            .iter()
+            .map(|s| (s.worker.pid(), s.plots))
+            .collect()
+    }
+
+    /// The most recent waiting spare for a new session: for one whose first cell looks like a
+    /// plot, the plot spare if it waits, else a plain one; for any other, a plain one only.
+    fn pop(&self, plots: bool) -> Option<Spare> {
+        let mut spares = lock(&self.spares);
+        let at = match spares.iter().rposition(|s| s.plots) {
+            Some(at) if plots => at,
+            _ => spares.iter().rposition(|s| !s.plots)?,
+        };
+        Some(spares.remove(at))
     }
 
     pub(super) fn size(&self) -> usize {
         self.size
+    }
+
+    pub(super) fn has_plot_place(&self) -> bool {
+        self.has_plot_place
     }
 
     /// A run ended: a refill waiting for the CPU to be free of the answer may go ahead.
@@ -141,12 +177,13 @@ impl Pool {
 
 impl SessionManager {
     /// Hands `session` a waiting spare, if one fits: the session has no files, no extra grants
-    /// (the local tools session has some), and the spare is alive and current. Gives `slot`
-    /// back if not.
+    /// (the local tools session has some), and the spare is alive and current; the plot spare
+    /// only if `first_code` looks like a plot ([`Pool::pop`]). Gives `slot` back if not.
     pub(super) fn take_spare(
         &self,
         session: &Session,
         slot: OwnedSemaphorePermit,
+        first_code: &str,
     ) -> Result<LiveWorker, OwnedSemaphorePermit> {
         if self.pool.size == 0 || session.name.starts_with('@') {
             return Err(slot);
@@ -164,8 +201,9 @@ impl SessionManager {
         }
         let font_cache = lock(&self.font_cache).clone();
         let zygote_dead = lock(&self.zygote).as_ref().is_none_or(|z| z.is_dead());
+        let plots = ironcell_core::prefault::looks_like_a_plot(first_code);
         loop {
-            let Some(mut spare) = lock(&self.pool.spares).pop() else {
+            let Some(mut spare) = self.pool.pop(plots) else {
                 self.pool.wanted.notify_one();
                 return Err(slot);
             };
@@ -199,7 +237,7 @@ impl SessionManager {
             spare.worker.move_to_slot(slot);
             self.pool.taken.notify_one();
             spare.worker.bind = Some(hand_off(&session.name, &session.scratch));
-            tracing::debug!(session = %session.name, pid = spare.worker.pid(), "session takes a spare");
+            tracing::debug!(session = %session.name, pid = spare.worker.pid(), plots = spare.plots, "session takes a spare");
             return Ok(spare.worker);
         }
     }
@@ -214,8 +252,8 @@ impl SessionManager {
                 _ = stop.cancelled() => return,
                 _ = self.pool.until_no_session_worker_starts() => {}
             }
-            if let Ok(place) = self.pool.places.clone().try_acquire_owned() {
-                match self.start_spare(place).await {
+            if let Some((place, plots)) = self.free_place() {
+                match self.start_spare(place, plots).await {
                     Ok(()) => continue,
                     Err(e) => {
                         tracing::warn!("cannot start a spare worker: {e}");
@@ -241,6 +279,19 @@ impl SessionManager {
         }
     }
 
+    /// A place for the next spare: a plain one first (most sessions take those), then the plot
+    /// spare's, once the shared font cache is published (plots are warm from then on).
+    fn free_place(&self) -> Option<(OwnedSemaphorePermit, bool)> {
+        if let Ok(place) = self.pool.places.clone().try_acquire_owned() {
+            return Some((place, false));
+        }
+        if lock(&self.font_cache).is_none() {
+            return None;
+        }
+        let place = self.pool.plot_place.clone().try_acquire_owned().ok()?;
+        Some((place, true))
+    }
+
     /// Runs a first cell in a fresh spare, bound to its own directory the way a session's first
     /// run binds it, so the session that takes the spare does not pay for a worker's first cell:
     /// the runner's first compile and exec, the hand-off's code, and the pages they touch (each
@@ -251,6 +302,7 @@ impl SessionManager {
         name: &str,
         scratch: &Path,
         mut worker: LiveWorker,
+        code: &str,
     ) -> Result<LiveWorker, RunRefusal> {
         let spare = Session::new(name.into(), scratch.to_path_buf());
         let mut state = spare.state.lock().await;
@@ -263,7 +315,7 @@ impl SessionManager {
                 &mut state,
                 Cell {
                     run_no: 0,
-                    code: WARM_UP_CELL,
+                    code,
                     timeout: Duration::from_secs(10),
                     cancel: self.stop.child_token(),
                     progress: None,
@@ -280,13 +332,22 @@ impl SessionManager {
         }
     }
 
-    async fn start_spare(&self, place: OwnedSemaphorePermit) -> Result<(), RunRefusal> {
+    async fn start_spare(
+        &self,
+        place: OwnedSemaphorePermit,
+        plots: bool,
+    ) -> Result<(), RunRefusal> {
         let n = self.pool.next_id.fetch_add(1, Ordering::Relaxed);
         let name = format!("@spare-{n}");
         let scratch = self.root.join(&name);
         let font_cache = lock(&self.font_cache).clone();
         let worker = self.spawn_worker_in_slot(None, &scratch, place).await?;
-        let worker = self.warm_up(&name, &scratch, worker).await?;
+        let code = if plots {
+            PLOT_WARM_UP_CELL
+        } else {
+            WARM_UP_CELL
+        };
+        let worker = self.warm_up(&name, &scratch, worker, code).await?;
         // The session's first listing then reads events instead of walking (and watching).
         let (changes, watched, dir) = (self.changes.clone(), name.clone(), scratch.clone());
         let _ = tokio::task::spawn_blocking(move || {
@@ -298,6 +359,7 @@ impl SessionManager {
             name,
             scratch,
             font_cache,
+            plots,
         });
         Ok(())
     }
@@ -325,7 +387,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_refill_waits_for_session_workers_being_started_and_goes_when_they_are() {
-        let pool = Arc::new(Pool::new(2));
+        let pool = Arc::new(Pool::new(2, false));
         let first = pool.session_worker_starts();
         let second = pool.session_worker_starts();
         let p = pool.clone();
@@ -349,7 +411,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_refill_waits_at_most_its_cap() {
-        let pool = Pool::new(2);
+        let pool = Pool::new(2, false);
         let _stuck = pool.session_worker_starts();
         let started = tokio::time::Instant::now();
         pool.until_no_session_worker_starts().await;

@@ -5,8 +5,13 @@ use super::*;
 
 impl SessionManager {
     /// Reserves a worker slot (evicting an idle session if all are taken), then hands the
-    /// session a pre-forked spare if one fits, or spawns a worker for it.
-    pub(super) async fn spawn_worker(&self, session: &Session) -> Result<LiveWorker, RunRefusal> {
+    /// session a pre-forked spare if one fits for its first cell, `first_code`, or spawns a
+    /// worker for it.
+    pub(super) async fn spawn_worker(
+        &self,
+        session: &Session,
+        first_code: &str,
+    ) -> Result<LiveWorker, RunRefusal> {
         // The slot is taken before the (slow) spawn, so concurrent calls cannot all pass the cap.
         // The live worker holds it; whatever ends the worker gives it back.
         let slot = loop {
@@ -15,7 +20,7 @@ impl SessionManager {
                 Err(_) => self.evict_one_idle_session(&session.name).await?,
             }
         };
-        let slot = match self.take_spare(session, slot) {
+        let slot = match self.take_spare(session, slot, first_code) {
             Ok(worker) => return Ok(worker),
             Err(slot) => slot,
         };

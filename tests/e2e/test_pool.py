@@ -13,7 +13,7 @@ import os
 import time
 
 import pytest
-from conftest import RawServer, pid_alive, shared_tmp_dir, wait_until
+from conftest import RawServer, pid_alive, shared_tmp_dir, wait_until, worker_python_has
 
 USERS = ["root", "nobody"]
 
@@ -33,7 +33,9 @@ def info(srv: RawServer) -> dict:
 
 
 def spares_waiting(srv: RawServer) -> int:
-    return info(srv)["spare_workers"]["waiting"]
+    """The plain spares waiting (not the plot spare, kept once plots are warm)."""
+    pool = info(srv)["spare_workers"]
+    return pool["waiting"] - pool["plot_spare_waiting"]
 
 
 class Server:
@@ -178,13 +180,31 @@ ATTACKS = {
 }
 
 
+def private_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("Private_")) / 1024
+
+
+@pytest.mark.parametrize("spare", ["plain", "plot"])
 @pytest.mark.parametrize("user", USERS)
-def test_80_a_session_from_a_spare_is_as_locked_down_as_a_fresh_one(user):
+def test_80_a_session_from_a_spare_is_as_locked_down_as_a_fresh_one(user, spare):
     outside = shared_tmp_dir("/var/tmp")
     target = outside / "host-file"
     s = Server(user)
     try:
-        s.new_session_from_spare("attack")
+        if spare == "plain":
+            s.new_session_from_spare("attack")
+        else:
+            if not worker_python_has("matplotlib"):
+                pytest.skip("the plot spare needs matplotlib")
+            # The plot spare: kept once plots are warm, taken by a first cell that plots; the
+            # waiting spare that holds a first plot's pages (~12 MiB private, ~1.4 plain).
+            assert wait_until(lambda: info(s.srv)["spare_workers"]["plot_spare_waiting"], timeout=120, step=0.1)
+            s.wait_for_full_pool()
+            plot_spares = [w for w in s.workers() if private_mib(w) > 6]
+            assert len(plot_spares) == 1, plot_spares
+            rec = s.run("import os  # matplotlib\nos.getpid()", "attack")
+            assert int(rec["result"]) == plot_spares[0], rec
         for what, expr in ATTACKS.items():
             code = (
                 "try:\n"

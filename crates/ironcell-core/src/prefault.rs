@@ -37,6 +37,26 @@ const PM_PRESENT: u64 = 1 << 63;
 const PM_FILE_OR_SHARED: u64 = 1 << 61;
 const PM_EXCLUSIVE: u64 = 1 << 56;
 
+/// Words that make a cell a likely first plot. The runner writes a first plot's pages ahead
+/// before the first cell that has one of them (once per worker; a cell that plots without them
+/// takes its faults as it goes), and the host hands a new session whose first cell has one the
+/// pool's spare that did so already.
+pub const PLOT_WORDS: [&str; 8] = [
+    "plt",
+    "matplotlib",
+    "pyplot",
+    "pylab",
+    "seaborn",
+    ".plot",
+    ".hist",
+    "savefig",
+];
+
+/// Whether `code` has one of the [`PLOT_WORDS`].
+pub fn looks_like_a_plot(code: &str) -> bool {
+    PLOT_WORDS.iter().any(|word| code.contains(word))
+}
+
 /// Runs of whole pages, `[start, end)`, in address order, none touching the next.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PageRuns(Vec<Range<usize>>);

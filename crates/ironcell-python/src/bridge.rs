@@ -250,6 +250,13 @@ pub mod _ironcell_bridge {
         py.detach(crate::zygote::write_plot_pages_ahead)
     }
 
+    /// Whether a cell looks like a first plot (`ironcell_core::prefault::PLOT_WORDS`; the host
+    /// decides by the same words which spare a new session takes).
+    #[pyfunction]
+    fn looks_like_a_plot(code: &str) -> bool {
+        ironcell_core::prefault::looks_like_a_plot(code)
+    }
+
     /// Sends a request; `callback(payload)` is called on the bridge thread with the answer.
     #[pyfunction]
     fn submit(
