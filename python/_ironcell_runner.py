@@ -935,6 +935,7 @@ def _write_plot_pages_ahead(code):
         _plot_pages_ahead[0] = False
         _plot_pages_ahead[1] = _ironcell_bridge.write_plot_pages_ahead()
     except Exception as exc:  # noqa: BLE001 - an optimisation, never a failure of the cell
+        _plot_pages_ahead[0] = False  # said once, not before every cell
         print(f"[ironcell] writing plot pages ahead failed: {exc}", file=sys.stderr)
 
 

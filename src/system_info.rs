@@ -119,17 +119,19 @@ fn not_applicable(s: &crate::config::Settings) -> Value {
     Value::Object(out)
 }
 
-/// The pool of pre-forked spares: how many wait (and of them, the plot spare), the pool's size,
-/// and the private memory they hold (USS from `smaps_rollup`; `null` where the kernel does not
-/// let the host read it).
+/// The pool of pre-forked spares: how many wait (and of them, the plot spare: whether one is
+/// kept, and its pid while it waits), the pool's size, and the private memory they hold (USS
+/// from `smaps_rollup`; `null` where the kernel does not let the host read it).
 fn spare_workers(sessions: &SessionManager) -> Value {
     let spares = sessions.spare_pids();
     let private: Option<u64> = spares.iter().map(|(pid, _)| private_bytes(*pid)).sum();
+    let plot_spare_pid = spares.iter().find(|(_, plots)| *plots).map(|(pid, _)| *pid);
     json!({
         "waiting": spares.len(),
-        "plot_spare_waiting": spares.iter().any(|(_, plots)| *plots),
+        "plot_spare_waiting": plot_spare_pid.is_some(),
+        "plot_spare_pid": plot_spare_pid,
         "pool_size": sessions.settings().pool_size,
-        "plot_spare": sessions.plot_spare_enabled(),
+        "plot_spare": sessions.plot_spare_kept(),
         "private_bytes": private,
         "not_counted_in": "max_sessions (IRONCELL_POOL_SIZE sets how many plain spares, 0 disables the pool; IRONCELL_PLOT_SPARE one more, with a first plot's pages written)",
     })

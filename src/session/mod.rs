@@ -372,10 +372,11 @@ impl SessionManager {
         self.pool.pids()
     }
 
-    /// Whether the pool keeps a plot spare (once plots are warm): `IRONCELL_PLOT_SPARE`, with
-    /// the pool and `IRONCELL_WARM_PLOTS` on.
-    pub fn plot_spare_enabled(&self) -> bool {
-        self.pool.has_plot_place()
+    /// Whether the pool keeps a plot spare: `IRONCELL_PLOT_SPARE`, with the pool and
+    /// `IRONCELL_WARM_PLOTS` on, once the shared font cache is published (never without
+    /// matplotlib).
+    pub fn plot_spare_kept(&self) -> bool {
+        self.pool.has_plot_place() && lock(&self.font_cache).is_some()
     }
 
     pub fn settings(&self) -> &Settings {

@@ -121,6 +121,21 @@ impl Pool {
             .collect()
     }
 
+    /// Takes the waiting spares for which `unusable` says so out of the pool.
+    fn remove_where(&self, mut unusable: impl FnMut(&mut Spare) -> bool) -> Vec<Spare> {
+        let mut spares = lock(&self.spares);
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < spares.len() {
+            if unusable(&mut spares[i]) {
+                out.push(spares.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
     /// The most recent waiting spare for a new session: for one whose first cell looks like a
     /// plot, the plot spare if it waits, else a plain one; for any other, a plain one only.
     fn pop(&self, plots: bool) -> Option<Spare> {
@@ -201,45 +216,47 @@ impl SessionManager {
         }
         let font_cache = lock(&self.font_cache).clone();
         let zygote_dead = lock(&self.zygote).as_ref().is_none_or(|z| z.is_dead());
-        let plots = ironcell_core::prefault::looks_like_a_plot(first_code);
-        loop {
-            let Some(mut spare) = self.pool.pop(plots) else {
-                self.pool.wanted.notify_one();
-                return Err(slot);
-            };
-            let alive = matches!(spare.worker.liveness(), Liveness::Alive)
-                && !zygote_dead
-                && !spare.worker.hung_up();
-            if !alive || spare.font_cache != font_cache {
-                tracing::debug!(pid = spare.worker.pid(), alive, "discarding a spare");
-                self.pool.wanted.notify_one();
-                let Spare {
-                    worker,
-                    scratch,
-                    name,
-                    ..
-                } = spare;
-                drop(worker); // kills it
-                self.changes.forget(&name);
-                tokio::spawn(remove_scratch(scratch));
-                continue;
-            }
-            // Renaming a directory within sessions-<pid>: both names are the host's own, and
-            // the spare has run only the host's warm-up cell, which writes no file, so its
-            // directory holds nothing of the worker's. The change tracker's watches follow the
-            // directory (they are on its inode).
-            self.changes.rename(&spare.name, &session.name);
-            if let Err(e) = std::fs::rename(&spare.scratch, &session.scratch) {
-                tracing::warn!(from = %spare.scratch.display(), to = %session.scratch.display(), error = %e, "cannot hand a spare its session's directory");
-                self.changes.forget(&session.name);
-                return Err(slot);
-            }
-            spare.worker.move_to_slot(slot);
-            self.pool.taken.notify_one();
-            spare.worker.bind = Some(hand_off(&session.name, &session.scratch));
-            tracing::debug!(session = %session.name, pid = spare.worker.pid(), plots = spare.plots, "session takes a spare");
-            return Ok(spare.worker);
+        // Every waiting spare is checked, not only the one handed out: a dead plot spare would
+        // otherwise hold its place until a session that plots came by.
+        let unusable = self.pool.remove_where(|spare| {
+            !matches!(spare.worker.liveness(), Liveness::Alive)
+                || zygote_dead
+                || spare.worker.hung_up()
+                || spare.font_cache != font_cache
+        });
+        for Spare {
+            worker,
+            scratch,
+            name,
+            ..
+        } in unusable
+        {
+            tracing::debug!(pid = worker.pid(), "discarding a spare");
+            self.pool.wanted.notify_one();
+            drop(worker); // kills it
+            self.changes.forget(&name);
+            tokio::spawn(remove_scratch(scratch));
         }
+        let plots = ironcell_core::prefault::looks_like_a_plot(first_code);
+        let Some(mut spare) = self.pool.pop(plots) else {
+            self.pool.wanted.notify_one();
+            return Err(slot);
+        };
+        // Renaming a directory within sessions-<pid>: both names are the host's own, and
+        // the spare has run only the host's warm-up cell, which writes no file, so its
+        // directory holds nothing of the worker's. The change tracker's watches follow the
+        // directory (they are on its inode).
+        self.changes.rename(&spare.name, &session.name);
+        if let Err(e) = std::fs::rename(&spare.scratch, &session.scratch) {
+            tracing::warn!(from = %spare.scratch.display(), to = %session.scratch.display(), error = %e, "cannot hand a spare its session's directory");
+            self.changes.forget(&session.name);
+            return Err(slot);
+        }
+        spare.worker.move_to_slot(slot);
+        self.pool.taken.notify_one();
+        spare.worker.bind = Some(hand_off(&session.name, &session.scratch));
+        tracing::debug!(session = %session.name, pid = spare.worker.pid(), plots = spare.plots, "session takes a spare");
+        Ok(spare.worker)
     }
 
     /// Keeps the pool full until the server shuts down: one spare at a time, again whenever

@@ -180,11 +180,6 @@ ATTACKS = {
 }
 
 
-def private_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return sum(int(line.split()[1]) for line in f if line.startswith("Private_")) / 1024
-
-
 @pytest.mark.parametrize("spare", ["plain", "plot"])
 @pytest.mark.parametrize("user", USERS)
 def test_80_a_session_from_a_spare_is_as_locked_down_as_a_fresh_one(user, spare):
@@ -197,14 +192,13 @@ def test_80_a_session_from_a_spare_is_as_locked_down_as_a_fresh_one(user, spare)
         else:
             if not worker_python_has("matplotlib"):
                 pytest.skip("the plot spare needs matplotlib")
-            # The plot spare: kept once plots are warm, taken by a first cell that plots; the
-            # waiting spare that holds a first plot's pages (~12 MiB private, ~1.4 plain).
+            # The plot spare: kept once plots are warm, taken by a first cell that plots.
             assert wait_until(lambda: info(s.srv)["spare_workers"]["plot_spare_waiting"], timeout=120, step=0.1)
             s.wait_for_full_pool()
-            plot_spares = [w for w in s.workers() if private_mib(w) > 6]
-            assert len(plot_spares) == 1, plot_spares
+            plot_spare = info(s.srv)["spare_workers"]["plot_spare_pid"]
+            assert plot_spare in s.workers(), (plot_spare, s.workers())
             rec = s.run("import os  # matplotlib\nos.getpid()", "attack")
-            assert int(rec["result"]) == plot_spares[0], rec
+            assert int(rec["result"]) == plot_spare, rec
         for what, expr in ATTACKS.items():
             code = (
                 "try:\n"

@@ -364,7 +364,12 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
         fill_pymalloc_holes(py);
         fill_malloc_holes();
         log_collapse(ironcell_core::hugepages::collapse_anonymous_memory());
-        // After the collapse, which would fill the reserve's pages in with zeros.
+        // From here on no fault of the zygote's allocates a huge page (the collapse marked only
+        // the ranges it looked at; with huge pages `always`, the reserve's chunk headers below
+        // or later heap growth would each fill in 2 MiB). Its collapsed pages stay huge.
+        if let Err(e) = ironcell_core::sandbox::sys::disable_transparent_huge_pages() {
+            tracing::debug!(error = %e, "huge pages stay on in the zygote");
+        }
         reserve_malloc_heap(PLOT_HEAP_RESERVE);
         // Last: the probe must see the heap as the workers will inherit it.
         let probe_started = std::time::Instant::now();
@@ -534,7 +539,10 @@ fn probe_child(
         .map_err(|e| anyhow!("{e}"))?;
     runner
         .call_method0("worker_after_fork")
-        .and_then(|_| runner.call_method0("zygote_probe_plot"))
+        .and_then(|_| {
+            release_heap_reserve();
+            runner.call_method0("zygote_probe_plot")
+        })
         .map_err(|e| anyhow!("drawing: {e}"))?;
     let runs = ironcell_core::prefault::exclusive_pages(ranges).context("reading pagemap")?;
     std::fs::File::from(write)
@@ -581,10 +589,13 @@ pub(crate) fn write_plot_pages_ahead() -> usize {
     if DONE.swap(true, std::sync::atomic::Ordering::Relaxed) {
         return 0;
     }
-    match PLOT_PAGES.get() {
+    let pages = match PLOT_PAGES.get() {
         Some(runs) => ironcell_core::prefault::populate_for_writing(runs).pages,
         None => 0,
-    }
+    };
+    // After the pages are written: freeing writes the chunk headers, which are among them.
+    release_heap_reserve();
+    pages
 }
 
 /// Lets workers skip CPython's after-fork hooks of `threading` and `logging` before 3.12
@@ -697,36 +708,44 @@ pub(crate) fn fill_malloc_holes() {
     }
 }
 
-/// How much heap [`reserve_malloc_heap`] leaves free for a first plot: a new session's first
-/// plot grew the heap by ~2.8 MiB (Debian's 3.11, matplotlib 3.6), which a warm session reuses.
+/// How much heap [`reserve_malloc_heap`] holds for a first plot: a new session's first plot
+/// grew the heap by ~2.8 MiB (Debian's 3.11, matplotlib 3.6), which a warm session reuses.
 const PLOT_HEAP_RESERVE: usize = 4 << 20;
 
-/// Leaves `bytes` of the zygote's malloc heap mapped but free and untouched, in one chunk that
-/// sits below a block the zygote never frees (so glibc does not give it back to the kernel), for
-/// the allocations of a worker's first plot.
+/// The blocks [`reserve_malloc_heap`] holds (addresses), freed by [`release_heap_reserve`].
+static HEAP_RESERVE: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+
+/// Holds `bytes` of the zygote's malloc heap, mapped but untouched (one chunk header per block
+/// written), for the allocations of a worker's first plot: contiguous blocks allocated here and
+/// freed only in a child that is about to plot ([`release_heap_reserve`]: the probe, and a
+/// worker right after it wrote a first plot's pages ahead), where they coalesce into one free
+/// chunk, kept off the heap's top (so glibc does not give it back) by one more block that is
+/// never freed.
 ///
 /// Why: the hole filling above sends a worker's allocations to the heap's top, and a first plot
 /// (its image buffers, its temporary arrays) grew the heap there by ~700 pages, each one a fault
 /// of its own in the middle of the plot, where a warm session reuses the memory its first plot
 /// freed. Inside the heap as the zygote leaves it, those pages are the probe's too: it writes
 /// them, finds them its own, and lists them with the copy-on-write pages, so a worker's first
-/// plot takes them ahead in bulk (`ironcell_core::prefault`). A worker that never plots spends
-/// nothing on them: the pages are not present, in the zygote or in any worker that does not
-/// write them, and an allocation served from the chunk costs what one from the top did.
+/// plot takes them ahead in bulk (`ironcell_core::prefault`). Held (not freed) in the zygote,
+/// no allocation of the zygote's own lands in them, and a worker that never plots never frees
+/// them, writes them, or holds them as private memory.
 ///
-/// glibc only, and only from the heap (`brk`): blocks served by `mmap` are given back and the
-/// reserve is smaller or not made.
+/// glibc only, and only from the heap (`brk`): a block served by `mmap` is given back and the
+/// reserve is smaller or not made. Called after the huge-page collapse, with huge pages off for
+/// the zygote (`PR_SET_THP_DISABLE`): a fault on a chunk header would otherwise fill in a whole
+/// 2 MiB where transparent huge pages are `always`.
 fn reserve_malloc_heap(bytes: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         /// Below glibc's smallest `mmap` threshold (128 KiB) and above its per-size caches.
         const BLOCK: usize = 120 << 10;
-        let mut blocks: Vec<*mut libc::c_void> = Vec::with_capacity(bytes / BLOCK + 2);
+        let mut blocks: Vec<usize> = Vec::with_capacity(bytes / BLOCK + 2);
         let mut contiguous = true;
         while blocks.len() <= bytes / BLOCK {
             // SAFETY: mallinfo2 only reads the allocator's statistics.
             let before = unsafe { libc::mallinfo2() };
-            // SAFETY: a plain allocation; freed below, or kept as the fence.
+            // SAFETY: a plain allocation, held for the process's life (or freed by a child).
             let p = unsafe { libc::malloc(BLOCK) };
             if p.is_null() {
                 break;
@@ -739,26 +758,40 @@ fn reserve_malloc_heap(bytes: usize) {
                 break;
             }
             if let Some(&last) = blocks.last() {
-                // Each block right above the last (one chunk header between them).
-                let gap = (p as usize).wrapping_sub(last as usize);
-                contiguous &= gap == BLOCK + 2 * std::mem::size_of::<usize>();
+                // Each block right above the last (one chunk header between them, 64-bit).
+                contiguous &= (p as usize).wrapping_sub(last) == BLOCK + 16;
             }
-            blocks.push(p);
+            blocks.push(p as usize);
         }
         // The last block is the fence: never freed, it keeps the chunk below off the top.
         blocks.pop();
-        for p in &blocks {
-            // SAFETY: each came from malloc above and is not used elsewhere.
-            unsafe { libc::free(*p) };
+        let reserved = blocks.len() * BLOCK;
+        if HEAP_RESERVE.set(blocks).is_err() {
+            tracing::warn!("the heap reserve for a first plot was made twice");
         }
         tracing::debug!(
-            reserved = blocks.len() * BLOCK,
+            reserved,
             contiguous,
-            "left part of the zygote's malloc heap free for a first plot"
+            "held part of the zygote's malloc heap for a first plot"
         );
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     let _ = bytes;
+}
+
+/// In a child of the zygote about to plot for the first time (the probe, or a worker that just
+/// wrote a first plot's pages ahead): frees the blocks [`reserve_malloc_heap`] held, so the
+/// plot's allocations come from them. Once per process.
+fn release_heap_reserve() {
+    static DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if DONE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    for &p in HEAP_RESERVE.get().map(Vec::as_slice).unwrap_or_default() {
+        // SAFETY: each came from malloc in the zygote, which never used or freed it; this
+        // process inherited the heap with it and frees it once (`DONE`).
+        unsafe { libc::free(p as *mut libc::c_void) };
+    }
 }
 
 /// Fills the free blocks of pymalloc's partly used pools with allocations the zygote never
