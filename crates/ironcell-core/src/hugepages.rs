@@ -7,7 +7,8 @@
 //! and frozen, the zygote asks the kernel to collapse its anonymous memory into huge pages
 //! (`MADV_COLLAPSE`, Linux 6.1), then marks those regions `MADV_NOHUGEPAGE`: the collapsed pages
 //! stay huge, but no later fault in the zygote or (the flag is inherited) in a worker allocates
-//! a new 2 MiB page, so a worker's private memory does not grow by it. A worker that writes to a
+//! a new 2 MiB page, so a worker's private memory does not grow by it (mappings made later carry
+//! no such mark: the zygote then sets `PR_SET_THP_DISABLE` for itself, see its plot warm-up). A worker that writes to a
 //! shared huge page gets the usual 4 KiB copy: the kernel splits the mapping first (Linux ≥ 5.8
 //! does not copy a whole huge page on a copy-on-write fault).
 //!
