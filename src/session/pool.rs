@@ -122,18 +122,8 @@ impl Pool {
     }
 
     /// Takes the waiting spares for which `unusable` says so out of the pool.
-    fn remove_where(&self, mut unusable: impl FnMut(&mut Spare) -> bool) -> Vec<Spare> {
-        let mut spares = lock(&self.spares);
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < spares.len() {
-            if unusable(&mut spares[i]) {
-                out.push(spares.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        out
+    fn remove_where(&self, unusable: impl FnMut(&mut Spare) -> bool) -> Vec<Spare> {
+        lock(&self.spares).extract_if(.., unusable).collect()
     }
 
     /// The most recent waiting spare for a new session: for one whose first cell looks like a
