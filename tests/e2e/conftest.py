@@ -189,6 +189,22 @@ class RawServer:
         r = self.request("tools/call", {"name": "run_python", "arguments": {"code": code, **args}})
         return r["result"]
 
+    def info(self) -> dict[str, Any]:
+        r = self.request("resources/read", {"uri": "system://info"})
+        return json.loads(r["result"]["contents"][0]["text"])
+
+    def wait_for_full_pool(self, timeout: float = 120.0) -> None:
+        """Waits until the server's background forking is done: every plain spare waits, and the
+        plot spare too when one is kept. Spares are forked only once the font cache is settled,
+        so a full plain pool also means whether a plot spare is kept is known."""
+
+        def full() -> bool:
+            pool = self.info()["spare_workers"]
+            plain = pool["waiting"] - pool["plot_spare_waiting"]
+            return plain == pool["pool_size"] and pool["plot_spare_waiting"] == pool["plot_spare"]
+
+        assert wait_until(full, timeout=timeout, step=0.1), self.info()["spare_workers"]
+
     def close(self, timeout: float = 5.0) -> int:
         assert self.proc.stdin is not None
         self.proc.stdin.close()

@@ -610,11 +610,13 @@ def test_a_saved_tool_that_saves_tools_when_imported_cannot_make_the_tools_reloa
               "    REFUSED = str(e)\n")
     raw_save(srv, "looper", source)
     srv.request("tools/list", {}, timeout=60)
-    time.sleep(1)
+    zygote_children(srv)  # opens the session it asks from, which takes a spare
+    # What a server forks on its own, and then never again: its spares (the plot spare last).
+    srv.wait_for_full_pool()
     before = zygote_children(srv)
     time.sleep(2)
     new = zygote_children(srv) - before
-    assert len(new) <= 2, f"{len(new)} workers forked in 2 s while nothing was asked"
+    assert not new, f"{len(new)} workers forked in 2 s while nothing was asked"
     assert not (base / "state" / "tools" / "child.py").exists()
     r = srv.call("import mcp\nmcp._request_sync('tools.delete', {'name': 'looper'})\n'deleted'", session="attacker")
     assert r["structuredContent"]["result"] == "'deleted'", r
