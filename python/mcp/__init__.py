@@ -583,6 +583,8 @@ class ServerProxy:
         self._name = name
         self._description = description
         self._tools = None
+        self._by_name = {}  # tool name and alias -> tool record, of `_tools`
+        self._functions = {}  # attribute -> the function made for it from `_tools`
         self._error = error  # set for a server whose configuration is broken
 
     def _check_usable(self):
@@ -592,7 +594,12 @@ class ServerProxy:
     def _tool_list(self):
         self._check_usable()
         if self._tools is None:
-            self._tools = runtime.list_tools_sync(self._name)
+            tools = runtime.list_tools_sync(self._name)
+            by_name = {}
+            for t in tools:  # the first tool with a name or alias wins, as in the list's order
+                by_name.setdefault(identifier(t["name"]), t)
+                by_name.setdefault(t["name"], t)
+            self._tools, self._by_name, self._functions = tools, by_name, {}
         return self._tools
 
     async def call_tool(self, tool, arguments=None, raw=False):
@@ -631,9 +638,15 @@ class ServerProxy:
         sync = attr.endswith("_sync")
         base = attr[:-5] if sync else attr
         tools = self._tool_list()
-        for t in tools:
-            if identifier(t["name"]) == base or t["name"] == base:
-                return self._function(t, sync)
+        # Made once per tool (a loop calls `mcp_x.tool_sync(...)` thousands of times), found by
+        # name without walking a list of perhaps a thousand tools.
+        made = self._functions.get(attr)
+        if made is not None:
+            return made
+        tool = self._by_name.get(base)
+        if tool is not None:
+            made = self._functions[attr] = self._function(tool, sync)
+            return made
         # Not in the list: hidden by a rule (a ToolError naming it, as a call would raise), or
         # added since the list was read, or not there at all.
         try:

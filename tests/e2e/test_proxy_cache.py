@@ -142,3 +142,23 @@ slow.cancel()
 """
         r = await run(s, code)
         assert r["result"] == "(True, True)", r.text
+
+
+async def test_a_tool_of_a_server_with_a_thousand_tools_is_found_by_name_and_made_once(state_dir, tmp_path):
+    """`mcp_<server>.<tool>` finds the tool by name or alias (not by walking the server's list on
+    every access, which cost ~1 ms per call to the last of 1,000 tools) and hands back the same
+    function each time, so a loop of calls builds its wrapper once."""
+    config = {"mcpServers": {"many": {"command": sys.executable,
+                                      "args": [TEST_SERVER, "--legacy", "--many-tools", "1000"]}}}
+    path = tmp_path / "servers.json"
+    path.write_text(json.dumps(config))
+    async with connect(state_dir, MCP_BRIDGE_CONFIG=str(path), MCP_BRIDGE_STARTUP_TIMEOUT="20s") as s:
+        code = """
+last = [t["name"] for t in runtime.list_tools_sync("many")][-1]
+f = getattr(mcp_many, last + "_sync")
+(last, f is getattr(mcp_many, last + "_sync"), f.__name__, f(x=7).result,
+ [getattr(mcp_many, last + "_sync")(x=i).result for i in range(3)],
+ mcp_many.structured_sync is mcp_many.structured_sync, mcp_many.structured is not mcp_many.structured_sync)
+"""
+        r = await run(s, code)
+        assert r["result"] == ("('archive_folder_999', True, 'archive_folder_999_sync', 7, [0, 1, 2], True, True)"), r.text
