@@ -21,7 +21,6 @@ sleeping.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 
@@ -138,8 +137,7 @@ def test_a_first_plot_takes_its_copy_on_write_faults_ahead(box):
 
 
 def pool_info(box: Sandboxed) -> dict:
-    r = box.srv.request("resources/read", {"uri": "system://info"})
-    return json.loads(r["result"]["contents"][0]["text"])["spare_workers"]
+    return box.srv.info()["spare_workers"]
 
 
 def private_mib(pid: int) -> float:

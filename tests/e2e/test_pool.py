@@ -8,7 +8,6 @@ the zygote, before the request was sent (read from /proc by the test, outside th
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 
@@ -27,14 +26,9 @@ def children(pid: int) -> set[int]:
     return kids
 
 
-def info(srv: RawServer) -> dict:
-    r = srv.request("resources/read", {"uri": "system://info"})
-    return json.loads(r["result"]["contents"][0]["text"])
-
-
 def spares_waiting(srv: RawServer) -> int:
     """The plain spares waiting (not the plot spare, kept once plots are warm)."""
-    pool = info(srv)["spare_workers"]
+    pool = srv.info()["spare_workers"]
     return pool["waiting"] - pool["plot_spare_waiting"]
 
 
@@ -54,7 +48,7 @@ class Server:
         return r["structuredContent"]
 
     def wait_for_full_pool(self, size: int = 2) -> None:
-        assert wait_until(lambda: spares_waiting(self.srv) == size, timeout=60, step=0.1), info(self.srv)
+        assert wait_until(lambda: spares_waiting(self.srv) == size, timeout=60, step=0.1), self.srv.info()
 
     def workers(self) -> set[int]:
         """Every process the server's zygote(s) forked: spares and session workers."""
@@ -124,12 +118,12 @@ def test_a_taken_spare_is_replaced_and_spares_stay_outside_the_session_cap(tmp_p
     try:
         s.new_session_from_spare("one")
         s.wait_for_full_pool()  # refilled in the background
-        i = info(s.srv)
+        i = s.srv.info()
         assert i["sessions"]["live_workers"] == 1, i
         assert i["spare_workers"]["pool_size"] == 2
         # A second session evicts the first (cap 1) and still takes a spare.
         s.new_session_from_spare("two")
-        assert wait_until(lambda: info(s.srv)["sessions"]["live_workers"] == 1)
+        assert wait_until(lambda: s.srv.info()["sessions"]["live_workers"] == 1)
         again = s.run("1", "one")
         assert any("make room" in n for n in again["notices"]), again
     finally:
@@ -151,7 +145,7 @@ def test_pool_size_zero_keeps_no_spares():
         rec = s.run("import os; os.getpid()", "fresh")
         assert rec["status"] == "ok" and int(rec["result"]) not in before, rec
         time.sleep(1.0)
-        i = info(s.srv)
+        i = s.srv.info()
         assert i["spare_workers"]["waiting"] == 0 and i["spare_workers"]["pool_size"] == 0, i
     finally:
         s.close()
@@ -193,9 +187,9 @@ def test_80_a_session_from_a_spare_is_as_locked_down_as_a_fresh_one(user, spare)
             if not worker_python_has("matplotlib"):
                 pytest.skip("the plot spare needs matplotlib")
             # The plot spare: kept once plots are warm, taken by a first cell that plots.
-            assert wait_until(lambda: info(s.srv)["spare_workers"]["plot_spare_waiting"], timeout=120, step=0.1)
+            assert wait_until(lambda: s.srv.info()["spare_workers"]["plot_spare_waiting"], timeout=120, step=0.1)
             s.wait_for_full_pool()
-            plot_spare = info(s.srv)["spare_workers"]["plot_spare_pid"]
+            plot_spare = s.srv.info()["spare_workers"]["plot_spare_pid"]
             assert plot_spare in s.workers(), (plot_spare, s.workers())
             rec = s.run("import os  # matplotlib\nos.getpid()", "attack")
             assert int(rec["result"]) == plot_spare, rec
