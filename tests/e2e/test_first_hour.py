@@ -80,3 +80,70 @@ hits = runtime.search_tool_docs_sync("pid")
             assert "noise line 29" in said and "noise line 5\n" not in said and "fetching packages" not in said, said
         assert detailed[0]["available"] is False and usable == []
         assert "[ironcell] MCP server 'broken-npx' is unavailable" in r.record.get("stderr", r.text), r
+
+
+@pytest.mark.parametrize("as_user", ["root", "nobody"])
+def test_doctor_reports_the_state_dir_and_tmp_that_serve_uses_when_home_is_unwritable(as_user):
+    """`nobody` with a HOME it cannot write: serve falls back to a private dir under the temp
+    dir, where sessions cannot have a private /tmp. doctor used to print the unusable dir and
+    "private per session"; it must say what serve does."""
+    import subprocess
+    import tempfile
+
+    from conftest import IRONCELL, PREFIX_FOR_USER, RawServer, TEST_PYTHON
+
+    tmp = Path(tempfile.mkdtemp(prefix="ironcell-doctor-", dir="/tmp"))
+    tmp.chmod(0o777)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/proc/ironcell-no-home", "TMPDIR": str(tmp),
+           "IRONCELL_PYTHON": TEST_PYTHON, "MCP_BRIDGE_LOG_LEVEL": "warn"}
+    doc = subprocess.run([*PREFIX_FOR_USER[as_user], str(IRONCELL), "doctor"], capture_output=True, text=True,
+                         env=env, timeout=180)
+    uid = 0 if as_user == "root" else 65534
+    fallback = tmp / f"ironcell-{uid}"
+    assert f"state dir     {fallback}\n" in doc.stdout, doc.stdout
+    assert "FALLBACK    /proc/ironcell-no-home/.local/state/ironcell" in doc.stdout, doc.stdout
+    tmp_line = next(line for line in doc.stdout.splitlines() if line.startswith("/tmp "))
+    srv = RawServer(tmp, as_user=as_user, HOME="/proc/ironcell-no-home", TMPDIR=str(tmp), MCP_BRIDGE_STATE_DIR=None)
+    try:
+        srv.initialize()
+        info = srv.info()
+    finally:
+        srv.close()
+    assert info["state_dir"]["path"] == str(fallback) and info["state_dir"]["fallback"] is True, info["state_dir"]
+    assert info["state_dir"]["configured"] == "/proc/ironcell-no-home/.local/state/ironcell"
+    # Session dirs beneath /tmp: serve refuses /tmp in sessions, and doctor now says so too.
+    assert tmp_line == "/tmp          " + info["sandbox"]["private_tmp"]["in_force"], (tmp_line, info["sandbox"])
+    assert tmp_line.startswith("/tmp          fallback:"), tmp_line
+
+
+async def test_a_broken_config_is_named_to_the_model_and_doctor_is_not_ready(state_dir, tmp_path):
+    import subprocess
+
+    from conftest import IRONCELL, server_env, test_home
+
+    cfg = test_home(state_dir) / ".config/mcp-bridge/config.json"
+    cfg.parent.mkdir(parents=True)
+    # A trailing comma: the whole file is unreadable.
+    cfg.write_text('{"mcpServers": {"time": {"command": "uvx", "args": ["mcp-server-time"]},}}\n')
+    async with connect(state_dir) as s:
+        r = await run(s, "(list(runtime.discovered_servers_sync(detailed=True)), list(runtime.discovered_servers_sync()))")
+        detailed, usable = eval(r["result"])
+        assert usable == []
+        assert [d["name"] for d in detailed] == [str(cfg)], detailed
+        assert detailed[0]["available"] is False and "not valid JSON" in detailed[0]["error"], detailed
+        assert "Fix it and restart ironcell" in detailed[0]["error"]
+        info = json.loads((await s.read_resource("system://info")).contents[0].text)
+        assert any("not valid JSON" in p for p in info["mcp"]["problems"]), info["mcp"]
+        assert info["state_dir"] == {"path": str(state_dir), "configured": str(state_dir), "fallback": False,
+                                     "note": None, "memory_backed": None}, info["state_dir"]
+        assert info["local_tools"] == {"loaded": [], "failed": []}
+    doc = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, timeout=180, env=server_env(state_dir))
+    assert doc.returncode != 0, doc.stdout
+    assert f"mcp config    {cfg}" in doc.stdout and f"  BROKEN      {cfg}: not valid JSON" in doc.stdout, doc.stdout
+    assert "verdict       NOT ready: an MCP server configuration it reads is broken" in doc.stdout, doc.stdout
+    # Fixed: ready, and the server it names is started and counted.
+    cfg.write_text(json.dumps({"mcpServers": {"test-server": {"command": sys.executable,
+                                                              "args": [str(SLOW_START.with_name("test_server.py"))]}}}))
+    doc = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, timeout=180, env=server_env(state_dir))
+    assert doc.returncode == 0, doc.stdout
+    assert '  server      "test-server": started, ' in doc.stdout and "verdict       ready" in doc.stdout, doc.stdout
