@@ -51,11 +51,19 @@ const CELLS: &[(&str, &str, Option<f64>)] = &[
         None,
     ),
     (
-        "Your other MCP servers are callable from the code (see MCP_BRIDGE_CONFIG)",
-        "await runtime.discovered_servers()",
+        "Your other MCP servers are callable from the code",
+        "servers = await runtime.discovered_servers(detailed=True)\nservers or 'none configured yet (see the next steps below)'",
         None,
     ),
 ];
+
+/// What to do after the demo: the commands README.md's "First things to try" explains.
+const NEXT_STEPS: &str = "Next steps:
+  target/release/ironcell setup --dry-run     what `setup` would write into your MCP client's config
+  target/release/ironcell doctor              what the sandbox enforces on this machine
+  MCP_BRIDGE_CONFIG=examples/hello-server/servers.json target/release/ironcell exec \\
+      'await mcp_hello.greet(name=\"you\")'    code calling another MCP server (examples/hello-server)
+README.md has the rest.";
 
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
@@ -137,5 +145,6 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         );
     }
     client.cancel().await.ok();
+    println!("\n{NEXT_STEPS}");
     Ok(())
 }

@@ -200,8 +200,8 @@ impl RunRecord {
         let state = match self.session_state {
             SessionState::Kept => "session kept",
             SessionState::Lost => "session lost: the next run starts a fresh worker",
-            SessionState::New => "new",
-            SessionState::Restarted => "restarted",
+            SessionState::New => "in a new session",
+            SessionState::Restarted => "in a restarted session",
         };
         let what = match self.status {
             RunStatus::Ok => "ok".to_string(),
