@@ -58,10 +58,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         sandbox.policy.limits.threads,
         sandbox.policy.limits.scratch_quota_mib
     );
+    let tmp = crate::sandbox::private_tmp::host_status(
+        settings.private_tmp,
+        &settings.resolved_state_dir(),
+    );
     println!(
         "thread cap    {}",
         sandbox
-            .thread_cap_layer()
+            .thread_cap_layer(&tmp)
             .unwrap_or_else(|| format!("NONE: {}", sandbox.no_thread_cap_reason()))
     );
     let state_dir = settings.resolved_state_dir();
@@ -72,15 +76,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         ),
         None => println!("state dir     {}", state_dir.display()),
     }
-    println!(
-        "/tmp          {}",
-        crate::sandbox::private_tmp::host_status(
-            settings.private_tmp,
-            &settings.resolved_state_dir()
-        )
-        .describe()
-    );
-    let protections = sandbox.protections();
+    println!("/tmp          {}", tmp.describe());
+    let protections = sandbox.protections(&tmp);
     let width = protections
         .iter()
         .map(|p| p.protection.chars().count())
