@@ -290,6 +290,8 @@ impl Settings {
             self.memory_limit,
         );
         sandbox.private_tmp = self.private_tmp;
+        // Sessions, plain spares and the plot spare (src/session/pool.rs).
+        sandbox.max_workers = u64::from(self.max_sessions) + u64::from(self.pool_size) + 1;
         sandbox.set_cgroups(self.cgroups);
         Ok(sandbox)
     }

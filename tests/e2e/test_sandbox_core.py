@@ -172,6 +172,37 @@ def test_153_sessions_in_a_row_each_get_the_same_thread_cap_and_the_machine_can_
         b.close()
 
 
+def hold(n: int) -> str:
+    return ("import threading\nthreading.stack_size(32768)\nev = globals().setdefault('ev', threading.Event())\n"
+            f"for _ in range({n}):\n    threading.Thread(target=ev.wait, daemon=True).start()\n"
+            "threading.stack_size(0)\nthreading.active_count()")
+
+
+def test_153_without_a_user_namespace_each_session_still_has_its_own_threads():
+    # Where the kernel refuses user namespaces (forced here), the uid's count is shared: a
+    # session's threads must not come out of the room of a session started before it.
+    b = Sandboxed("nobody", IRONCELL_PRIVATE_TMP="off")
+    try:
+        assert not b.private_tmp_is_namespace()
+        assert b.run(hold(190), session="first")["status"] == "ok"
+        assert b.run(hold(190), session="second")["status"] == "ok"
+        rec = b.run(hold(40), session="first")
+        assert rec["status"] == "ok" and int(rec["result"]) >= 231, rec
+        # A flood is stopped at the session's own limit: killed, and said why.
+        rec = b.run(HOLD_THREADS, session="flood", timeout_s=120)
+        if rec["status"] == "crashed":
+            assert "killed for running" in rec["error"]["message"] and "limits.threads" in rec["error"]["message"], rec
+        else:
+            started, err = ast.literal_eval(rec["result"])
+            assert started <= 256 and err == "can't start new thread", rec
+        assert subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/bin/true"], timeout=30).returncode == 0
+        for s in ("first", "second"):
+            rec = b.run("ev.set(); threading.active_count() > 100", session=s)
+            assert rec["status"] == "ok", rec
+    finally:
+        b.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # #154: a host unmount reaches every worker and spare
 # ---------------------------------------------------------------------------------------------

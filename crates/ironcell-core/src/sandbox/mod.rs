@@ -98,6 +98,8 @@ pub struct Sandbox {
     pub root_workers: bool,
     /// Private `/tmp` per session (see [`private_tmp`]); set from the settings.
     pub private_tmp: private_tmp::PrivateTmpMode,
+    /// Workers that may live at once (sessions and spares); see [`WorkerLimits::workers`].
+    pub max_workers: u64,
 }
 
 /// One protection a user relies on and the layers that provide it on this host.
@@ -135,6 +137,7 @@ impl Sandbox {
             cgroups: CgroupsMode::Auto,
             root_workers: nix::unistd::getuid().is_root(),
             private_tmp: private_tmp::PrivateTmpMode::Auto,
+            max_workers: 1,
         }
     }
 
@@ -186,7 +189,7 @@ impl Sandbox {
             ))
         } else if !self.root_workers {
             Some(format!(
-                "RLIMIT_NPROC ({n} more than the tasks on the machine at worker start)"
+                "RLIMIT_NPROC shared by the uid ({n} per worker more than the tasks at worker start) + host watch ({n} per session)"
             ))
         } else {
             None
@@ -257,6 +260,7 @@ impl Sandbox {
                 file_size_bytes: l.file_size_mib << 20,
                 open_files: l.open_files,
                 threads: l.threads,
+                workers: self.max_workers,
             },
             seccomp: self.seccomp_available,
             pids_cgroup_parent: self.pids_cgroup_parent.clone(),

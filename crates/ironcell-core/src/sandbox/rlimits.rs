@@ -24,8 +24,10 @@
 //! the machine's task count + `threads` there too, which counted the machine but bound only the
 //! worker: each new session could start as many threads as the whole machine ran, and seven
 //! sessions in a row took every pid.) A worker without one shares the count of its uid with
-//! every process of that uid, so its cap is the machine's tasks at its start + `threads`. A
-//! root worker is capped by a pids cgroup instead when one is writable (see [`super::cgroup`]).
+//! every process of that uid, so one session's threads would come out of every other's room:
+//! there the cap is the machine's tasks at its start + `threads` for every worker that may live
+//! at once (the sum stays bounded), and the host's memory watch kills a worker running more
+//! than its own `threads` (see `src/session/resident.rs`). A root worker is capped by a pids cgroup instead when one is writable (see [`super::cgroup`]).
 
 use rlimit::Resource;
 use serde::{Deserialize, Serialize};
@@ -47,6 +49,15 @@ pub struct WorkerLimits {
     /// Threads the worker may add (RLIMIT_NPROC for a non-root worker; the pids cgroup's
     /// `pids.max` for a root one).
     pub threads: u64,
+    /// Workers that may live at once (sessions and spares): where the uid's count is shared
+    /// ([`TaskCount::SharedWithUid`]), RLIMIT_NPROC leaves room for all of them, and the host's
+    /// watch holds each to `threads` (SECURITY.md #153).
+    #[serde(default = "one")]
+    pub workers: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// How the kernel counts the worker's tasks for RLIMIT_NPROC.
@@ -69,7 +80,10 @@ pub fn apply_worker_limits(limits: &WorkerLimits, count: TaskCount) -> std::io::
     Resource::NOFILE.set(limits.open_files, limits.open_files)?;
     let nproc = match count {
         TaskCount::OwnUserNamespace => thread_rlimit(limits.threads, 1),
-        TaskCount::SharedWithUid { tasks_now } => thread_rlimit(limits.threads, tasks_now),
+        TaskCount::SharedWithUid { tasks_now } => thread_rlimit(
+            limits.threads.saturating_mul(limits.workers.max(1)),
+            tasks_now,
+        ),
     };
     Resource::NPROC.set(nproc, nproc)?;
     Resource::MEMLOCK.set(0, 0)?;
