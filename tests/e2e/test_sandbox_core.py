@@ -361,3 +361,21 @@ def test_156_the_zygote_itself_keeps_no_earlier_request(state_dir):
         assert hits == 0
     finally:
         srv.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# #157: the public /etc files libraries read are readable; the rest of /etc is not
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("user", USERS)
+def test_157_mime_types_and_os_release_are_readable_and_nothing_else_of_etc(user):
+    b = Sandboxed(user)
+    try:
+        rec = b.run("import mimetypes, platform\nmimetypes.init()\n"
+                    "(mimetypes.guess_type('book.xlsx')[0], bool(platform.freedesktop_os_release().get('ID')))")
+        assert rec["status"] == "ok", rec
+        assert ast.literal_eval(rec["result"]) == ("application/vnd.openxmlformats-officedocument.spreadsheetml.sheet", True)
+        for path in ("/etc/passwd", "/etc/shadow", "/etc/hostname", "/etc/ssh/sshd_config"):
+            assert b.outcome(f"open({path!r}).read()") in ("PermissionError:13", "FileNotFoundError:2"), path
+    finally:
+        b.close()
