@@ -658,7 +658,7 @@ enum ByNumber {
 }
 
 /// The four programs as one, laid out for the kernel's cost: seccompiler compares the system
-/// call number with each listed call in turn (about 1,800 instructions for the four), and the
+/// call number with each listed call in turn (about 2,200 instructions for the four), and the
 /// kernel converts and JIT-compiles every instruction of every filter each worker installs, and
 /// runs the filter on every system call. Here a binary search over the call number (runs of
 /// numbers with the same verdict) answers every call whose verdict does not depend on its
