@@ -379,3 +379,18 @@ def test_157_mime_types_and_os_release_are_readable_and_nothing_else_of_etc(user
             assert b.outcome(f"open({path!r}).read()") in ("PermissionError:13", "FileNotFoundError:2"), path
     finally:
         b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# #44: library thread pools are sized to the CPUs, not to 1
+# ---------------------------------------------------------------------------------------------
+
+def test_library_thread_pools_are_sized_to_the_cpus_the_host_may_use():
+    b = Sandboxed("nobody")
+    try:
+        rec = b.run("import os\n[os.environ[k] for k in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS')]")
+        assert rec["status"] == "ok", rec
+        cpus = str(len(os.sched_getaffinity(0)))
+        assert ast.literal_eval(rec["result"]) == [cpus] * 3
+    finally:
+        b.close()
