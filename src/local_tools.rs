@@ -366,6 +366,23 @@ impl LocalTools {
         catalog.tools.iter().map(to_mcp_tool).collect()
     }
 
+    /// For `system://info` and `doctor`: the local tools that loaded and what failed (loading
+    /// them, as a listing would, if any are in use; at most [`CATALOG_WAIT`]).
+    pub async fn describe(&self) -> Value {
+        if !self.listed.load(Ordering::SeqCst) {
+            return json!({"loaded": [], "failed": self.path_errors.iter().map(ToString::to_string).collect::<Vec<_>>()});
+        }
+        match tokio::time::timeout(CATALOG_WAIT, self.ensure_catalog()).await {
+            Ok(c) => json!({
+                "loaded": c.tools.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+                "failed": c.errors.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            }),
+            Err(_) => {
+                json!({"loaded": [], "failed": [format!("still loading after {CATALOG_WAIT:?}")]})
+            }
+        }
+    }
+
     /// The catalog of the current generation, loading it in the tools session if needed.
     async fn ensure_catalog(&self) -> Arc<Catalog> {
         self.ensure_catalog_unless(&CancellationToken::new())

@@ -300,7 +300,46 @@ impl Proxy {
         for s in &self.skipped {
             out.push(json!({"name": s.name, "description": null, "error": s.reason}));
         }
+        for (source, why) in self.unreadable_sources() {
+            out.push(
+                json!({"name": source, "description": "an MCP server configuration", "error": why}),
+            );
+        }
         out
+    }
+
+    /// Configuration sources that could not be read as a whole (a trailing comma), with what
+    /// the model is told: their servers are missing, and why.
+    fn unreadable_sources(&self) -> Vec<(&str, String)> {
+        self.problems
+            .iter()
+            .filter(|p| p.server.is_none())
+            .map(|p| {
+                (
+                    p.source.as_str(),
+                    format!("its configuration is broken, so servers it names may be missing: {p}. Fix it and restart ironcell"),
+                )
+            })
+            .collect()
+    }
+
+    /// The configuration problems that left something out (a source or an entry not loaded),
+    /// as opposed to warnings about an entry that loaded: `doctor` is not ready while any.
+    pub fn breaking_problems(&self) -> Vec<String> {
+        self.problems
+            .iter()
+            .filter(|p| {
+                p.server
+                    .as_ref()
+                    .is_none_or(|s| !self.upstreams.contains_key(s))
+            })
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// Every configured server that can be started here.
+    pub fn server_names(&self) -> Vec<String> {
+        self.upstreams.keys().cloned().collect()
     }
 
     /// Configured servers that cannot run here, and why.
@@ -319,6 +358,11 @@ impl Proxy {
                 self.skipped
                     .iter()
                     .map(|s| json!({"server": s.name, "error": s.reason})),
+            )
+            .chain(
+                self.unreadable_sources()
+                    .into_iter()
+                    .map(|(source, why)| json!({"server": source, "error": why})),
             )
             .collect()
     }
@@ -353,6 +397,7 @@ impl Proxy {
 
     /// For `system://info`: servers, whether running, where they came from, what was wrong.
     pub async fn describe(&self) -> Value {
+        let failures = crate::lock(&self.failures).clone();
         let mut servers = Vec::new();
         for u in self.upstreams.values() {
             let version = u.protocol_version();
@@ -367,6 +412,8 @@ impl Proxy {
                 "protocol_version": version.as_ref().map(ToString::to_string),
                 "era": version.map(|v| if v.has_initialize() { "initialize" } else { "discover" }),
                 "rules": u.config.rules,
+                // Why its last start or listing failed (with its last stderr lines), if it did.
+                "error": failures.get(&u.config.name),
             }));
         }
         json!({
