@@ -307,7 +307,14 @@ impl AuditLog {
                 let session = serde_json::from_str::<Key>(line)
                     .map(|k| k.session)
                     .unwrap_or_default();
-                lines.push((session, line.to_string()));
+                // The tools sessions (one per saved file) share one share: saving many tools
+                // does not buy more of the history.
+                let key = if crate::local_tools::is_reserved_session(&session) {
+                    "ironcell.tools".to_string()
+                } else {
+                    session
+                };
+                lines.push((key, line.to_string()));
             }
         }
         let by_bytes = fair_keep(
