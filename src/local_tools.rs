@@ -273,6 +273,51 @@ pub fn valid_tool_name(name: &str) -> bool {
         && !name.starts_with(RESERVED_PREFIX)
 }
 
+/// `ironcell saved-tools …`: the user's own hand on the saved tools.
+#[derive(Debug, clap::Subcommand)]
+pub enum SavedToolsAction {
+    /// List the saved tools and the session that owns each.
+    List,
+    /// Delete a saved tool, whichever session saved it (a running server drops it from its
+    /// list at its next save or delete, or when it restarts).
+    Delete {
+        /// The tool's name.
+        name: String,
+    },
+}
+
+/// Runs `ironcell saved-tools` on the state directory `state_dir`: what to print, or the error.
+pub fn saved_tools_command(state_dir: &Path, action: &SavedToolsAction) -> Result<String, String> {
+    let dir = state_dir.join("tools");
+    match action {
+        SavedToolsAction::List => {
+            let mut out = String::new();
+            for file in sorted_saved_tool_files(&dir) {
+                let name = saved_stem(&file).to_string();
+                let owner = owner_of(&dir, &name).map_or_else(
+                    || "(no owner: saved before tools had owners)".to_string(),
+                    |o| format!("session {}", crate::proxy::approval::escaped_string(&o)),
+                );
+                out.push_str(&format!("{name}\t{owner}\n"));
+            }
+            if out.is_empty() {
+                out = format!("no saved tools in {}\n", dir.display());
+            }
+            Ok(out)
+        }
+        SavedToolsAction::Delete { name } => {
+            if !valid_tool_name(name) {
+                return Err(format!("{name:?} is not a saved tool's name"));
+            }
+            let _saving = lock(&SAVING);
+            std::fs::remove_file(dir.join(format!("{name}.py")))
+                .map_err(|e| format!("no saved tool {name:?} in {}: {e}", dir.display()))?;
+            let _ = std::fs::remove_file(owner_file(&dir, name));
+            Ok(format!("Tool {name:?} deleted.\n"))
+        }
+    }
+}
+
 /// Held across a save or delete, so two sessions saving one name cannot interleave their
 /// owner and tool files.
 static SAVING: Mutex<()> = Mutex::new(());
@@ -1085,7 +1130,7 @@ impl LocalTools {
         Err((
             ErrorKind::Refused,
             format!(
-                "the saved tool {name:?} belongs to {}; a session may only {what} the tools it saved. Choose another name, or ask the user to remove it (they can delete {} on the host)",
+                "the saved tool {name:?} belongs to {}; a session may only {what} the tools it saved. Choose another name, or ask the user to remove it (`ironcell saved-tools delete {name}`, or delete {} on the host)",
                 match owner {
                     Some(_) => "another session".to_string(),
                     None => "no session (it was saved before tools had owners)".to_string(),

@@ -57,7 +57,10 @@ class Box:
         return [e["arguments"] for e in self.upstream() if e.get("call") == tool]
 
     def audit(self, *args: str) -> str:
-        out = subprocess.run([*PREFIX_FOR_USER[self.user], str(IRONCELL), "audit", *args],
+        return self.cli("audit", *args)
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run([*PREFIX_FOR_USER[self.user], str(IRONCELL), *args],
                              env=server_env(self.state), capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         return out.stdout
@@ -454,6 +457,11 @@ async def test_173_a_saved_tool_belongs_to_its_session_and_names_and_notices_are
     assert not any(t["name"].startswith("run_python_") and t["name"] != "run_python_job" for t in listed)
     # 40 saves: at most one notice a second, however fast the loop saved.
     assert 1 <= notices < 20, notices
+    # The user, from the command line, sees the owners and deletes whichever tool they like.
+    listing = box.cli("saved-tools", "list")
+    assert 'report\tsession "owner"' in listing and 'chatty\tsession "intruder"' in listing, listing
+    assert "deleted" in box.cli("saved-tools", "delete", "report")
+    assert "report" not in box.cli("saved-tools", "list")
 
 
 # ---------------------------------------------------------------------------------------------
