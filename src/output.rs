@@ -93,6 +93,9 @@ pub struct RunRecord {
     /// recorded one by one.
     #[serde(skip_serializing_if = "is_zero")]
     pub upstream_calls_omitted: u64,
+    /// Proxied calls that never got past their look-up (no such server or tool): counted only.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub upstream_lookups_failed: u64,
     /// Figures and images the run produced (shown inline, full size linked).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub images: Vec<ImageRef>,
