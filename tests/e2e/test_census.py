@@ -179,6 +179,22 @@ NOT_YET = {
     "process_pool_executor": _POOL,
 }
 
+# What the note on each of those says (the refusal named, not only "a note").
+NOTE_SAYS = {
+    "polars_eager": "system-call filter",
+    "polars_lazy": "system-call filter",
+    "polars_streaming": "system-call filter",
+    "duckdb_memory": "access to '/proc/self/cgroup' was refused",
+    "duckdb_file": "access to '/proc/self/cgroup' was refused",
+    "openpyxl": "access to '/etc/mime.types' was refused",
+    "xlsxwriter": "mode, owner or times",
+    "psutil": "none of the host's /proc",
+    "scikit_learn": "refused a child process",
+    "joblib_processes": "refused a child process",
+    "multiprocessing_pool": "refused a child process",
+    "process_pool_executor": "refused a child process",
+}
+
 
 @pytest.fixture(scope="module")
 def census_venv():
@@ -238,7 +254,9 @@ def test_a_pypi_snippet_that_fails_inside_says_why(pypi_box, name):
         pytest.fail(f"{name} does not work even outside the sandbox: {outside(name)['value']}")
     rec = inside(pypi_box, name)
     if census.inside_outcome(rec) != outside(name):
-        assert rec.get("notices"), rec
+        notes = " ".join(rec.get("notices") or [])
+        assert notes, rec
+        assert NOTE_SAYS.get(name, "") in notes, (NOTE_SAYS.get(name), rec)
 
 
 def test_a_module_missing_from_the_venv_names_the_venv_and_the_pypi_package(pypi_box):

@@ -50,7 +50,10 @@ def test_a_path_refusal_a_library_reports_in_its_own_words_is_explained(box):
             "    raise RuntimeError(f'Cannot open file \"{e.filename}\": {e.strerror}') from None")
     rec, text = call(box, code)
     assert rec["error"]["type"] == "RuntimeError", rec
-    assert "access to '/proc/self/cgroup' was refused by the sandbox" in notes_of(rec, text)
+    notes = notes_of(rec, text)
+    assert "access to '/proc/self/cgroup' was refused by the sandbox" in notes, notes
+    # No grant reaches the host's /proc: the note does not send the model after one.
+    assert "none of the host's /proc" in notes and "--allow-read" not in notes, notes
 
 
 @pytest.mark.parametrize("code", [
