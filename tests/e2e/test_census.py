@@ -268,3 +268,18 @@ def test_a_module_missing_from_the_venv_names_the_venv_and_the_pypi_package(pypi
     assert f"{python['interpreter']} (Python {python['version']})" in notes, notes
     # The import name is not the package's name on PyPI.
     assert f"`{python['interpreter']} -m pip install scikit-image`" in notes, notes
+
+
+def test_a_library_an_earlier_refusal_broke_says_the_session_must_restart(pypi_box):
+    """polars' runtime, refused once, stays poisoned for the session's life (its next call panics
+    on a poisoned LazyLock, which says nothing of the sandbox): that run says to reset."""
+    code = "import polars as pl\npl.DataFrame({'a': [1, 2]}).sum()['a'][0]"
+    first = pypi_box.run(code, session="pypi-poisoned")
+    second = pypi_box.run(code, session="pypi-poisoned")
+    if first["status"] == "ok":  # the sandbox lets polars run: nothing to explain
+        assert first["result"] == second["result"] == "3", (first, second)
+        return
+    assert "system-call filter" in " ".join(first.get("notices") or []), first
+    assert second["status"] == "error", second
+    notes = " ".join(second.get("notices") or [])
+    assert "stays broken until the session restarts" in notes and "reset=true" in notes, second
