@@ -372,11 +372,10 @@ fn refusal_notes(text: &str) -> Vec<String> {
         || (refused || text.contains("Function not implemented")) && any_of(text, FORK_WORDS)
     {
         notes.push(
-            "the sandbox refused a child process (fork, or the shared semaphores of a process \
-             pool), so multiprocessing, ProcessPoolExecutor and joblib's processes do not run \
-             here (joblib falls back to one process): use threads (ThreadPoolExecutor, \
-             joblib's prefer=\"threads\"); numpy, pandas and scikit-learn's heavy parts run \
-             outside the GIL"
+            "the sandbox refused a child process (fork, or a process pool's shared semaphore): \
+             multiprocessing, ProcessPoolExecutor and joblib's processes do not run here \
+             (joblib falls back to one process); use threads (ThreadPoolExecutor, joblib's \
+             prefer=\"threads\")"
                 .to_string(),
         );
         explained = true;
