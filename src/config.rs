@@ -160,7 +160,8 @@ pub struct Settings {
     #[arg(long, global = true, env = "MCP_BRIDGE_STARTUP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub startup_timeout: Duration,
 
-    /// How long one proxied tool call may take before it fails (and its server is restarted).
+    /// How long one proxied tool call may take before it fails: it is cancelled (`notifications/cancelled`);
+    /// its server is restarted only if it does not answer a ping either.
     #[arg(long, global = true, env = "IRONCELL_CALL_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub call_timeout: Duration,
 
@@ -263,6 +264,16 @@ pub struct Settings {
     pub allow_write: Vec<PathBuf>,
 }
 
+/// The state directory in use, and whether it is the one configured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StateDir {
+    pub path: PathBuf,
+    /// The one configured (or the default): `path` unless it was unusable.
+    pub wanted: PathBuf,
+    /// Set when `path` is the private fallback: `wanted` and why it could not be used.
+    pub fallback_because: Option<String>,
+}
+
 /// Why no state directory could be used: names every path tried and the fix.
 #[derive(Debug, thiserror::Error)]
 #[error("no usable state directory: {tried}. Fix: {fix}")]
@@ -290,6 +301,8 @@ impl Settings {
             self.memory_limit,
         );
         sandbox.private_tmp = self.private_tmp;
+        // Sessions, plain spares and the plot spare (src/session/pool.rs).
+        sandbox.max_workers = u64::from(self.max_sessions) + u64::from(self.pool_size) + 1;
         sandbox.set_cgroups(self.cgroups);
         Ok(sandbox)
     }
@@ -406,10 +419,22 @@ impl Settings {
     /// it; otherwise a private (mode 700, owned by this user, not a symlink) directory under
     /// `$XDG_RUNTIME_DIR` or the temp dir, with a warning that names the path and the fix.
     pub fn prepare_state_dir(&self) -> Result<PathBuf, StateDirError> {
+        self.prepare_state_dir_explained().map(|d| d.path)
+    }
+
+    /// [`Settings::prepare_state_dir`], saying whether the directory is the fallback and why
+    /// (what `doctor` and `system://info` report).
+    pub fn prepare_state_dir_explained(&self) -> Result<StateDir, StateDirError> {
         let wanted = self.resolved_state_dir();
         let mut tried = Vec::new();
         match usable_dir(&wanted, false) {
-            Ok(()) => return Ok(wanted),
+            Ok(()) => {
+                return Ok(StateDir {
+                    path: wanted.clone(),
+                    wanted,
+                    fallback_because: None,
+                });
+            }
             Err(e) => tried.push(format!("{} ({e})", wanted.display())),
         }
         let fallback = fallback_state_dir();
@@ -417,13 +442,16 @@ impl Settings {
         while let Some(dir) = candidate.take() {
             match usable_dir(&dir, true) {
                 Ok(()) => {
+                    let why = tried.first().cloned().unwrap_or_else(|| "unusable".into());
                     tracing::warn!(
-                        "state dir {}: {}; using the private directory {} instead (session files are lost at reboot). Fix: set MCP_BRIDGE_STATE_DIR to a directory this user can write",
-                        wanted.display(),
-                        tried.first().map(String::as_str).unwrap_or("unusable"),
+                        "state dir {why}; using the private directory {} instead (session files are lost at reboot). Fix: set MCP_BRIDGE_STATE_DIR to a directory this user can write",
                         dir.display()
                     );
-                    return Ok(dir);
+                    return Ok(StateDir {
+                        path: dir,
+                        wanted,
+                        fallback_because: Some(why),
+                    });
                 }
                 Err(e) => tried.push(format!("{} ({e})", dir.display())),
             }

@@ -58,29 +58,42 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         sandbox.policy.limits.threads,
         sandbox.policy.limits.scratch_quota_mib
     );
+    let tmp = crate::sandbox::private_tmp::host_status(
+        settings.private_tmp,
+        &settings.resolved_state_dir(),
+    );
     println!(
         "thread cap    {}",
         sandbox
-            .thread_cap_layer()
+            .thread_cap_layer(&tmp)
             .unwrap_or_else(|| format!("NONE: {}", sandbox.no_thread_cap_reason()))
     );
-    let state_dir = settings.resolved_state_dir();
-    match crate::config::memory_backed_state_dir(&state_dir) {
-        Some(fs) => println!(
-            "state dir     WARNING: {}",
-            crate::config::memory_backed_state_dir_warning(&state_dir, fs)
-        ),
-        None => println!("state dir     {}", state_dir.display()),
-    }
-    println!(
-        "/tmp          {}",
-        crate::sandbox::private_tmp::host_status(
-            settings.private_tmp,
-            &settings.resolved_state_dir()
-        )
-        .describe()
-    );
-    let protections = sandbox.protections();
+    // The state dir serve would use: the configured one, or its fallback (and /tmp follows it).
+    let state_dir = match settings.prepare_state_dir_explained() {
+        Ok(d) => {
+            match crate::config::memory_backed_state_dir(&d.path) {
+                Some(fs) => println!(
+                    "state dir     WARNING: {}",
+                    crate::config::memory_backed_state_dir_warning(&d.path, fs)
+                ),
+                None => println!("state dir     {}", d.path.display()),
+            }
+            if let Some(why) = &d.fallback_because {
+                println!(
+                    "  FALLBACK    {why}: serve uses the private directory above instead (session files and memories are lost at reboot). Fix: set MCP_BRIDGE_STATE_DIR to a directory this user can write"
+                );
+            }
+            d.path
+        }
+        Err(e) => {
+            println!("state dir     NONE usable: {e}");
+            settings.resolved_state_dir()
+        }
+    };
+    // The state dir decides /tmp (beneath /tmp: no bind), so it is looked at again here.
+    let tmp = crate::sandbox::private_tmp::host_status(settings.private_tmp, &state_dir);
+    println!("/tmp          {}", tmp.describe());
+    let protections = sandbox.protections(&tmp);
     let width = protections
         .iter()
         .map(|p| p.protection.chars().count())
@@ -148,12 +161,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         println!("  read-write  {} (granted)", p.display());
     }
 
-    for s in sessions.proxy().skipped() {
-        println!(
-            "\nmcp server    {:?} from {} NOT used: {}",
-            s.name, s.source, s.reason
-        );
-    }
+    let config_ok = report_mcp_servers(&sessions).await;
+    report_local_tools(&sessions).await;
 
     if let Some(r) = &refusal {
         println!("\nverdict       run_python would REFUSE: {r}");
@@ -205,6 +214,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         }
     }
     sessions.shutdown().await;
+    if !config_ok {
+        println!(
+            "\nverdict       NOT ready: an MCP server configuration it reads is broken (see \"mcp config\" above); code runs, but the servers it names are missing"
+        );
+        return Ok(ExitCode::FAILURE);
+    }
     if ok && gaps.is_empty() {
         println!("\nverdict       ready: run_python runs code with every layer above in force");
         Ok(ExitCode::SUCCESS)
@@ -218,5 +233,88 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     } else {
         println!("\nverdict       NOT ready (see above)");
         Ok(ExitCode::FAILURE)
+    }
+}
+
+/// The MCP server configuration serve reads, and each server started as a first call would
+/// start it. `false` when a configuration is broken (something in it was not loaded).
+async fn report_mcp_servers(sessions: &SessionManager) -> bool {
+    let proxy = sessions.proxy();
+    let described = proxy.describe().await;
+    let sources: Vec<&str> = described["sources"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    if sources.is_empty() {
+        println!(
+            "\nmcp config    none found (MCP_BRIDGE_CONFIG, ./mcp_bridge_config.json, ~/.config/mcp-bridge/config.json, Claude Desktop's config): code sees no other MCP servers"
+        );
+    } else {
+        println!("\nmcp config    {}", sources.join(", "));
+    }
+    let breaking = proxy.breaking_problems();
+    for p in &breaking {
+        println!("  BROKEN      {p}");
+    }
+    for p in described["problems"].as_array().into_iter().flatten() {
+        if let Some(p) = p.as_str().filter(|p| !breaking.iter().any(|b| b == p)) {
+            println!("  warning     {p}");
+        }
+    }
+    for s in proxy.skipped() {
+        println!("  skipped     {:?} from {}: {}", s.name, s.source, s.reason);
+    }
+    let names = proxy.server_names();
+    if !names.is_empty() {
+        println!(
+            "  starting {} server(s) as a first call would (up to {} s each)…",
+            names.len(),
+            sessions.settings().startup_timeout.as_secs_f64()
+        );
+    }
+    let starts = names
+        .iter()
+        .map(|n| async move { (n, proxy.tools_json(n).await) });
+    for (name, listed) in futures::future::join_all(starts).await {
+        match listed {
+            Ok(tools) => println!(
+                "  server      {name:?}: started, {} tools",
+                tools.as_array().map_or(0, Vec::len)
+            ),
+            Err(e) => println!("  server      {name:?}: FAILED: {}", e.message),
+        }
+    }
+    breaking.is_empty()
+}
+
+/// The `--tools` files and saved tools, loaded in a sandboxed tools session as serve does.
+async fn report_local_tools(sessions: &std::sync::Arc<SessionManager>) {
+    let tools = crate::local_tools::LocalTools::start(sessions);
+    let d = tools.describe().await;
+    let loaded: Vec<&str> = d["loaded"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    let failed: Vec<&str> = d["failed"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    if loaded.is_empty() && failed.is_empty() {
+        println!("\nlocal tools   none (--tools / IRONCELL_TOOLS, save_tool)");
+        return;
+    }
+    println!(
+        "\nlocal tools   {} loaded: {}",
+        loaded.len(),
+        loaded.join(", ")
+    );
+    for f in failed {
+        println!("  FAILED      {f}");
     }
 }

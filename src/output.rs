@@ -93,6 +93,9 @@ pub struct RunRecord {
     /// recorded one by one.
     #[serde(skip_serializing_if = "is_zero")]
     pub upstream_calls_omitted: u64,
+    /// Proxied calls that never got past their look-up (no such server or tool): counted only.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub upstream_lookups_failed: u64,
     /// Figures and images the run produced (shown inline, full size linked).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub images: Vec<ImageRef>,
@@ -927,6 +930,7 @@ mod tests {
             stderr_truncated: None,
             upstream_calls: Vec::new(),
             upstream_calls_omitted: 0,
+            upstream_lookups_failed: 0,
             images: Vec::new(),
             files: Vec::new(),
             inline_images: Vec::new(),

@@ -48,9 +48,24 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         }
     }
     let s = sessions.settings();
-    let mut sandbox = sandbox_summary(sessions.sandbox());
-    let tmp = crate::sandbox::private_tmp::host_status(s.private_tmp, &s.resolved_state_dir());
+    // What serve uses: the state dir it prepared (the configured one, or the fallback).
+    let state_dir = sessions.state_dir();
+    let configured = s.resolved_state_dir();
+    let tmp = crate::sandbox::private_tmp::host_status(s.private_tmp, state_dir);
+    let mut sandbox = sandbox_summary(sessions.sandbox(), &tmp);
     sandbox["private_tmp"] = json!({"in_force": tmp.describe(), "detail": tmp});
+    let fallback = state_dir != configured;
+    let state = json!({
+        "path": state_dir,
+        "configured": configured,
+        "fallback": fallback,
+        "note": fallback.then_some("the configured state dir could not be used (ironcell's log and `ironcell doctor` say why): session files are in this private directory and are lost at reboot; set MCP_BRIDGE_STATE_DIR to a directory this user can write"),
+        "memory_backed": crate::config::memory_backed_state_dir(state_dir),
+    });
+    let local_tools = match sessions.local_tools() {
+        Some(t) => t.describe().await,
+        None => json!({"loaded": [], "failed": []}),
+    };
     json!({
         "ironcell": env!("CARGO_PKG_VERSION"),
         "os": System::long_os_version().unwrap_or_default(),
@@ -70,7 +85,9 @@ pub async fn collect(sessions: &SessionManager) -> Value {
             "max_output_bytes": s.max_output_bytes,
         },
         "sandbox": sandbox,
+        "state_dir": state,
         "mcp": sessions.proxy().describe().await,
+        "local_tools": local_tools,
         "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
         "spare_workers": spare_workers(sessions),
@@ -80,7 +97,10 @@ pub async fn collect(sessions: &SessionManager) -> Value {
 }
 
 /// The sandbox in force: mode, policy, layers, and which layer provides each protection.
-pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
+pub fn sandbox_summary(
+    sb: &crate::sandbox::Sandbox,
+    tmp: &crate::sandbox::private_tmp::PrivateTmp,
+) -> Value {
     json!({
         "mode": match sb.mode { crate::sandbox::SandboxMode::Enforce => "enforce", crate::sandbox::SandboxMode::BestEffort => "best-effort" },
         "policy": {"name": sb.policy.name, "source": sb.policy.source, "description": sb.policy.description},
@@ -99,9 +119,9 @@ pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
         },
         "mechanisms": {
             "memory": "RLIMIT_DATA (private memory) + RLIMIT_AS (all mappings, shared included); memfd_create refused",
-            "threads": sb.thread_cap_layer(),
+            "threads": sb.thread_cap_layer(tmp),
         },
-        "protections": sb.protections(),
+        "protections": sb.protections(tmp),
         "granted": {
             "read_only": sb.policy.filesystem.allow_read,
             "read_write": sb.policy.filesystem.read_write.iter().chain(&sb.policy.filesystem.allow_write).collect::<Vec<_>>(),

@@ -409,8 +409,13 @@ fn read_source(
             Ok(None) => {}
             Ok(Some((server, warnings))) => {
                 if let Some(own) = skip_self
-                    && is_ironcell_itself(&server, own)
+                    && let Some(why) = ironcell_itself(&server, own)
                 {
+                    loaded.skipped.push(SkippedServer {
+                        name: name.clone(),
+                        source: source.to_string(),
+                        reason: format!("{why}: ironcell does not proxy itself"),
+                    });
                     continue;
                 }
                 loaded.problems.extend(warnings);
@@ -680,6 +685,9 @@ fn parse_entry(
     };
     let rules = super::rules::ToolRules::parse(e)
         .map_err(|(field, message)| problem(Some(&field), message))?;
+    for (field, message) in rules.conflicts() {
+        warnings.push(problem(Some(&field), message));
+    }
     let server = ServerConfig {
         name: name.to_string(),
         command,
@@ -727,23 +735,26 @@ fn is_var_name(s: &str) -> bool {
         && !s.starts_with(|c: char| c.is_ascii_digit())
 }
 
-/// Whether a Claude Desktop entry starts ironcell (so ironcell does not proxy itself).
-fn is_ironcell_itself(server: &ServerConfig, own_exe: Option<&Path>) -> bool {
-    let base = Path::new(&server.command)
-        .file_name()
-        .and_then(|f| f.to_str())
-        .unwrap_or_default();
-    if server.name.eq_ignore_ascii_case("ironcell") || base.starts_with("ironcell") {
-        return true;
+/// Why a Claude Desktop entry starts ironcell itself, if it does (so ironcell does not proxy
+/// itself): it is named `ironcell`, or its command or one of its arguments (a launcher's:
+/// `wsl.exe --exec`, `conda run`, `env`, `docker run`) is this very binary or a file (or image)
+/// named `ironcell`. A path that merely contains "ironcell" (a clone's folder) is not.
+fn ironcell_itself(server: &ServerConfig, own_exe: Option<&Path>) -> Option<String> {
+    if server.name.eq_ignore_ascii_case("ironcell") {
+        return Some("it is named ironcell".into());
     }
-    if let (Some(own), Ok(cmd)) = (own_exe, std::fs::canonicalize(&server.command))
-        && std::fs::canonicalize(own)
-            .map(|o| o == cmd)
-            .unwrap_or(false)
-    {
-        return true;
-    }
-    server.args.iter().any(|a| a.contains("ironcell"))
+    let own = own_exe.and_then(|o| std::fs::canonicalize(o).ok());
+    std::iter::once(&server.command)
+        .chain(&server.args)
+        .find_map(|word| {
+            let base = word.rsplit(['/', '\\']).next().unwrap_or_default();
+            let named =
+                base.eq_ignore_ascii_case("ironcell") || base.eq_ignore_ascii_case("ironcell.exe");
+            let same = own
+                .as_ref()
+                .is_some_and(|o| std::fs::canonicalize(word).is_ok_and(|w| w == *o));
+            (named || same).then(|| format!("it starts ironcell ({word})"))
+        })
 }
 
 #[cfg(test)]
@@ -822,6 +833,45 @@ mod tests {
         assert_eq!(c.servers["time"].command, "from-cwd");
         assert_eq!(c.servers["mem"].env["K"], home.display().to_string());
         assert!(c.problems.is_empty(), "{:?}", c.problems);
+    }
+
+    #[test]
+    fn ironcell_itself_is_skipped_with_the_reason_and_a_path_merely_containing_its_name_is_not() {
+        let home = dir("self");
+        std::fs::create_dir_all(home.join(".config/Claude")).unwrap();
+        std::fs::write(
+            home.join(".config/Claude/claude_desktop_config.json"),
+            r#"{"mcpServers": {
+                 "mine": {"command": "/home/u/ironcell/target/release/ironcell", "args": ["serve"]},
+                 "via-wsl": {"command": "wsl.exe", "args": ["-d", "U", "--exec", "/opt/bin/ironcell", "serve"]},
+                 "in-clone": {"command": "python3", "args": ["/home/u/ironcell/tests/server.py"]},
+                 "ironcellar": {"command": "/opt/ironcellar/bin/serve"}}}"#,
+        )
+        .unwrap();
+        let env = MapEnv(HashMap::from([("HOME", home.display().to_string())]));
+        let c = load(&env, &home, None);
+        assert_eq!(
+            c.servers.keys().collect::<Vec<_>>(),
+            ["in-clone", "ironcellar"]
+        );
+        let skipped: Vec<(&str, &str)> = c
+            .skipped
+            .iter()
+            .map(|s| (s.name.as_str(), s.reason.as_str()))
+            .collect();
+        assert_eq!(
+            skipped,
+            [
+                (
+                    "mine",
+                    "it starts ironcell (/home/u/ironcell/target/release/ironcell): ironcell does not proxy itself"
+                ),
+                (
+                    "via-wsl",
+                    "it starts ironcell (/opt/bin/ironcell): ironcell does not proxy itself"
+                )
+            ]
+        );
     }
 
     #[test]

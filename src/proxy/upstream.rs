@@ -63,19 +63,57 @@ impl ClientHandler for Handler {
     }
 }
 
-/// A server's tool list, and the same tools indexed for search.
 /// Longest line of a proxied server's stderr that ironcell logs.
 const MAX_SERVER_LOG_LINE: usize = 16 << 10;
+/// Lines of a server's stderr kept for error messages, whatever the log level: the last ones
+/// are what says why a server did not start (a missing package, a bad token).
+const STDERR_TAIL_LINES: usize = 20;
+/// Longest line kept in that tail (longer ones are cut, with "…").
+const STDERR_TAIL_LINE_CHARS: usize = 300;
 
-/// Logs a proxied server's stderr line by line until it closes. A server may log what a worker
-/// sent it, so a line is as long as the worker likes: at most [`MAX_SERVER_LOG_LINE`] bytes of
-/// one are kept, and a longer one is skipped (and said so). Reading never stops early: a server
-/// whose stderr nobody drained would block, or fail, writing to it.
-async fn log_server_stderr(name: String, mut stderr: impl tokio::io::AsyncRead + Unpin) {
+/// The last lines a server wrote to stderr (of its latest start), bounded in lines and length.
+#[derive(Default)]
+pub struct StderrTail(std::sync::Mutex<std::collections::VecDeque<String>>);
+
+impl StderrTail {
+    fn push(&self, line: &str) {
+        let mut tail = crate::lock(&self.0);
+        if tail.len() == STDERR_TAIL_LINES {
+            tail.pop_front();
+        }
+        tail.push_back(crate::clip_chars(line.trim_end(), STDERR_TAIL_LINE_CHARS));
+    }
+
+    fn clear(&self) {
+        crate::lock(&self.0).clear();
+    }
+
+    /// For an error message: the last lines, indented, or that there were none.
+    pub fn describe(&self) -> String {
+        let tail = crate::lock(&self.0);
+        if tail.is_empty() {
+            return "it wrote nothing to stderr".into();
+        }
+        let lines: Vec<String> = tail.iter().map(|l| format!("  | {l}")).collect();
+        format!("the last lines of its stderr:\n{}", lines.join("\n"))
+    }
+}
+
+/// Logs a proxied server's stderr line by line until it closes, and keeps its last lines in
+/// `tail`. A server may log what a worker sent it, so a line is as long as the worker likes: at
+/// most [`MAX_SERVER_LOG_LINE`] bytes of one are kept, and a longer one is skipped (and said
+/// so). Reading never stops early: a server whose stderr nobody drained would block, or fail,
+/// writing to it.
+async fn log_server_stderr(
+    name: String,
+    mut stderr: impl tokio::io::AsyncRead + Unpin,
+    tail: Arc<StderrTail>,
+) {
     use tokio::io::AsyncReadExt;
     let mut buf = vec![0u8; 8192];
     let mut line: Vec<u8> = Vec::new();
     let mut too_long = false;
+    let skipped = format!("(a log line longer than {MAX_SERVER_LOG_LINE} bytes, skipped)");
     while let Ok(n @ 1..) = stderr.read(&mut buf).await {
         for piece in buf[..n].split_inclusive(|&b| b == b'\n') {
             let (body, ends) = match piece.strip_suffix(b"\n") {
@@ -91,17 +129,182 @@ async fn log_server_stderr(name: String, mut stderr: impl tokio::io::AsyncRead +
             }
             if ends {
                 if too_long {
-                    tracing::info!(server = %name, "(a log line longer than {MAX_SERVER_LOG_LINE} bytes, skipped)");
+                    tracing::info!(server = %name, "{skipped}");
+                    tail.push(&skipped);
                 } else {
-                    tracing::info!(server = %name, "{}", String::from_utf8_lossy(&line));
+                    let text = String::from_utf8_lossy(&line);
+                    tracing::info!(server = %name, "{text}");
+                    tail.push(&text);
                 }
                 line.clear();
                 too_long = false;
             }
         }
     }
+    if !line.is_empty() {
+        tail.push(&String::from_utf8_lossy(&line));
+    }
 }
 
+/// The transport to a proxied server, which keeps a slow server's late answers from failing
+/// its start.
+///
+/// While the server starts, rmcp sends one request at a time (the `server/discover` probe,
+/// then `initialize` when the probe is refused or left unanswered for 10 s) and takes the next
+/// answer as the one to its latest request: a slow server's late answer to the probe (a cold
+/// `npx` cache) failed the start with "uncorrelated error response". Here an answer to a
+/// request given up on, or to no request at all, is dropped (and logged) before rmcp sees it;
+/// so is an answer to a given-up request after the start. A late probe answer that says the
+/// server speaks 2026-07-28 is kept: if that server then refuses `initialize` (as a server of
+/// that era may), rmcp is given the probe's answer in the form of an `initialize` result of
+/// version 2026-07-28 (which rmcp takes as a server without the handshake, as it is), and the
+/// `notifications/initialized` that follows is not sent.
+struct Correlated<T> {
+    inner: T,
+    name: String,
+    /// Set until the start completes.
+    starting: Arc<AtomicBool>,
+    /// The start's latest request (and whether it is the probe), until answered.
+    awaited: Option<(rmcp::model::RequestId, bool)>,
+    /// Start requests replaced by a later one before they were answered (a handful at most).
+    abandoned: Vec<(rmcp::model::RequestId, bool)>,
+    /// A late answer to the probe that names 2026-07-28.
+    late_discover: Option<rmcp::model::DiscoverResult>,
+    /// The start went on with that late answer: the handshake's notification is not sent.
+    discovered_late: bool,
+}
+
+impl<T> Correlated<T> {
+    fn new(inner: T, name: &str, starting: Arc<AtomicBool>) -> Correlated<T> {
+        Correlated {
+            inner,
+            name: name.to_string(),
+            starting,
+            awaited: None,
+            abandoned: Vec::new(),
+            late_discover: None,
+            discovered_late: false,
+        }
+    }
+}
+
+/// A response's `id` answers request `request` (`"1"` answers `1`, as rmcp allows).
+fn answers(request: &rmcp::model::RequestId, response: &rmcp::model::RequestId) -> bool {
+    use rmcp::model::NumberOrString;
+    request == response
+        || matches!((request, response), (NumberOrString::Number(n), NumberOrString::String(s))
+            if s.parse::<i64>().ok() == Some(*n))
+}
+
+impl<T: rmcp::transport::Transport<RoleClient>> rmcp::transport::Transport<RoleClient>
+    for Correlated<T>
+{
+    type Error = T::Error;
+
+    fn send(
+        &mut self,
+        item: rmcp::service::TxJsonRpcMessage<RoleClient>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
+        use rmcp::model::{ClientNotification, ClientRequest, JsonRpcMessage};
+        if self.starting.load(Ordering::SeqCst) {
+            match &item {
+                JsonRpcMessage::Request(r) => {
+                    let probe = matches!(r.request, ClientRequest::DiscoverRequest(_));
+                    if let Some(given_up) = self.awaited.replace((r.id.clone(), probe)) {
+                        self.abandoned.push(given_up);
+                    }
+                }
+                JsonRpcMessage::Notification(n)
+                    if self.discovered_late
+                        && matches!(
+                            n.notification,
+                            ClientNotification::InitializedNotification(_)
+                        ) =>
+                {
+                    return futures::future::Either::Right(futures::future::ready(Ok(())));
+                }
+                _ => {}
+            }
+        }
+        futures::future::Either::Left(self.inner.send(item))
+    }
+
+    fn receive(
+        &mut self,
+    ) -> impl Future<Output = Option<rmcp::service::RxJsonRpcMessage<RoleClient>>> + Send {
+        use rmcp::model::{JsonRpcMessage, ServerResult};
+        async move {
+            loop {
+                // Cancel-safe as the inner transport is: nothing is decided before it answers.
+                let message = self.inner.receive().await?;
+                let id = match &message {
+                    JsonRpcMessage::Response(r) => Some(r.id.clone()),
+                    JsonRpcMessage::Error(e) => e.id.clone(),
+                    _ => None,
+                };
+                let Some(id) = id else {
+                    return Some(message);
+                };
+                if let Some(i) = self.abandoned.iter().position(|(a, _)| answers(a, &id)) {
+                    let (_, probe) = self.abandoned.swap_remove(i);
+                    if probe
+                        && let JsonRpcMessage::Response(r) = &message
+                        && let ServerResult::DiscoverResult(d) = &r.result
+                        && d.supported_versions
+                            .contains(&ProtocolVersion::V_2026_07_28)
+                    {
+                        self.late_discover = Some(d.clone());
+                    }
+                    tracing::info!(server = %self.name, %id, "a late answer to a request of the start that was given up on; ignored");
+                    continue;
+                }
+                if !self.starting.load(Ordering::SeqCst) {
+                    return Some(message);
+                }
+                let Some((_, probe)) = self.awaited.take_if(|(a, _)| answers(a, &id)) else {
+                    tracing::warn!(server = %self.name, %id, "an answer to no request of the start; ignored");
+                    continue;
+                };
+                if !probe
+                    && matches!(message, JsonRpcMessage::Error(_))
+                    && let Some(d) = self.late_discover.take()
+                {
+                    tracing::info!(server = %self.name, "it refused initialize after its late answer to server/discover: using 2026-07-28, as that answer said");
+                    self.discovered_late = true;
+                    let mut result = rmcp::model::InitializeResult::new(d.capabilities.clone());
+                    result.protocol_version = ProtocolVersion::V_2026_07_28;
+                    result.server_info = d
+                        .server_info()
+                        .unwrap_or_else(|| Implementation::new(self.name.clone(), ""));
+                    result.instructions = d.instructions.clone();
+                    result.meta = d.meta.clone();
+                    return Some(JsonRpcMessage::response(
+                        ServerResult::InitializeResult(result),
+                        id,
+                    ));
+                }
+                return Some(message);
+            }
+        }
+    }
+
+    fn close(&mut self) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        self.inner.close()
+    }
+}
+
+/// A start that failed, in words: rmcp's "both failed" says why each step did.
+fn start_error(e: &rmcp::service::ClientInitializeError) -> String {
+    use rmcp::service::ClientInitializeError as E;
+    match e {
+        E::LegacyFallbackFailed { discover, fallback } => {
+            format!("server/discover: {discover}; then initialize: {fallback}")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// A server's tool list, and the same tools indexed for search.
 pub struct ToolCatalog {
     pub tools: Vec<Tool>,
     pub index: Vec<super::search::Indexed>,
@@ -337,12 +540,17 @@ async fn list_tools(
     Ok(catalog)
 }
 
+/// How long a server that let a call overrun has to answer a ping before it counts as wedged.
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub struct Upstream {
     pub config: ServerConfig,
     startup_timeout: Duration,
     conn: tokio::sync::Mutex<Option<Connection>>,
     /// The protocol version the server spoke at its last start (kept after it stops).
     protocol_version: std::sync::Mutex<Option<ProtocolVersion>>,
+    /// The last lines of its stderr since its latest start.
+    stderr_tail: Arc<StderrTail>,
 }
 
 impl Upstream {
@@ -352,6 +560,7 @@ impl Upstream {
             startup_timeout,
             conn: tokio::sync::Mutex::new(None),
             protocol_version: std::sync::Mutex::new(None),
+            stderr_tail: Arc::new(StderrTail::default()),
         }
     }
 
@@ -406,31 +615,42 @@ impl Upstream {
                     c.name, c.command
                 ))
             })?;
-        if let Some(stderr) = stderr {
+        self.stderr_tail.clear();
+        let reader = stderr.map(|stderr| {
             let name = c.name.clone();
-            tokio::spawn(log_server_stderr(name, stderr));
-        }
+            tokio::spawn(log_server_stderr(name, stderr, self.stderr_tail.clone()))
+        });
         let tools = Arc::new(ToolState::new());
         let handler = Handler {
             tools: tools.clone(),
         };
+        let starting = Arc::new(AtomicBool::new(true));
+        let transport = Correlated::new(transport, &c.name, starting.clone());
         let start = handler.serve_with_lifecycle(transport, lifecycle());
-        let service = match tokio::time::timeout(self.startup_timeout, start).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
+        let failed = match tokio::time::timeout(self.startup_timeout, start).await {
+            Ok(Ok(service)) => Ok(service),
+            Ok(Err(e)) => Err(format!("failed to start: {}", start_error(&e))),
+            Err(_) => Err(format!(
+                "did not finish starting within {} s (MCP_BRIDGE_STARTUP_TIMEOUT)",
+                self.startup_timeout.as_secs_f64()
+            )),
+        };
+        let service = match failed {
+            Ok(service) => service,
+            Err(why) => {
+                // The transport is gone, so the child is being killed: its stderr ends soon
+                // (a grandchild holding it open gets at most a second).
+                if let Some(reader) = reader {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), reader).await;
+                }
                 return Err(ProxyError::unavailable(format!(
-                    "server {:?} failed to start: {e} (its log lines are in ironcell's stderr)",
-                    c.name
-                )));
-            }
-            Err(_) => {
-                return Err(ProxyError::unavailable(format!(
-                    "server {:?} did not finish starting within {} s (MCP_BRIDGE_STARTUP_TIMEOUT)",
+                    "server {:?} {why}; {}",
                     c.name,
-                    self.startup_timeout.as_secs_f64()
+                    self.stderr_tail.describe()
                 )));
             }
         };
+        starting.store(false, Ordering::SeqCst);
         let version = service
             .peer()
             .peer_info()
@@ -546,8 +766,9 @@ impl Upstream {
                     // Forget the dead connection so the next use starts the server again.
                     self.stop().await;
                     Err(ProxyError::unavailable(format!(
-                        "server {:?} exited during the call to {tool:?} ({e}); it restarts on next use",
-                        self.name()
+                        "server {:?} exited during the call to {tool:?} ({e}); it restarts on next use; {}",
+                        self.name(),
+                        self.stderr_tail.describe()
                     )))
                 } else {
                     if matches!(e, rmcp::service::ServiceError::McpError(_)) {
@@ -562,12 +783,30 @@ impl Upstream {
                 }
             }
             Err(_) => {
-                // A server that does not answer in time is restarted: it may be wedged.
+                // Dropping the call sent `notifications/cancelled` for it. Other sessions may be
+                // using this server, so it is restarted only if it does not answer a ping
+                // either: wedged for everyone, not just slow on this call.
+                let ping = live
+                    .peer
+                    .send_request(rmcp::model::ClientRequest::PingRequest(
+                        rmcp::model::PingRequest {
+                            method: Default::default(),
+                            extensions: Default::default(),
+                        },
+                    ));
+                if matches!(tokio::time::timeout(PING_TIMEOUT, ping).await, Ok(Ok(_))) {
+                    return Err(ProxyError::unavailable(format!(
+                        "server {:?} did not answer {tool:?} within {} s; the call was cancelled (the server was sent notifications/cancelled, and keeps running for its other callers)",
+                        self.name(),
+                        timeout.as_secs_f64()
+                    )));
+                }
                 self.stop().await;
                 Err(ProxyError::unavailable(format!(
-                    "server {:?} did not answer {tool:?} within {} s; it was restarted",
+                    "server {:?} did not answer {tool:?} within {} s, nor a ping within {} s; it was restarted",
                     self.name(),
-                    timeout.as_secs_f64()
+                    timeout.as_secs_f64(),
+                    PING_TIMEOUT.as_secs()
                 )))
             }
         }

@@ -81,9 +81,21 @@ pub struct SetupArgs {
     /// Docker: the image to run.
     #[arg(long, default_value = "ironcell")]
     pub image: String,
-    /// The ironcell executable the client should start (default: this one).
+    /// The ironcell executable the client should start (default: this one; one inside a cargo
+    /// build tree is first installed to ~/.local/bin/ironcell, see --no-install).
     #[arg(long, value_name = "PATH")]
     pub ironcell: Option<PathBuf>,
+    /// Configure this binary where it is even when it is inside a cargo build tree (`target/`).
+    /// Without it, such a binary is copied to ~/.local/bin/ironcell first and that copy is
+    /// configured, so the client's config survives `cargo clean`, a rebuild that fails, and a
+    /// moved or deleted clone (run setup again after rebuilding to update the copy).
+    #[arg(long)]
+    pub no_install: bool,
+    /// Replace an existing ironcell entry instead of merging with it. By default the settings
+    /// an existing entry has and this run does not give (its flags after `serve`, its `env`)
+    /// are kept, and named.
+    #[arg(long)]
+    pub replace: bool,
     /// Show the change as a diff and write nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -109,6 +121,8 @@ struct Target {
     entry: Value,
     /// What to tell the user after writing: where to look, how to check.
     check: String,
+    /// The entry starts the ironcell of this machine (not a Docker image).
+    runs_here: bool,
 }
 
 /// `ironcell setup`.
@@ -133,6 +147,7 @@ pub fn run(args: SetupArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         }
     }
     let settings_flags = explicit_setting_flags(wsl.as_ref())?;
+    let (exe, install) = executable(&args, home.as_deref())?;
     let mut targets = Vec::new();
     for client in clients {
         targets.push(target_for(
@@ -142,13 +157,85 @@ pub fn run(args: SetupArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             &settings_flags,
             wsl.as_ref(),
             home.as_deref(),
+            &exe,
         )?);
     }
     let interactive = std::io::stdin().is_terminal() && !args.yes && !args.dry_run;
+    if let Some(from) = install.filter(|_| targets.iter().any(|t| t.path.is_some() && t.runs_here))
+    {
+        if args.dry_run {
+            println!(
+                "dry run: would install {} as {} (the binary the config below starts)\n",
+                from.display(),
+                exe.display()
+            );
+        } else {
+            install_binary(&from, &exe)?;
+            println!(
+                "installed {} as {}: the client's config starts that copy, so it survives `cargo clean` and a moved clone. After rebuilding, run setup again to update it (or give --no-install to configure the build's binary itself).\n",
+                from.display(),
+                exe.display()
+            );
+        }
+    }
     for t in targets {
         apply(&t, &args, interactive)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The ironcell binary the client should start, and the build's binary to install there first
+/// if it is to be installed: `--ironcell` as given; else this binary, unless it lives in a
+/// cargo build tree (a `target/` dir, marked by cargo's `CACHEDIR.TAG`), which `cargo clean`
+/// or a rebuild would take from under the client: then its copy in `~/.local/bin`.
+fn executable(args: &SetupArgs, home: Option<&Path>) -> anyhow::Result<(PathBuf, Option<PathBuf>)> {
+    if let Some(p) = &args.ironcell {
+        let exe =
+            std::fs::canonicalize(p).with_context(|| format!("--ironcell {}", p.display()))?;
+        return Ok((exe, None));
+    }
+    let exe = std::env::current_exe().context("finding ironcell's own executable")?;
+    if args.no_install || !in_build_tree(&exe) {
+        return Ok((exe, None));
+    }
+    let home = home.ok_or_else(|| {
+        anyhow!(
+            "HOME is not set, so this build's binary ({}) cannot be installed to ~/.local/bin; give --ironcell PATH (an installed copy) or --no-install",
+            exe.display()
+        )
+    })?;
+    Ok((home.join(".local/bin/ironcell"), Some(exe)))
+}
+
+/// Whether `exe` is a binary cargo built in place: `<target>/<profile>/ironcell` with cargo's
+/// `CACHEDIR.TAG` in `<target>`.
+fn in_build_tree(exe: &Path) -> bool {
+    exe.parent()
+        .and_then(Path::parent)
+        .is_some_and(|target| target.join("CACHEDIR.TAG").is_file())
+}
+
+/// Copies `from` to `to` (mode 755) through a temporary file and a rename: a client running
+/// the old copy keeps it until it restarts.
+fn install_binary(from: &Path, to: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = to
+        .parent()
+        .ok_or_else(|| anyhow!("{} has no parent folder", to.display()))?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(".ironcell.install-{}", std::process::id()));
+    let copied = std::fs::copy(from, &tmp)
+        .and_then(|_| std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)))
+        .and_then(|()| std::fs::rename(&tmp, to));
+    if let Err(e) = copied {
+        let _ = std::fs::remove_file(&tmp);
+        bail!(
+            "cannot install {} as {}: {e}. Give --ironcell PATH (an installed copy) or --no-install",
+            from.display(),
+            to.display()
+        );
+    }
+    Ok(())
 }
 
 /// The clients installed here.
@@ -243,6 +330,7 @@ fn target_for(
     flags: &[(String, String)],
     wsl: Option<&wsl::Wsl>,
     home: Option<&Path>,
+    exe: &Path,
 ) -> anyhow::Result<Target> {
     let check = "Check it: restart the client, then run `ironcell doctor` in a terminal (it shows every sandbox layer and exits non-zero if code would be refused), and read the `system://info` resource in the client (or ask Claude to run `print(6*7)` with ironcell).";
     if client == Client::Docker {
@@ -252,7 +340,7 @@ fn target_for(
     settings
         .sandbox()
         .context("the settings given to setup do not work here")?;
-    let launch = local_launch(args, flags)?;
+    let launch = local_launch(args, flags, exe)?;
     match (client, wsl) {
         (Client::ClaudeDesktop, Some(w)) => {
             let distro = args
@@ -280,6 +368,7 @@ fn target_for(
                 check: format!(
                     "{check} The other servers in this Windows-side config are offered to ironcell's Python too; `ironcell doctor` lists any it cannot start from WSL and why."
                 ),
+                runs_here: true,
             })
         }
         (Client::ClaudeDesktop, None) => {
@@ -294,6 +383,7 @@ fn target_for(
                 path: Some(path),
                 entry: json!({"command": launch.command, "args": launch.args}),
                 check: check.into(),
+                runs_here: true,
             })
         }
         (Client::ClaudeCode, _) => {
@@ -329,6 +419,7 @@ fn target_for(
                     line.join(" "),
                     args.name
                 ),
+                runs_here: true,
             })
         }
         (Client::Docker, _) => unreachable!("handled above"),
@@ -337,13 +428,11 @@ fn target_for(
 
 /// The command that starts ironcell on this machine: itself, optionally inside a conda env or
 /// a venv, with the settings as flags.
-fn local_launch(args: &SetupArgs, flags: &[(String, String)]) -> anyhow::Result<Launch> {
-    let exe = match &args.ironcell {
-        Some(p) => {
-            std::fs::canonicalize(p).with_context(|| format!("--ironcell {}", p.display()))?
-        }
-        None => std::env::current_exe().context("finding ironcell's own executable")?,
-    };
+fn local_launch(
+    args: &SetupArgs,
+    flags: &[(String, String)],
+    exe: &Path,
+) -> anyhow::Result<Launch> {
     let exe = exe.display().to_string();
     let mut serve = vec![exe.clone(), "serve".to_string()];
     for (long, v) in flags {
@@ -375,9 +464,17 @@ fn local_launch(args: &SetupArgs, flags: &[(String, String)]) -> anyhow::Result<
                 venv.display()
             );
         }
+        // The venv's bin first, then the PATH setup runs with (the user's shell's: nvm's `npx`,
+        // ~/.local/bin, …), which the servers ironcell proxies are started with.
+        let bin = venv.join("bin");
+        let mut path = vec![bin.clone()];
+        let current =
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+        path.extend(std::env::split_paths(&current).filter(|d| *d != bin));
+        let path = std::env::join_paths(path).context("--venv: the PATH to give the client")?;
         let mut a = vec![
             format!("VIRTUAL_ENV={}", venv.display()),
-            format!("PATH={}/bin:/usr/local/bin:/usr/bin:/bin", venv.display()),
+            format!("PATH={}", path.to_string_lossy()),
         ];
         a.extend(serve);
         return Ok(Launch {
@@ -471,6 +568,7 @@ fn docker_target(args: &SetupArgs, settings: &Settings, flags: &[(String, String
             shell_quote(&args.image),
             shown.join(" ")
         ),
+        runs_here: false,
     }
 }
 
@@ -499,7 +597,27 @@ fn apply(t: &Target, args: &SetupArgs, interactive: bool) -> anyhow::Result<()> 
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => bail!("cannot read {}: {e}", path.display()),
     };
-    let new = splice::set_server_entry(&old, &args.name, &t.entry).map_err(|e| {
+    let (entry, carried) = match existing_entry(&old, &args.name) {
+        Some(existing) => merge_entry(&existing, &t.entry),
+        None => (t.entry.clone(), Vec::new()),
+    };
+    let entry = if args.replace { t.entry.clone() } else { entry };
+    if !carried.is_empty() {
+        if args.replace {
+            println!(
+                "--replace: dropping what the existing {:?} entry had and this run does not give: {}",
+                args.name,
+                carried.join(", ")
+            );
+        } else {
+            println!(
+                "kept from the existing {:?} entry (this run does not give them; --replace drops them): {}",
+                args.name,
+                carried.join(", ")
+            );
+        }
+    }
+    let new = splice::set_server_entry(&old, &args.name, &entry).map_err(|e| {
         anyhow!(
             "not changing {}: {e}. Fix the file (or move it away) and run setup again",
             path.display()
@@ -539,8 +657,123 @@ fn apply(t: &Target, args: &SetupArgs, interactive: bool) -> anyhow::Result<()> 
     Ok(())
 }
 
+/// The entry `name` of the config `text`, if it has one.
+fn existing_entry(text: &str, name: &str) -> Option<Value> {
+    let doc: Value = serde_json::from_str(text.strip_prefix('\u{feff}').unwrap_or(text)).ok()?;
+    doc.get("mcpServers")?.get(name).cloned()
+}
+
+/// A `serve` flag of an entry: `--name value` (or `--name=value`), or a lone word.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Word {
+    Flag(String, Option<String>),
+    Other(String),
+}
+
+/// What follows `serve` in `args`, read as flags (`None` without a `serve`).
+fn serve_words(args: &[Value]) -> Option<Vec<Word>> {
+    let args: Vec<&str> = args.iter().filter_map(Value::as_str).collect();
+    let start = args.iter().position(|a| *a == "serve")? + 1;
+    let mut out = Vec::new();
+    let mut i = start;
+    while i < args.len() {
+        let a = args[i];
+        match a.strip_prefix("--") {
+            Some(flag) if !flag.is_empty() => match flag.split_once('=') {
+                Some((k, v)) => out.push(Word::Flag(k.into(), Some(v.into()))),
+                None => {
+                    let value = args.get(i + 1).filter(|v| !v.starts_with("--"));
+                    out.push(Word::Flag(flag.into(), value.map(|v| v.to_string())));
+                    i += usize::from(value.is_some());
+                }
+            },
+            _ => out.push(Word::Other(a.into())),
+        }
+        i += 1;
+    }
+    Some(out)
+}
+
+/// The `serve` flags that may be given more than once (`--allow-read`, `--tools`, …).
+fn repeatable_flags() -> Vec<String> {
+    let defs = <Settings as clap::Args>::augment_args(clap::Command::new("settings"));
+    defs.get_arguments()
+        .filter(|a| matches!(a.get_action(), clap::ArgAction::Append))
+        .filter_map(|a| a.get_long().map(str::to_string))
+        .collect()
+}
+
+/// `new` with what `old` (the entry already in the file) has and `new` does not: its `serve`
+/// flags that `new` does not set (a repeatable flag's other values too) and its `env`
+/// variables that `new` does not set. Also returns those, as words for the user.
+fn merge_entry(old: &Value, new: &Value) -> (Value, Vec<String>) {
+    let empty = Vec::new();
+    let old_args = old.get("args").and_then(Value::as_array).unwrap_or(&empty);
+    let new_args = new.get("args").and_then(Value::as_array).unwrap_or(&empty);
+    let mut merged = new.clone();
+    let mut carried = Vec::new();
+    if let (Some(old_words), Some(new_words)) = (serve_words(old_args), serve_words(new_args)) {
+        let repeatable = repeatable_flags();
+        let set_by_new = |k: &str| {
+            new_words
+                .iter()
+                .any(|w| matches!(w, Word::Flag(n, _) if n == k))
+        };
+        let mut args = new_args.clone();
+        for w in old_words {
+            let keep = match &w {
+                Word::Flag(k, _) if repeatable.contains(k) => !new_words.contains(&w),
+                Word::Flag(k, _) => !set_by_new(k),
+                Word::Other(_) => !new_words.contains(&w),
+            };
+            if !keep {
+                continue;
+            }
+            let shown = match &w {
+                Word::Flag(k, Some(v)) => {
+                    args.push(json!(format!("--{k}")));
+                    args.push(json!(v));
+                    format!("--{k} {v}")
+                }
+                Word::Flag(k, None) => {
+                    args.push(json!(format!("--{k}")));
+                    format!("--{k}")
+                }
+                Word::Other(o) => {
+                    args.push(json!(o));
+                    o.clone()
+                }
+            };
+            carried.push(shown);
+        }
+        merged["args"] = Value::Array(args);
+    }
+    if let Some(old_env) = old.get("env").and_then(Value::as_object) {
+        let mut env = new
+            .get("env")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default();
+        for (k, v) in old_env {
+            if !env.contains_key(k) {
+                env.insert(k.clone(), v.clone());
+                carried.push(format!("env {k}"));
+            }
+        }
+        if !env.is_empty() || merged.get("env").is_some() {
+            merged["env"] = Value::Object(env);
+        }
+    }
+    (merged, carried)
+}
+
+/// Backups of a config kept beside it (the newest; older ones setup made are removed).
+const BACKUPS_KEPT: usize = 3;
+
 /// Writes `new` to `path` through a temporary file and a rename, after copying the current
-/// file beside it as `<name>.bak-<UTC timestamp>`. Returns the backup's path.
+/// file beside it as `<name>.bak-<UTC timestamp>`; both keep the file's mode (a private
+/// `~/.claude.json` stays 0600), and only the newest [`BACKUPS_KEPT`] backups are kept.
+/// Returns the backup's path.
 fn write_with_backup(path: &Path, old: &str, new: &str) -> anyhow::Result<Option<PathBuf>> {
     let dir = path
         .parent()
@@ -551,25 +784,99 @@ fn write_with_backup(path: &Path, old: &str, new: &str) -> anyhow::Result<Option
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let existed = path.exists();
+    // The file's mode, or for a new file what the umask gives.
+    let mode = std::fs::metadata(path)
+        .ok()
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777);
     let mut backup = None;
-    if existed {
-        let mut b = dir.join(format!("{name}.bak-{}", utc_stamp()));
+    if let Some(mode) = mode {
+        // Several runs in one second: `-<n>` past the highest taken (a lower one may be free
+        // because it was the oldest and removed, and would then sort as older than it is).
+        let stamp = utc_stamp();
+        let mut b = dir.join(format!("{name}.bak-{stamp}"));
         let mut n = 1;
         while b.exists() {
-            b = dir.join(format!("{name}.bak-{}-{n}", utc_stamp()));
+            b = dir.join(format!("{name}.bak-{stamp}-{n}"));
             n += 1;
         }
-        std::fs::write(&b, old).with_context(|| format!("writing the backup {}", b.display()))?;
+        let same_second = format!("{name}.bak-{stamp}-");
+        let highest = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let file = e.file_name();
+                file.to_str()?
+                    .strip_prefix(&same_second)?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .max();
+        if let Some(h) = highest {
+            b = dir.join(format!("{name}.bak-{stamp}-{}", h + 1));
+        }
+        write_private(&b, old, mode)
+            .with_context(|| format!("writing the backup {}", b.display()))?;
         backup = Some(b);
+        remove_old_backups(dir, &name);
     }
     let tmp = dir.join(format!(".{name}.ironcell-{}", std::process::id()));
-    std::fs::write(&tmp, new).with_context(|| format!("writing {}", tmp.display()))?;
-    if existed && let Ok(meta) = std::fs::metadata(path) {
-        let _ = std::fs::set_permissions(&tmp, meta.permissions());
-    }
+    let written = match mode {
+        Some(mode) => write_private(&tmp, new, mode),
+        None => std::fs::write(&tmp, new),
+    };
+    written.with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
     Ok(backup)
+}
+
+/// Creates `path` (it must not exist) with mode 0600 — so no one else can open it while it is
+/// written — writes `text`, then gives it `mode`.
+fn write_private(path: &Path, text: &str, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    f.set_permissions(std::fs::Permissions::from_mode(mode))
+}
+
+/// Removes all but the newest [`BACKUPS_KEPT`] of `<name>.bak-<stamp>` in `dir` (the stamp
+/// sorts by time).
+fn remove_old_backups(dir: &Path, name: &str) {
+    let prefix = format!("{name}.bak-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut backups: Vec<(String, PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let file = e.file_name().to_str()?.to_string();
+            let stamp = file.strip_prefix(&prefix)?;
+            // Only setup's own names: `YYYYMMDDTHHMMSSZ`, maybe `-<n>`.
+            let ours = stamp.len() >= 16
+                && stamp.as_bytes()[8] == b'T'
+                && stamp.as_bytes()[15] == b'Z'
+                && stamp[..8].bytes().all(|b| b.is_ascii_digit());
+            ours.then(|| (stamp_key(stamp), e.path()))
+        })
+        .collect();
+    backups.sort();
+    let excess = backups.len().saturating_sub(BACKUPS_KEPT);
+    for (_, old) in backups.into_iter().take(excess) {
+        let _ = std::fs::remove_file(old);
+    }
+}
+
+/// A backup's stamp as a key that sorts by age: `…Z-10` after `…Z-9`.
+fn stamp_key(stamp: &str) -> String {
+    match stamp.split_once('-') {
+        Some((t, n)) => format!("{t}-{n:0>6}"),
+        None => format!("{t}-{:0>6}", "", t = stamp),
+    }
 }
 
 /// Now, as `YYYYMMDDTHHMMSSZ`.

@@ -39,11 +39,25 @@ def state_dir(tmp_path):
     return d
 
 
+def test_home(base: Path) -> Path:
+    """A HOME of the test's own (`<base>/.test-home`, as open as `base` so `nobody` can use it):
+    nothing the user running the suite configured (~/.config/mcp-bridge/config.json, Claude's
+    configs) reaches a server the suite starts."""
+    home = base / ".test-home"
+    home.mkdir(exist_ok=True)
+    home.chmod(base.stat().st_mode & 0o777)
+    return home
+
+
 def server_env(state_dir: Path, **overrides: str | None) -> dict[str, str]:
-    """The environment ironcell is started with; an override of None removes a variable."""
+    """The environment ironcell is started with: nothing of the user's but PATH, a HOME and XDG
+    dirs of the test's own (see `test_home`). An override of None removes a variable."""
+    home = test_home(state_dir)
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": os.environ.get("HOME", "/root"),
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
         "MCP_BRIDGE_STATE_DIR": str(state_dir),
         "MCP_BRIDGE_LOG_LEVEL": "info",
         "IRONCELL_PYTHON": TEST_PYTHON,

@@ -442,7 +442,8 @@ async def test_save_tool_makes_a_tool_announces_it_and_keeps_it_across_restarts(
         assert r.is_error and "invalid tool name" in r.text, r
         r = await run(s, "import mcp\nmcp._request_sync('tools.save', {'name': 'big', 'source': 'x' * 70000})")
         assert r.is_error and "limit" in r.text, r
-    assert sorted(p.name for p in (state_dir / "tools").iterdir()) == ["hypotenuse.py"]
+    # The tool and its owner (the session that saved it: SECURITY.md #173), nothing else.
+    assert sorted(p.name for p in (state_dir / "tools").iterdir()) == [".hypotenuse.owner", "hypotenuse.py"]
 
     async with client(state_dir) as s:
         assert s.init_result.capabilities.tools.list_changed is True

@@ -180,7 +180,7 @@ def test_a_mount_beneath_the_hosts_tmp_does_not_change_what_is_reported(as_user)
         assert box.value("import os\nopen('/tmp/mine', 'w').write('x')\nos.path.samefile('/tmp', '.')") is True
         info = box.info()["sandbox"]["private_tmp"]
         assert info["detail"]["mechanism"] == "namespace", info
-        runner = ["runuser", "-u", "nobody", "--"] if as_user == "nobody" else []
+        runner = ["/usr/sbin/runuser", "-u", "nobody", "--"] if as_user == "nobody" else []
         env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "MCP_BRIDGE_STATE_DIR": str(box.state)}
         out = subprocess.run([*runner, "env", *(f"{k}={v}" for k, v in env.items()), str(IRONCELL), "doctor"],
                              capture_output=True, text=True, timeout=60).stdout

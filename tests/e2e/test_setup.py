@@ -58,6 +58,15 @@ def entry_of(path: Path, name: str = "ironcell") -> dict:
     return json.loads(path.read_text())["mcpServers"][name]
 
 
+def configured(home: Path) -> str:
+    """The binary setup puts in the config: a build's binary (in a cargo `target/`, marked by
+    its CACHEDIR.TAG) is installed as ~/.local/bin/ironcell first; an installed one is used as
+    it is."""
+    if (IRONCELL.resolve().parents[1] / "CACHEDIR.TAG").is_file():
+        return str(home / ".local/bin/ironcell")
+    return str(IRONCELL.resolve())
+
+
 # ---------------------------------------------------------------------------------------------
 # setup
 # ---------------------------------------------------------------------------------------------
@@ -68,12 +77,12 @@ def test_claude_code_dry_run_shows_a_diff_passes_settings_as_flags_and_writes_no
     p = setup("--client", "claude-code", "--dry-run", "--allow-read", str(proj), "--timeout", "60s", home=tmp_path)
     assert p.returncode == 0, p.stderr
     assert f"+++ {tmp_path}/.claude.json" in p.stdout
-    for line in ['+      "type": "stdio",', f'+      "command": "{IRONCELL.resolve()}",', '+        "--allow-read",',
+    for line in ['+      "type": "stdio",', f'+      "command": "{configured(tmp_path)}",', '+        "--allow-read",',
                  f'+        "{proj}"', '+        "60s",']:
         assert line in p.stdout, p.stdout
     assert "claude mcp add --scope user ironcell -- " in p.stdout
     assert "ironcell doctor" in p.stdout and "system://info" in p.stdout
-    assert not (tmp_path / ".claude.json").exists()
+    assert not (tmp_path / ".claude.json").exists() and not (tmp_path / ".local/bin/ironcell").exists()
 
 
 def test_claude_code_project_scope_writes_mcp_json_in_the_current_folder(tmp_path):
@@ -84,7 +93,7 @@ def test_claude_code_project_scope_writes_mcp_json_in_the_current_folder(tmp_pat
                        stdin=subprocess.DEVNULL, timeout=60)
     assert p.returncode == 0, p.stderr
     e = entry_of(proj / ".mcp.json")
-    assert e["command"] == str(IRONCELL.resolve()) and e["args"] == ["serve"], e
+    assert e["command"] == configured(tmp_path) and e["args"] == ["serve"], e
 
 
 def test_merging_keeps_every_other_byte_and_leaves_a_timestamped_backup(tmp_path):
@@ -98,7 +107,7 @@ def test_merging_keeps_every_other_byte_and_leaves_a_timestamped_backup(tmp_path
     cut = OTHER_SERVERS.rindex("\n        }") + len("\n        }")
     assert new.startswith(OTHER_SERVERS[:cut]) and new.endswith(OTHER_SERVERS[cut:]), new
     e = entry_of(cfg)
-    assert e == {"command": str(IRONCELL.resolve()), "args": ["serve", "--memory-limit", "2g"]}
+    assert e == {"command": configured(tmp_path), "args": ["serve", "--memory-limit", "2g"]}
     backups = list(cfg.parent.glob("claude_desktop_config.json.bak-*"))
     assert len(backups) == 1 and backups[0].read_text() == OTHER_SERVERS, backups
     assert str(backups[0]) in p.stdout
@@ -106,11 +115,104 @@ def test_merging_keeps_every_other_byte_and_leaves_a_timestamped_backup(tmp_path
     p = setup("--client", "claude-desktop", "--memory-limit", "2g", home=tmp_path)
     assert p.returncode == 0 and "already has this entry" in p.stdout, p.stdout
     assert len(list(cfg.parent.glob("*.bak-*"))) == 1
-    # Changed settings replace only the entry.
-    p = setup("--client", "claude-desktop", home=tmp_path)
+    # Other settings change only the entry (merged with it: see the merge test).
+    p = setup("--client", "claude-desktop", "--replace", home=tmp_path)
     assert p.returncode == 0, p.stderr
     assert entry_of(cfg)["args"] == ["serve"]
     assert cfg.read_text().startswith(OTHER_SERVERS[:cut])
+
+
+def test_a_private_config_stays_private_in_its_backups_and_they_do_not_pile_up(tmp_path):
+    cfg = tmp_path / ".claude.json"
+    cfg.write_text('{"oauthAccount": {"token": "private"}, "mcpServers": {}}\n')
+    cfg.chmod(0o600)
+    for n in range(1, 7):
+        p = setup("--client", "claude-code", "--timeout", f"{n}s", home=tmp_path)
+        assert p.returncode == 0, p.stderr
+    assert stat.S_IMODE(cfg.stat().st_mode) == 0o600
+    backups = sorted(tmp_path.glob(".claude.json.bak-*"))
+    assert len(backups) == 3, backups
+    for b in backups:
+        assert stat.S_IMODE(b.stat().st_mode) == 0o600, b
+    # The newest three: the configs with 3 s, 4 s and 5 s.
+    kept = sorted(entry_of(b)["args"][-1] for b in backups)
+    assert kept == ["3s", "4s", "5s"], kept
+    assert entry_of(cfg)["args"][-1] == "6s"
+    # A backup the user made by hand is not setup's to remove.
+    mine = tmp_path / ".claude.json.bak-mine"
+    mine.write_text("{}")
+    setup("--client", "claude-code", "--timeout", "7s", home=tmp_path)
+    assert mine.exists() and len(list(tmp_path.glob(".claude.json.bak-2*"))) == 3
+
+
+def test_running_setup_again_keeps_the_earlier_settings_and_says_so_unless_told_to_replace(tmp_path):
+    cfg = tmp_path / ".claude.json"
+    data = tmp_path / "data"
+    data.mkdir()
+    p = setup("--client", "claude-code", "--allow-read", str(data), "--timeout", "60s", home=tmp_path)
+    assert p.returncode == 0, p.stderr
+    e = entry_of(cfg)
+    e["env"] = {"MCP_BRIDGE_CONFIG": "/etc/mine.json"}
+    cfg.write_text(json.dumps({"mcpServers": {"ironcell": e}}))
+    # One new flag, one changed: the earlier grant and env stay, the timeout is the new one.
+    p = setup("--client", "claude-code", "--memory-limit", "1g", "--timeout", "90s", home=tmp_path)
+    assert p.returncode == 0, p.stderr
+    e = entry_of(cfg)
+    assert e["args"] == ["serve", "--timeout", "90s", "--memory-limit", "1g", "--allow-read", str(data)], e
+    assert e["env"] == {"MCP_BRIDGE_CONFIG": "/etc/mine.json"}
+    assert "kept from the existing \"ironcell\" entry" in p.stdout, p.stdout
+    assert f"--allow-read {data}, env MCP_BRIDGE_CONFIG" in p.stdout and "--replace drops them" in p.stdout
+    # A repeatable flag adds to the earlier values.
+    other = tmp_path / "other"
+    other.mkdir()
+    p = setup("--client", "claude-code", "--allow-read", str(other), home=tmp_path)
+    args = entry_of(cfg)["args"]
+    assert args.count("--allow-read") == 2 and str(other) in args and str(data) in args, args
+    # --replace: exactly this run's entry, and what went is named.
+    p = setup("--client", "claude-code", "--replace", home=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert entry_of(cfg) == {"type": "stdio", "command": configured(tmp_path), "args": ["serve"], "env": {}}
+    assert "--replace: dropping" in p.stdout and "--memory-limit 1g" in p.stdout and "--timeout 90s" in p.stdout, p.stdout
+
+
+def test_a_build_binary_is_installed_so_the_config_survives_cargo_clean(tmp_path):
+    # A build tree of its own (cargo marks target/ with CACHEDIR.TAG), to be "cleaned".
+    target = tmp_path / "clone/target"
+    (target / "release").mkdir(parents=True)
+    (target / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+    built = target / "release/ironcell"
+    shutil.copy2(IRONCELL, built)
+    home = tmp_path / "home"
+    home.mkdir()
+    p = subprocess.run([str(built), "setup", "--client", "claude-code"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(home)}, stdin=subprocess.DEVNULL, timeout=60)
+    assert p.returncode == 0, p.stderr
+    installed = home / ".local/bin/ironcell"
+    assert f"installed {built} as {installed}" in p.stdout and "run setup again" in p.stdout, p.stdout
+    assert entry_of(home / ".claude.json")["command"] == str(installed)
+    assert stat.S_IMODE(installed.stat().st_mode) == 0o755
+    shutil.rmtree(tmp_path / "clone")  # cargo clean, or the clone moved
+    v = subprocess.run([str(installed), "--version"], capture_output=True, text=True, timeout=30)
+    assert v.returncode == 0 and v.stdout.startswith("ironcell "), v
+    # --no-install configures the build's binary itself; --ironcell names one.
+    p = setup("--client", "claude-code", "--no-install", "--replace", home=home)
+    assert entry_of(home / ".claude.json")["command"] == str(IRONCELL.resolve())
+    p = setup("--client", "claude-code", "--ironcell", str(installed), home=home)
+    assert p.returncode == 0 and "installed" not in p.stdout, p.stdout
+    assert entry_of(home / ".claude.json")["command"] == str(installed)
+
+
+def test_a_venv_goes_first_on_the_users_own_path(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/python").symlink_to("/usr/bin/python3")
+    nvm = tmp_path / ".nvm/versions/node/v22/bin"
+    nvm.mkdir(parents=True)
+    p = setup("--client", "claude-code", "--venv", str(venv), home=tmp_path, PATH=f"{nvm}:/usr/bin:/bin")
+    assert p.returncode == 0, p.stderr
+    e = entry_of(tmp_path / ".claude.json")
+    assert e["command"] == "/usr/bin/env", e
+    assert e["args"][:2] == [f"VIRTUAL_ENV={venv}", f"PATH={venv}/bin:{nvm}:/usr/bin:/bin"], e
 
 
 def test_a_config_that_is_not_json_is_left_untouched_with_a_clear_error(tmp_path):
@@ -146,7 +248,7 @@ def test_wsl2_writes_the_windows_side_config_with_wsl_exe_the_distro_and_flags(t
     assert p.returncode == 0, p.stderr
     e = entry_of(cfg)
     assert e == {"command": "wsl.exe",
-                 "args": ["-d", "Ubuntu-24.04", "--exec", str(IRONCELL.resolve()), "serve", "--timeout", "60s"]}
+                 "args": ["-d", "Ubuntu-24.04", "--exec", configured(tmp_path), "serve", "--timeout", "60s"]}
     assert "env" not in e  # Windows-side env would not cross wsl.exe without WSLENV
     assert entry_of(cfg, "git") == {"command": "uvx", "args": ["mcp-server-git"]}
 
@@ -162,7 +264,7 @@ def test_wsl2_with_a_conda_env_starts_through_the_conda_executable_not_bashrc(tm
               IRONCELL_PROBE_ROOT=str(root), WSL_DISTRO_NAME="Ubuntu")
     assert p.returncode == 0, p.stderr
     assert entry_of(cfg)["args"] == ["-d", "Ubuntu", "--exec", str(conda), "run", "--no-capture-output", "-n", "science",
-                                     str(IRONCELL.resolve()), "serve"]
+                                     configured(tmp_path), "serve"]
 
 
 def test_docker_prints_init_mounts_grants_and_doctor_first(tmp_path):
@@ -412,7 +514,9 @@ async def test_windows_side_servers_are_used_when_they_can_run_and_listed_with_a
         r = await run(s, PROBE_SERVERS)
         names, skipped = eval(r["result"])
         assert "other-distro" in skipped and "Debian" in skipped["other-distro"], skipped
-        assert "ironcell" not in names and "ironcell" not in skipped
+        # ironcell itself is listed as skipped, with why; "inside" runs a file of this clone,
+        # whose path may well contain "ironcell": that is no reason to skip it.
+        assert "ironcell" not in names and "does not proxy itself" in skipped["ironcell"], skipped
         assert "inside" in names
         r = await run(s, "await mcp_inside.pid()")
         assert r["status"] == "ok", r
@@ -429,4 +533,4 @@ async def test_windows_side_servers_are_used_when_they_can_run_and_listed_with_a
         assert {x["name"] for x in info["mcp"]["skipped"]} >= {"other-distro"}, info["mcp"]
     doc = subprocess.run([str(IRONCELL), "doctor"], capture_output=True, text=True, timeout=120,
                          env=server_env(state_dir, **env))
-    assert '"other-distro"' in doc.stdout and "NOT used" in doc.stdout and "Debian" in doc.stdout, doc.stdout
+    assert 'skipped     "other-distro"' in doc.stdout and "Debian" in doc.stdout, doc.stdout
