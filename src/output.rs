@@ -401,23 +401,25 @@ fn refusal_notes(text: &str) -> Vec<String> {
     if explained {
         return notes;
     }
+    // The host's /proc and /sys are out of sight (empty, or refused): a read there fails with
+    // ENOENT or EACCES, and psutil says its own process does not exist.
+    let missing = text.contains("No such file or directory");
+    if let Some(p) = system_path(text)
+        .filter(|_| eacces || missing)
+        .or_else(|| text.contains("NoSuchProcess").then(|| "/proc".to_string()))
+    {
+        notes.push(format!(
+            "'{p}' is out of reach: sessions see none of the host's /proc and /sys, so code that \
+             reads them (psutil, /proc/self/...) fails here as written (no grant or reset \
+             changes that)"
+        ));
+        return notes;
+    }
     if eacces && !text.contains("is not available in this session") {
-        let path = refused_path(text);
-        let what = match &path {
+        let what = match refused_path(text) {
             Some(p) => format!("access to {p} was refused by the sandbox"),
             None => "\"Permission denied\" here is the sandbox refusing a path".to_string(),
         };
-        if path.as_deref().is_some_and(|p| {
-            ["'/proc/", "'/sys/", "'/dev/"]
-                .iter()
-                .any(|s| p.starts_with(s))
-        }) {
-            notes.push(format!(
-                "{what}: sessions see none of the host's /proc, /sys and /dev, so code that \
-                 reads it fails here as written (no grant or reset changes that)"
-            ));
-            return notes;
-        }
         notes.push(format!(
             "{what}: a session may use only its own directory, the Python installation and \
              folders the user granted when starting ironcell (--allow-read DIR, --allow-write \
@@ -439,6 +441,27 @@ fn refusal_notes(text: &str) -> Vec<String> {
         );
     }
     notes
+}
+
+/// The first quoted path under /proc or /sys in `text` (at most 200 bytes), as Python and C
+/// libraries quote a file they failed to open.
+fn system_path(text: &str) -> Option<String> {
+    ["'/proc", "\"/proc", "'/sys", "\"/sys"]
+        .iter()
+        .filter_map(|start| {
+            let at = text.find(start)?;
+            let quote = &start[..1];
+            let rest = &text[at + 1..];
+            let path = &rest[..rest.find(quote)?];
+            let whole = path == "/proc"
+                || path == "/sys"
+                || path.starts_with("/proc/")
+                || path.starts_with("/sys/");
+            let ok = whole && path.len() <= 200 && !path.chars().any(char::is_control);
+            ok.then(|| (at, path.to_string()))
+        })
+        .min()
+        .map(|(_, p)| p)
 }
 
 /// The path a "Permission denied" names, as Python (`Permission denied: '/p'`) or a C library
@@ -966,14 +989,43 @@ mod tests {
             "",
             "",
         );
-        assert!(
-            n.contains("access to '/proc/self/cgroup' was refused"),
-            "{n}"
-        );
+        assert!(n.contains("'/proc/self/cgroup' is out of reach"), "{n}");
         assert!(
             n.contains("none of the host's /proc") && !n.contains("--allow-read"),
             "{n}"
         );
+        // An empty /proc answers ENOENT; psutil then finds no process of its own.
+        let n = notes(
+            "FileNotFoundError",
+            "[Errno 2] No such file or directory: '/proc/meminfo'",
+            "",
+            "",
+        );
+        assert!(n.contains("'/proc/meminfo' is out of reach"), "{n}");
+        let n = notes(
+            "PermissionError",
+            "[Errno 13] Permission denied: '/sys'",
+            "",
+            "",
+        );
+        assert!(n.contains("'/sys' is out of reach"), "{n}");
+        let n = notes("NoSuchProcess", "process PID not found (pid=3)", "", "");
+        assert!(n.contains("none of the host's /proc"), "{n}");
+        // Not a system path: '/process.txt', '/system'.
+        let n = notes(
+            "FileNotFoundError",
+            "[Errno 2] No such file or directory: '/process.txt'",
+            "",
+            "",
+        );
+        assert!(n.is_empty(), "{n}");
+        let n = notes(
+            "PermissionError",
+            "[Errno 13] Permission denied: '/system'",
+            "",
+            "",
+        );
+        assert!(n.contains("access to '/system' was refused"), "{n}");
         // Without a path it still says what "Permission denied" means here.
         let n = notes("OSError", "Permission denied", "", "");
         assert!(

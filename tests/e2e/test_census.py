@@ -155,10 +155,10 @@ except PermissionError as e:
 # ---------------------------------------------------------------------------------------------
 
 # What the sandbox does not run yet, and why (measured 2026-12-06 with the pins of
-# scripts/install_test_peers.sh). Strict: the widening that makes one work must remove it here.
+# scripts/install_test_peers.sh; duckdb and openpyxl run since /etc/mime.types and an empty /proc,
+# SECURITY.md #155 and #157). Strict: the widening that makes one work must remove it here.
 _EPOLL = ("polars' async runtime creates an epoll instance and seccomp refuses epoll_create1: "
           "PanicException 'Os { code: 1, kind: PermissionDenied }'")
-_CGROUP = "duckdb sizes its memory and threads from /proc/self/cgroup, which Landlock refuses"
 _POOL = ("a process pool needs a POSIX semaphore (SemLock in /dev/shm: EACCES from Landlock) "
          "and fork (EPERM from seccomp)")
 _SERIAL = ("joblib's SemLock probe (/dev/shm) is refused, so it 'will operate in serial mode': "
@@ -167,14 +167,12 @@ NOT_YET = {
     "polars_eager": _EPOLL,
     "polars_lazy": _EPOLL,
     "polars_streaming": _EPOLL,
-    "duckdb_memory": _CGROUP,
-    "duckdb_file": _CGROUP,
-    "openpyxl": "saving a workbook reads /etc/mime.types (mimetypes.init), which Landlock refuses",
     "scikit_learn": _SERIAL,
     "joblib_processes": _SERIAL,
     "xlsxwriter": ("closing a workbook sets its files' times (os.utime), which seccomp refuses "
                    "(SECURITY.md #46); pandas' to_excel picks xlsxwriter when it is installed"),
-    "psutil": "psutil reads /proc/meminfo and /proc/self/stat, which Landlock refuses",
+    "psutil": ("psutil reads /proc (meminfo, /proc/<pid>/stat): a session's /proc is empty, so "
+               "psutil.Process() raises NoSuchProcess"),
     "multiprocessing_pool": _POOL,
     "process_pool_executor": _POOL,
 }
@@ -184,9 +182,6 @@ NOTE_SAYS = {
     "polars_eager": "system-call filter",
     "polars_lazy": "system-call filter",
     "polars_streaming": "system-call filter",
-    "duckdb_memory": "access to '/proc/self/cgroup' was refused",
-    "duckdb_file": "access to '/proc/self/cgroup' was refused",
-    "openpyxl": "access to '/etc/mime.types' was refused",
     "xlsxwriter": "mode, owner or times",
     "psutil": "none of the host's /proc",
     "scikit_learn": "refused a child process",

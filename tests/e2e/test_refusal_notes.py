@@ -45,15 +45,27 @@ def test_a_path_outside_the_grants_names_the_path_and_the_grant_flags(box):
 
 
 def test_a_path_refusal_a_library_reports_in_its_own_words_is_explained(box):
-    # The C-library style ('"PATH": Permission denied'), as duckdb words its refused reads.
-    code = ("try:\n    open('/proc/self/cgroup')\nexcept OSError as e:\n"
+    # The C-library style ('"PATH": Permission denied'), as duckdb words a refused read.
+    code = ("try:\n    open('/etc/passwd')\nexcept OSError as e:\n"
             "    raise RuntimeError(f'Cannot open file \"{e.filename}\": {e.strerror}') from None")
     rec, text = call(box, code)
     assert rec["error"]["type"] == "RuntimeError", rec
+    assert "access to '/etc/passwd' was refused by the sandbox" in notes_of(rec, text)
+
+
+@pytest.mark.parametrize("code", [
+    "open('/proc/self/status').read()",
+    "import os\nos.listdir('/sys/fs/cgroup')",
+    "import os\nos.listdir('/proc')",
+], ids=["proc-self", "sys", "proc"])
+def test_the_hosts_proc_and_sys_are_said_to_be_out_of_reach(box, code):
+    """Whether the kernel answers ENOENT (an empty /proc) or EACCES, the note says the files
+    are out of reach for every session, and does not send the model after a grant."""
+    rec, text = call(box, code)
+    assert rec["status"] == "error", rec
     notes = notes_of(rec, text)
-    assert "access to '/proc/self/cgroup' was refused by the sandbox" in notes, notes
-    # No grant reaches the host's /proc: the note does not send the model after one.
-    assert "none of the host's /proc" in notes and "--allow-read" not in notes, notes
+    assert "is out of reach: sessions see none of the host's /proc and /sys" in notes, notes
+    assert "--allow-read" not in notes, notes
 
 
 @pytest.mark.parametrize("code", [
