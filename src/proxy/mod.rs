@@ -292,7 +292,7 @@ const DECLINE_WINDOW: Duration = Duration::from_secs(60);
 const MAX_REMEMBERED_DECLINES: usize = 256;
 /// Most calls one session may have in flight on one server; the server's other callers keep
 /// the rest of its capacity.
-pub const MAX_CALLS_PER_SESSION: usize = 16;
+pub const MAX_CALLS_PER_SESSION: usize = 64;
 
 /// One session's recent declines.
 #[derive(Default)]
