@@ -213,7 +213,8 @@ pub struct CallSink {
     pub summaries: tokio::sync::mpsc::Sender<CallSummary>,
     /// Calls that failed their look-up, counted for the run.
     pub lookups_failed: Arc<std::sync::atomic::AtomicU64>,
-    /// Calls past the run's [`MAX_CALL_SUMMARIES`] (each audited on a line of its own).
+    /// Calls past the run's [`MAX_CALL_SUMMARIES`]: each audited on a line of its own if it
+    /// reached the server (or the user), counted only if the host refused it.
     pub omitted: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -291,7 +292,7 @@ const DECLINE_WINDOW: Duration = Duration::from_secs(60);
 const MAX_REMEMBERED_DECLINES: usize = 256;
 /// Most calls one session may have in flight on one server; the server's other callers keep
 /// the rest of its capacity.
-pub const MAX_CALLS_PER_SESSION: usize = 16;
+pub const MAX_CALLS_PER_SESSION: usize = 64;
 
 /// One session's recent declines.
 #[derive(Default)]
@@ -371,6 +372,15 @@ impl Proxy {
                 Err(tokio::sync::mpsc::error::TrySendError::Full(s)) => {
                     sink.omitted
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    // Past the run's list, calls the host refused without asking anyone or
+                    // reaching the server are counted only: a loop of them is cheap to make
+                    // and would otherwise be a line each.
+                    if matches!(
+                        s.outcome,
+                        CallOutcome::Denied | CallOutcome::Refused | CallOutcome::Declined
+                    ) {
+                        return;
+                    }
                     s
                 }
                 Err(tokio::sync::mpsc::error::TrySendError::Closed(s)) => s,
@@ -1087,6 +1097,70 @@ mod tests {
                 .load(std::sync::atomic::Ordering::Relaxed),
             2
         );
+    }
+
+    /// A call past the run's list, or after the run, is audited on a line of its own when it
+    /// reached the server; one the host refused past the list is counted only.
+    #[test]
+    fn calls_outside_the_runs_list_are_audited_alone_or_counted() {
+        let dir = std::env::temp_dir().join(format!("ironcell-deliver-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let proxy = Proxy::new(
+            config::LoadedConfig::default(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            ApprovalMode::default(),
+        );
+        let log = Arc::new(crate::audit::AuditLog::new(&dir, 1 << 20));
+        proxy.set_audit(log.clone());
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let sink = CallSink {
+            run: 7,
+            summaries: tx,
+            lookups_failed: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            omitted: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        };
+        let call = |tool: &str, outcome| CallSummary {
+            server: "s".into(),
+            tool: tool.into(),
+            ok: outcome == CallOutcome::Ok,
+            outcome,
+            duration_ms: 1.0,
+            argument_keys: Vec::new(),
+            arguments: None,
+            lookup_failed: false,
+        };
+        proxy.deliver("a", Some(&sink), call("listed", CallOutcome::Ok));
+        proxy.deliver("a", Some(&sink), call("past-ok", CallOutcome::Ok));
+        proxy.deliver("a", Some(&sink), call("past-denied", CallOutcome::Denied));
+        rx.close();
+        proxy.deliver("a", Some(&sink), call("after", CallOutcome::Abandoned));
+        let listed: Vec<String> = std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|c| c.tool)
+            .collect();
+        assert_eq!(listed, ["listed"]);
+        let (lines, _) = log.read_all();
+        let alone: Vec<(String, Value)> = lines
+            .iter()
+            .map(|e| {
+                (
+                    e.upstream_calls[0]["tool"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string(),
+                    e.cause.clone().unwrap_or_default()["run"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            alone,
+            [
+                ("past-ok".to_string(), json!(7)),
+                ("after".to_string(), json!(7))
+            ]
+        );
+        assert_eq!(sink.omitted.load(std::sync::atomic::Ordering::Relaxed), 2);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
