@@ -2,9 +2,19 @@
 //!
 //! A line holds when and where a run happened, a hash and the first lines of its code, how it
 //! ended, which limits it hit, and every proxied call it made (server, tool, argument names —
-//! values only where that server's `auditArguments` is on —, outcome, duration). The file is
-//! rotated by size (`IRONCELL_AUDIT_MAX`), keeping one older file, `audit.jsonl.1`. It lives in
-//! the state directory, outside every session directory, so no worker can write to it.
+//! values only where that server's `auditArguments` is on —, outcome, duration). A proxied
+//! call that ends when its run is over (a thread, a late answer), or past a run's first
+//! [`crate::proxy::MAX_CALL_SUMMARIES`], gets a line of its own; calls that failed their
+//! look-up are counted, not listed. Runs of local tools (`--tools` and saved) say who called
+//! them (`cause`). A line is at most [`MAX_LINE_BYTES`]: a run whose calls do not fit continues
+//! on further lines.
+//!
+//! When the file passes `IRONCELL_AUDIT_MAX` it is folded into one older file, `audit.jsonl.1`,
+//! of at most that size and [`MAX_KEPT_LINES`] lines, kept fairly: each session keeps its newest
+//! lines up to an equal share, so a session that writes much loses its own old lines, never
+//! another session's. The log lives in the state directory, outside every session directory,
+//! so no worker can write to it. `ironcell audit` escapes every character of what it prints
+//! that is not printable text (terminal escapes, bidi controls, line separators).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -22,6 +32,12 @@ const OLD_FILE: &str = "audit.jsonl.1";
 /// Lines and characters of code kept in a line (the hash identifies the whole).
 const CODE_HEAD_LINES: usize = 3;
 const CODE_HEAD_CHARS: usize = 300;
+/// Longest line of the log, in bytes.
+pub const MAX_LINE_BYTES: usize = 64 << 10;
+/// Most lines the older file keeps.
+pub const MAX_KEPT_LINES: usize = 100_000;
+/// Longest refusal message kept.
+const MAX_REFUSED_CHARS: usize = 2000;
 
 /// One run, as recorded.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -43,6 +59,13 @@ pub struct AuditEntry {
     pub upstream_calls: Vec<Value>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub upstream_calls_omitted: u64,
+    /// Proxied calls that never got past their look-up (no such server or tool): counted only.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub upstream_lookups_failed: u64,
+    /// Who caused this run or call where that is not the session's own `run_python`: the
+    /// client or a session calling a local tool, a call that ended after its run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<Value>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -75,6 +98,8 @@ impl AuditEntry {
             refused: None,
             upstream_calls: Vec::new(),
             upstream_calls_omitted: 0,
+            upstream_lookups_failed: 0,
+            cause: None,
         };
         match outcome {
             Ok(r) => {
@@ -90,10 +115,73 @@ impl AuditEntry {
                     .filter_map(|c| serde_json::to_value(c).ok())
                     .collect();
                 e.upstream_calls_omitted = r.upstream_calls_omitted;
+                e.upstream_lookups_failed = r.upstream_lookups_failed;
             }
-            Err(why) => e.refused = Some(why.clone()),
+            Err(why) => e.refused = Some(crate::clip_chars(why, MAX_REFUSED_CHARS)),
         }
         e
+    }
+
+    /// The line of one proxied call that ended outside its run's record: after the run ended
+    /// (`run`: its number in the session), past the run's summaries, or outside any run.
+    pub fn call_alone(
+        session: &str,
+        run: Option<u64>,
+        call: &crate::proxy::CallSummary,
+    ) -> AuditEntry {
+        let mut e = AuditEntry::new(session, "", &Err(String::new()));
+        e.code_sha256 = String::new();
+        e.refused = None;
+        e.status = "proxied_call".into();
+        e.duration_ms = call.duration_ms;
+        e.upstream_calls = serde_json::to_value(call).ok().into_iter().collect();
+        e.cause = Some(match run {
+            Some(run) => {
+                serde_json::json!({"run": run, "note": "the call ended outside its run's record (after the run, or past its first calls)"})
+            }
+            None => serde_json::json!({"note": "made outside any run"}),
+        });
+        e
+    }
+
+    /// This entry as lines of at most [`MAX_LINE_BYTES`]: the calls that do not fit go on
+    /// further lines (`status` `proxied_calls`) of the same run.
+    fn lines(&self) -> Vec<String> {
+        let size = |e: &AuditEntry| serde_json::to_string(e).map_or(usize::MAX, |l| l.len());
+        let mut out = Vec::new();
+        let mut current = self.clone();
+        current.upstream_calls.clear();
+        for call in &self.upstream_calls {
+            current.upstream_calls.push(call.clone());
+            if current.upstream_calls.len() > 1 && size(&current) > MAX_LINE_BYTES {
+                current.upstream_calls.pop();
+                out.push(std::mem::replace(&mut current, self.continuation()));
+                current.upstream_calls.push(call.clone());
+            }
+        }
+        out.push(current);
+        out.iter()
+            .map(|e| serde_json::to_string(e).unwrap_or_default())
+            .collect()
+    }
+
+    /// A line that lists more of this run's calls.
+    fn continuation(&self) -> AuditEntry {
+        AuditEntry {
+            time: self.time.clone(),
+            session: self.session.clone(),
+            code_sha256: self.code_sha256.clone(),
+            code_head: String::new(),
+            code_bytes: self.code_bytes,
+            status: "proxied_calls".into(),
+            duration_ms: 0.0,
+            limits_hit: Vec::new(),
+            refused: None,
+            upstream_calls: Vec::new(),
+            upstream_calls_omitted: 0,
+            upstream_lookups_failed: 0,
+            cause: Some(serde_json::json!({"continues": "the line before, of the same run"})),
+        }
     }
 }
 
@@ -156,17 +244,12 @@ impl AuditLog {
     /// logged, never fatal: a run's result does not depend on its audit line. Quick enough for
     /// the async runtime: a line goes to a file kept open, in the host's own state directory.
     pub fn append(&self, entry: &AuditEntry) {
-        let line = match serde_json::to_string(entry) {
-            Ok(l) => l + "\n",
-            Err(e) => {
-                tracing::warn!(error = %e, "audit line could not be written");
-                return;
-            }
-        };
         let mut open = crate::lock(&self.open);
-        if let Err(e) = self.append_line(&mut open, &line) {
-            *open = None;
-            tracing::warn!(file = %self.path().display(), error = %e, "audit line could not be written");
+        for line in entry.lines() {
+            if let Err(e) = self.append_line(&mut open, &(line + "\n")) {
+                *open = None;
+                tracing::warn!(file = %self.path().display(), error = %e, "audit line could not be written");
+            }
         }
     }
 
@@ -182,7 +265,7 @@ impl AuditLog {
         let current = std::fs::symlink_metadata(&path).ok();
         let size = current.as_ref().map_or(0, |m| m.len());
         if size > 0 && size + line.len() as u64 > self.max_bytes {
-            std::fs::rename(&path, self.dir.join(OLD_FILE))?;
+            self.fold()?;
             *open = None;
         } else if open.as_ref().map(|(_, ino)| *ino) != current.as_ref().map(|m| m.ino()) {
             *open = None;
@@ -204,6 +287,82 @@ impl AuditLog {
         f.write_all(line.as_bytes())
     }
 
+    /// Folds the current file into the older one, keeping of both at most `max_bytes` and
+    /// [`MAX_KEPT_LINES`] lines, shared fairly between sessions ([`fair_keep`]), and starts a
+    /// new current file.
+    fn fold(&self) -> std::io::Result<()> {
+        #[derive(Deserialize)]
+        struct Key {
+            #[serde(default)]
+            session: String,
+        }
+        let mut lines: Vec<(String, String)> = Vec::new();
+        for name in [OLD_FILE, FILE] {
+            let text = match std::fs::read(self.dir.join(name)) {
+                Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let session = serde_json::from_str::<Key>(line)
+                    .map(|k| k.session)
+                    .unwrap_or_default();
+                // The tools sessions (one per saved file) share one share: saving many tools
+                // does not buy more of the history.
+                let key = if crate::local_tools::is_reserved_session(&session) {
+                    "ironcell.tools".to_string()
+                } else {
+                    session
+                };
+                lines.push((key, line.to_string()));
+            }
+        }
+        let by_bytes = fair_keep(
+            &lines
+                .iter()
+                .map(|(s, l)| (s.as_str(), l.len() as u64 + 1))
+                .collect::<Vec<_>>(),
+            self.max_bytes,
+        );
+        let kept: Vec<&(String, String)> = lines
+            .iter()
+            .zip(by_bytes)
+            .filter_map(|(l, keep)| keep.then_some(l))
+            .collect();
+        let by_count = fair_keep(
+            &kept
+                .iter()
+                .map(|(s, _)| (s.as_str(), 1))
+                .collect::<Vec<_>>(),
+            MAX_KEPT_LINES as u64,
+        );
+        let mut text = String::new();
+        for ((_, line), keep) in kept.iter().zip(by_count) {
+            if keep {
+                text.push_str(line);
+                text.push('\n');
+            }
+        }
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmp = self
+            .dir
+            .join(format!("{OLD_FILE}.{}.tmp", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        drop(f);
+        std::fs::rename(&tmp, self.dir.join(OLD_FILE))?;
+        match std::fs::remove_file(self.path()) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     /// Every entry, oldest first (the rotated file, then the current one). Lines that do not
     /// parse are skipped and counted.
     pub fn read_all(&self) -> (Vec<AuditEntry>, usize) {
@@ -222,6 +381,42 @@ impl AuditLog {
         }
         (entries, bad)
     }
+}
+
+/// Which of `items` (oldest first, each a key and a weight) to keep so that their weights sum
+/// to at most `budget`, shared fairly between keys: each key keeps its newest items up to a
+/// common cap, the largest cap that fits (keys under it keep all they have). A key that writes
+/// much loses its own oldest items first, never another key's.
+pub fn fair_keep(items: &[(&str, u64)], budget: u64) -> Vec<bool> {
+    let mut totals: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+    for (k, w) in items {
+        *totals.entry(k).or_default() += w;
+    }
+    let fits = |cap: u64| totals.values().map(|t| (*t).min(cap)).sum::<u64>() <= budget;
+    let most = totals.values().copied().max().unwrap_or(0);
+    let cap = if fits(most) {
+        most
+    } else {
+        let (mut lo, mut hi) = (0u64, most);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if fits(mid) { lo = mid } else { hi = mid - 1 }
+        }
+        lo
+    };
+    let mut used: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+    let mut keep = vec![false; items.len()];
+    for (i, (k, w)) in items.iter().enumerate().rev() {
+        let u = used.entry(k).or_default();
+        if *u + w <= cap {
+            *u += w;
+            keep[i] = true;
+        } else {
+            // Newest first: once a key's share is full, its older items go.
+            *u = cap;
+        }
+    }
+    keep
 }
 
 /// `--since`: an RFC 3339 time, or a duration ago (`90m`, `2h`, `1d`).
@@ -267,7 +462,7 @@ pub fn render(
     let mut out = String::new();
     if json {
         for e in &chosen {
-            out.push_str(&serde_json::to_string(e).unwrap_or_default());
+            out.push_str(&ascii_json(&serde_json::to_string(e).unwrap_or_default()));
             out.push('\n');
         }
         return out;
@@ -284,7 +479,7 @@ pub fn render(
                 .upstream_calls
                 .iter()
                 .map(|c| {
-                    let s = |k: &str| c.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+                    let s = |k: &str| shown(c.get(k).and_then(Value::as_str).unwrap_or("?"));
                     let outcome = s("outcome");
                     if outcome == "ok" {
                         format!("{}.{}", s("server"), s("tool"))
@@ -297,15 +492,16 @@ pub fn render(
             if !e.limits_hit.is_empty() {
                 status = format!("{status}*");
             }
-            let first_line = e.code_head.lines().next().unwrap_or("");
+            let first_line = shown(e.code_head.lines().next().unwrap_or(""));
+            let status = shown(&status);
             out.push_str(&format!(
                 "{:<24} {:<14} {:<13} {:>9.1}  {:<30} {}\n",
                 e.time.get(..23).unwrap_or(&e.time),
-                clip(&e.session, 14),
+                clip(&shown(&e.session), 14),
                 status,
                 e.duration_ms,
                 clip(&calls.join(","), 30),
-                clip(first_line, 60),
+                clip(&first_line, 60),
             ));
         }
         out.push_str(&format!(
@@ -316,6 +512,30 @@ pub fn render(
     }
     if bad > 0 {
         out.push_str(&format!("{bad} unreadable line(s) skipped\n"));
+    }
+    out
+}
+
+/// Text from the log as `ironcell audit` prints it: every character that is not printable
+/// ASCII as a `\u{…}` escape, so nothing in a line (written by sandboxed code) can move the
+/// cursor, erase a line, reorder text or draw a line of its own.
+fn shown(s: &str) -> String {
+    crate::proxy::approval::escaped_text(s)
+}
+
+/// A JSON text with every character outside printable ASCII written as a JSON `\uXXXX`
+/// escape (still the same JSON), for `--json` output read on a terminal.
+fn ascii_json(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if (' '..='~').contains(&c) {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
     }
     out
 }
@@ -384,6 +604,72 @@ mod tests {
         assert_eq!(e.code_head, "a = 1\nb = 2\nc = 3");
         assert_eq!(e.code_sha256.len(), 64);
         assert_eq!(e.status, "refused");
+    }
+
+    #[test]
+    fn history_is_shared_fairly_so_one_session_cannot_flush_the_others() {
+        let dir = std::env::temp_dir().join(format!("ironcell-audit-fair-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let log = AuditLog::new(&dir, 16 << 10);
+        log.append(&entry("victim", "print('mine')"));
+        for i in 0..2000 {
+            log.append(&entry("flooder", &format!("# {i} {}", "z".repeat(200))));
+        }
+        let (all, _) = log.read_all();
+        assert!(
+            all.iter().any(|e| e.session == "victim"),
+            "the victim's line is kept"
+        );
+        let flooder = all.iter().filter(|e| e.session == "flooder").count();
+        assert!((10..2000).contains(&flooder), "{flooder}");
+        let size: u64 = [FILE, OLD_FILE]
+            .iter()
+            .map(|f| std::fs::metadata(dir.join(f)).map_or(0, |m| m.len()))
+            .sum();
+        assert!(size <= 2 * (16 << 10), "{size}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn fair_keep_gives_each_key_an_equal_share_of_its_newest_items() {
+        let items = [("a", 5), ("b", 5), ("b", 5), ("b", 5), ("c", 1)];
+        assert_eq!(fair_keep(&items, 100), vec![true; 5]);
+        // Budget 11: the cap is 5, so a keeps its one, b its newest, c its one.
+        assert_eq!(fair_keep(&items, 11), vec![true, false, false, true, true]);
+    }
+
+    #[test]
+    fn a_line_is_bounded_and_a_run_of_many_calls_continues_on_more_lines() {
+        let mut e = entry("s", "x");
+        e.upstream_calls = (0..400)
+            .map(|i| serde_json::json!({"server": "s", "tool": format!("t{i}"), "arguments": "a".repeat(1000)}))
+            .collect();
+        let lines = e.lines();
+        assert!(lines.len() > 1);
+        assert!(lines.iter().all(|l| l.len() <= MAX_LINE_BYTES));
+        let listed: usize = lines
+            .iter()
+            .map(|l| {
+                serde_json::from_str::<AuditEntry>(l)
+                    .map(|e| e.upstream_calls.len())
+                    .unwrap_or(0)
+            })
+            .sum();
+        assert_eq!(listed, 400, "every call is listed once");
+    }
+
+    #[test]
+    fn what_audit_prints_is_escaped() {
+        assert_eq!(
+            shown("a\u{1b}[2K\u{202e}\r\u{2028}b"),
+            "a\\u{1b}[2K\\u{202e}\\r\\u{2028}b"
+        );
+        let json = ascii_json("{\"a\":\"\u{202e}\u{1f600}\"}");
+        assert_eq!(json, "{\"a\":\"\\u202e\\ud83d\\ude00\"}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&json).ok(),
+            Some(serde_json::json!({"a": "\u{202e}\u{1f600}"}))
+        );
     }
 
     #[test]

@@ -75,6 +75,13 @@ enum Command {
         #[command(subcommand)]
         action: PolicyAction,
     },
+    /// The tools sessions saved with `save_tool`: `ironcell saved-tools list` shows each with
+    /// the session that owns it; `ironcell saved-tools delete NAME` removes one whatever its
+    /// owner (a session may only replace or delete its own).
+    SavedTools {
+        #[command(subcommand)]
+        action: crate::local_tools::SavedToolsAction,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -173,6 +180,22 @@ pub fn main() -> ExitCode {
                     crate::audit::render(&log, session.as_deref(), since, json)
                 );
                 Ok(ExitCode::SUCCESS)
+            }
+            Some(Command::SavedTools { action }) => {
+                let dir = cli
+                    .settings
+                    .prepare_state_dir()
+                    .unwrap_or_else(|_| cli.settings.resolved_state_dir());
+                match crate::local_tools::saved_tools_command(&dir, &action) {
+                    Ok(text) => {
+                        print!("{text}");
+                        Ok(ExitCode::SUCCESS)
+                    }
+                    Err(e) => {
+                        eprintln!("ironcell: {e}");
+                        Ok(ExitCode::FAILURE)
+                    }
+                }
             }
             Some(Command::Setup(args)) => crate::setup::run(*args, &cli.settings),
             Some(Command::Policy {

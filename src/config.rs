@@ -160,7 +160,8 @@ pub struct Settings {
     #[arg(long, global = true, env = "MCP_BRIDGE_STARTUP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub startup_timeout: Duration,
 
-    /// How long one proxied tool call may take before it fails (and its server is restarted).
+    /// How long one proxied tool call may take before it fails: it is cancelled (`notifications/cancelled`);
+    /// its server is restarted only if it does not answer a ping either.
     #[arg(long, global = true, env = "IRONCELL_CALL_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub call_timeout: Duration,
 
@@ -300,6 +301,8 @@ impl Settings {
             self.memory_limit,
         );
         sandbox.private_tmp = self.private_tmp;
+        // Sessions, plain spares and the plot spare (src/session/pool.rs).
+        sandbox.max_workers = u64::from(self.max_sessions) + u64::from(self.pool_size) + 1;
         sandbox.set_cgroups(self.cgroups);
         Ok(sandbox)
     }

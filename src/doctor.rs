@@ -58,10 +58,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         sandbox.policy.limits.threads,
         sandbox.policy.limits.scratch_quota_mib
     );
+    let tmp = crate::sandbox::private_tmp::host_status(
+        settings.private_tmp,
+        &settings.resolved_state_dir(),
+    );
     println!(
         "thread cap    {}",
         sandbox
-            .thread_cap_layer()
+            .thread_cap_layer(&tmp)
             .unwrap_or_else(|| format!("NONE: {}", sandbox.no_thread_cap_reason()))
     );
     // The state dir serve would use: the configured one, or its fallback (and /tmp follows it).
@@ -86,11 +90,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
             settings.resolved_state_dir()
         }
     };
-    println!(
-        "/tmp          {}",
-        crate::sandbox::private_tmp::host_status(settings.private_tmp, &state_dir).describe()
-    );
-    let protections = sandbox.protections();
+    // The state dir decides /tmp (beneath /tmp: no bind), so it is looked at again here.
+    let tmp = crate::sandbox::private_tmp::host_status(settings.private_tmp, &state_dir);
+    println!("/tmp          {}", tmp.describe());
+    let protections = sandbox.protections(&tmp);
     let width = protections
         .iter()
         .map(|p| p.protection.chars().count())

@@ -74,6 +74,13 @@ const MAX_TOOLS: usize = 256;
 const MAX_SCHEMA_BYTES: usize = 64 << 10;
 /// Longest tool description, in characters.
 const MAX_DESCRIPTION_CHARS: usize = 8 << 10;
+/// Longest description of a saved tool (code wrote it, and every later conversation's
+/// `tools/list` carries it).
+const MAX_SAVED_DESCRIPTION_CHARS: usize = 1024;
+/// The prefix of ironcell's own tools: no local tool's name may start with it.
+const RESERVED_PREFIX: &str = "run_python";
+/// Least time between two `tools/list_changed` notifications (saves in between are coalesced).
+const LIST_CHANGED_EVERY: Duration = Duration::from_secs(1);
 /// Largest saved tool source.
 pub const MAX_SAVED_TOOL_BYTES: usize = 64 << 10;
 /// Most saved tools.
@@ -237,6 +244,9 @@ pub struct LocalTools {
     /// The client to tell when the list changes.
     peer: Mutex<Option<Peer<RoleServer>>>,
     output_mode: crate::config::OutputMode,
+    /// A `tools/list_changed` is on its way (saves meanwhile join it), and when the last went.
+    notify_pending: AtomicBool,
+    last_notified: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 /// Whether `name` is one of the reserved tools sessions (refused for `run_python`).
@@ -260,6 +270,78 @@ pub fn valid_tool_name(name: &str) -> bool {
             .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
         && !RESERVED_NAMES.contains(&name)
+        && !name.starts_with(RESERVED_PREFIX)
+}
+
+/// `ironcell saved-tools …`: the user's own hand on the saved tools.
+#[derive(Debug, clap::Subcommand)]
+pub enum SavedToolsAction {
+    /// List the saved tools and the session that owns each.
+    List,
+    /// Delete a saved tool, whichever session saved it (a running server drops it from its
+    /// list at its next save or delete, or when it restarts).
+    Delete {
+        /// The tool's name.
+        name: String,
+    },
+}
+
+/// Runs `ironcell saved-tools` on the state directory `state_dir`: what to print, or the error.
+pub fn saved_tools_command(state_dir: &Path, action: &SavedToolsAction) -> Result<String, String> {
+    let dir = state_dir.join("tools");
+    match action {
+        SavedToolsAction::List => {
+            let mut out = String::new();
+            for file in sorted_saved_tool_files(&dir) {
+                let name = saved_stem(&file).to_string();
+                let owner = owner_of(&dir, &name).map_or_else(
+                    || "(no owner: saved before tools had owners)".to_string(),
+                    |o| format!("session {}", crate::proxy::approval::escaped_string(&o)),
+                );
+                out.push_str(&format!("{name}\t{owner}\n"));
+            }
+            if out.is_empty() {
+                out = format!("no saved tools in {}\n", dir.display());
+            }
+            Ok(out)
+        }
+        SavedToolsAction::Delete { name } => {
+            if !valid_tool_name(name) {
+                return Err(format!("{name:?} is not a saved tool's name"));
+            }
+            let _saving = lock(&SAVING);
+            std::fs::remove_file(dir.join(format!("{name}.py")))
+                .map_err(|e| format!("no saved tool {name:?} in {}: {e}", dir.display()))?;
+            let _ = std::fs::remove_file(owner_file(&dir, name));
+            Ok(format!("Tool {name:?} deleted.\n"))
+        }
+    }
+}
+
+/// Held across a save or delete, so two sessions saving one name cannot interleave their
+/// owner and tool files.
+static SAVING: Mutex<()> = Mutex::new(());
+
+/// The file that names the session which saved the tool `name` (its owner).
+fn owner_file(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!(".{name}.owner"))
+}
+
+/// The session that saved `name`, if known (a tool saved before owners were kept has none,
+/// and no session may replace or delete it: only the user can, by removing its file).
+fn owner_of(dir: &Path, name: &str) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut text = String::new();
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(owner_file(dir, name))
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut text)
+        .ok()?;
+    Some(text)
 }
 
 impl LocalTools {
@@ -289,6 +371,8 @@ impl LocalTools {
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),
+            notify_pending: AtomicBool::new(false),
+            last_notified: Arc::new(Mutex::new(None)),
             output_mode: settings.output_mode,
         });
         sessions.set_local_tools(tools.clone());
@@ -592,6 +676,7 @@ impl LocalTools {
                 &token,
                 (true, saved_file.map(|_| SAVED_LOAD_TIMEOUT)),
                 CancellationToken::new(),
+                json!({"load": saved_file.map_or("the --tools files", |_| "a saved tool's file")}),
             )
             .await;
         let answer = match answer {
@@ -674,6 +759,9 @@ impl LocalTools {
     /// Runs `mcp.<function>(spec)` in the tools session `session` (in a fresh interpreter if
     /// `reset`; `timeout` instead of the run timeout if given) and takes the answer that
     /// session sends back under `token` (None if it sent none: the record says why).
+    /// The run is audited like a `run_python` run, with `cause`: who made it run (a client's
+    /// call, a session's, a load).
+    #[allow(clippy::too_many_arguments)]
     async fn run_in_tools_session(
         &self,
         session: &str,
@@ -682,6 +770,7 @@ impl LocalTools {
         token: &str,
         (reset, timeout): (bool, Option<Duration>),
         cancel: CancellationToken,
+        cause: Value,
     ) -> Result<(RunRecord, Option<Value>), String> {
         let Some(sessions) = self.sessions.upgrade() else {
             return Err("the server is shutting down".into());
@@ -702,9 +791,17 @@ impl LocalTools {
                 },
                 cancel,
             )
-            .await;
+            .await
+            .map_err(|e| e.to_string());
+        if let Some(log) = sessions.proxy().audit() {
+            // The generated cell holds the call's arguments: the line names the function only.
+            let mut entry =
+                crate::audit::AuditEntry::new(session, &format!("mcp.{function}(…)"), &outcome);
+            entry.cause = Some(cause);
+            log.append(&entry);
+        }
         let answer = lock(&self.inbox).remove(token).and_then(|(_, a)| a);
-        outcome.map(|r| (r, answer)).map_err(|e| e.to_string())
+        outcome.map(|r| (r, answer))
     }
 
     /// Calls a local tool for `tools/call`; `None` when `name` is not one.
@@ -722,17 +819,24 @@ impl LocalTools {
             .await?
             .ok()?;
         let args = Value::Object(arguments.cloned().unwrap_or_default());
-        Some(match self.invoke(&tool, args, cancel).await {
-            Ok((record, envelope)) => self.tool_result(&tool, record, envelope),
-            Err(why) => error_result(format!("the tool {name} could not run: {why}")),
-        })
+        Some(
+            match self
+                .invoke(&tool, args, cancel, "the client (tools/call)")
+                .await
+            {
+                Ok((record, envelope)) => self.tool_result(&tool, record, envelope),
+                Err(why) => error_result(format!("the tool {name} could not run: {why}")),
+            },
+        )
     }
 
+    /// Runs one call of `tool`, made by `by` (the client, or a session).
     async fn invoke(
         &self,
         tool: &LocalTool,
         arguments: Value,
         cancel: CancellationToken,
+        by: &str,
     ) -> Result<(RunRecord, Option<Value>), String> {
         let generation = match tool.home() {
             Home::Files => self.files_part_unless(&cancel).await,
@@ -753,6 +857,7 @@ impl LocalTools {
                 &token,
                 (false, None),
                 cancel,
+                json!({"tool": tool.name, "origin": tool.home().origin(), "called_by": by}),
             )
             .await;
         // A saved file's worker ends with its call: calls of many saved tools never hold the
@@ -919,7 +1024,7 @@ impl LocalTools {
                     }
                 };
                 let (record, envelope) = self
-                    .invoke(&tool, arguments, cancel)
+                    .invoke(&tool, arguments, cancel, &format!("session {from:?}"))
                     .await
                     .map_err(|why| (ErrorKind::Unavailable, why))?;
                 let Some(env) = envelope else {
@@ -971,7 +1076,7 @@ impl LocalTools {
                         ),
                     ));
                 }
-                let message = self.save(params)?;
+                let message = self.save(from, params)?;
                 Ok(json!({ "message": message }))
             }
             ToolsOp::Delete => {
@@ -979,8 +1084,13 @@ impl LocalTools {
                 if !valid_tool_name(name) {
                     return Err((ErrorKind::BadRequest, format!("no saved tool {name:?}")));
                 }
+                let _saving = lock(&SAVING);
+                if self.saved_dir.join(format!("{name}.py")).is_file() {
+                    self.check_owner(from, name, "delete")?;
+                }
                 match std::fs::remove_file(self.saved_dir.join(format!("{name}.py"))) {
                     Ok(()) => {
+                        let _ = std::fs::remove_file(owner_file(&self.saved_dir, name));
                         self.list_changed();
                         Ok(json!({"message": format!("Tool {name:?} deleted.")}))
                     }
@@ -1027,8 +1137,29 @@ impl LocalTools {
         Ok(())
     }
 
-    /// Writes a saved tool (`<state dir>/tools/<name>.py`) and announces the new list.
-    fn save(&self, params: &Value) -> Result<String, (ErrorKind, String)> {
+    /// Refuses a session's `what` (replace, delete) of a saved tool another session saved.
+    fn check_owner(&self, from: &str, name: &str, what: &str) -> Result<(), (ErrorKind, String)> {
+        let owner = owner_of(&self.saved_dir, name);
+        if owner.as_deref() == Some(from) {
+            return Ok(());
+        }
+        let file = self.saved_dir.join(format!("{name}.py"));
+        Err((
+            ErrorKind::Refused,
+            format!(
+                "the saved tool {name:?} belongs to {}; a session may only {what} the tools it saved. Choose another name, or ask the user to remove it (`ironcell saved-tools delete {name}`, or delete {} on the host)",
+                match owner {
+                    Some(_) => "another session".to_string(),
+                    None => "no session (it was saved before tools had owners)".to_string(),
+                },
+                file.display()
+            ),
+        ))
+    }
+
+    /// Writes a saved tool (`<state dir>/tools/<name>.py`) owned by session `from`, and
+    /// announces the new list.
+    fn save(&self, from: &str, params: &Value) -> Result<String, (ErrorKind, String)> {
         let bad = |m: String| (ErrorKind::BadRequest, m);
         let name = params
             .get("name")
@@ -1051,19 +1182,29 @@ impl LocalTools {
             )));
         }
         let target = format!("{name}.py");
+        let _saving = lock(&SAVING);
         let existing = saved_tool_files(&self.saved_dir).count();
         let replacing = self.saved_dir.join(&target).is_file();
+        if replacing {
+            self.check_owner(from, name, "replace")?;
+        }
         if !replacing && existing >= MAX_SAVED_TOOLS {
             return Err(bad(format!(
                 "there are already {existing} saved tools (the limit); delete some first"
             )));
         }
-        write_saved_tool(&self.saved_dir, &target, source.as_bytes()).map_err(|e| {
+        let failed = |e: std::io::Error| {
             (
                 ErrorKind::Unavailable,
                 format!("saving the tool failed: {e}"),
             )
-        })?;
+        };
+        // The owner first: a tool file is never without one.
+        if !replacing {
+            write_saved_tool(&self.saved_dir, &format!(".{name}.owner"), from.as_bytes())
+                .map_err(failed)?;
+        }
+        write_saved_tool(&self.saved_dir, &target, source.as_bytes()).map_err(failed)?;
         self.listed.store(true, Ordering::SeqCst);
         self.list_changed();
         Ok(format!(
@@ -1071,16 +1212,29 @@ impl LocalTools {
         ))
     }
 
-    /// Bumps the generation, reloads in the background, then tells the client.
+    /// Bumps the generation, reloads in the background, then tells the client: at most once
+    /// per [`LIST_CHANGED_EVERY`], so a save loop cannot flood the client (saves made while a
+    /// notification waits join it).
     fn list_changed(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
+        if self.notify_pending.swap(true, Ordering::SeqCst) {
+            return;
+        }
         let Some(sessions) = self.sessions.upgrade() else {
+            self.notify_pending.store(false, Ordering::SeqCst);
             return;
         };
         let Some(this) = sessions.local_tools() else {
+            self.notify_pending.store(false, Ordering::SeqCst);
             return;
         };
         tokio::spawn(async move {
+            let last = *lock(&this.last_notified);
+            if let Some(last) = last {
+                tokio::time::sleep(LIST_CHANGED_EVERY.saturating_sub(last.elapsed())).await;
+            }
+            *lock(&this.last_notified) = Some(std::time::Instant::now());
+            this.notify_pending.store(false, Ordering::SeqCst);
             let catalog = this.ensure_catalog().await;
             for e in &catalog.errors {
                 tracing::warn!("tools: {e}");
@@ -1162,7 +1316,14 @@ fn checked_tool(t: &Value, saved_file: Option<&Path>) -> Result<LocalTool, Strin
         ));
     }
     let description = t.get("description").and_then(Value::as_str).unwrap_or("");
-    let description = crate::clip_chars(description, MAX_DESCRIPTION_CHARS);
+    let description = crate::clip_chars(
+        description,
+        if saved_file.is_some() {
+            MAX_SAVED_DESCRIPTION_CHARS
+        } else {
+            MAX_DESCRIPTION_CHARS
+        },
+    );
     let schema = |key: &str| -> Result<Option<JsonObject>, String> {
         match t.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -1340,6 +1501,8 @@ mod tests {
             "../x",
             "run_python",
             "run_python_job",
+            "run_python_fast",
+            "run_pythonx",
             "é",
             &"x".repeat(65),
         ] {
@@ -1414,6 +1577,8 @@ mod tests {
             inbox: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             peer: Mutex::new(None),
+            notify_pending: AtomicBool::new(false),
+            last_notified: Arc::new(Mutex::new(None)),
             output_mode: crate::config::OutputMode::Compact,
         };
         std::fs::write(saved.join("alpha.py"), "x = 1\n").unwrap();

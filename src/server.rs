@@ -57,10 +57,12 @@ impl IroncellServer {
         let tools = Arc::new(vec![run_python_tool(default_timeout, proxies), job_tool()]);
         let audit =
             crate::audit::AuditLog::new(sessions.state_dir(), sessions.settings().audit_max_bytes);
+        let audit = Arc::new(audit);
+        sessions.proxy().set_audit(audit.clone());
         let local_tools = crate::local_tools::LocalTools::start(&sessions);
         IroncellServer {
             sessions,
-            jobs: Arc::new(Jobs::with_audit(Arc::new(audit))),
+            jobs: Arc::new(Jobs::with_audit(audit)),
             tools,
             local_tools,
         }

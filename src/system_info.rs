@@ -48,11 +48,11 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         }
     }
     let s = sessions.settings();
-    let mut sandbox = sandbox_summary(sessions.sandbox());
     // What serve uses: the state dir it prepared (the configured one, or the fallback).
     let state_dir = sessions.state_dir();
     let configured = s.resolved_state_dir();
     let tmp = crate::sandbox::private_tmp::host_status(s.private_tmp, state_dir);
+    let mut sandbox = sandbox_summary(sessions.sandbox(), &tmp);
     sandbox["private_tmp"] = json!({"in_force": tmp.describe(), "detail": tmp});
     let fallback = state_dir != configured;
     let state = json!({
@@ -97,7 +97,10 @@ pub async fn collect(sessions: &SessionManager) -> Value {
 }
 
 /// The sandbox in force: mode, policy, layers, and which layer provides each protection.
-pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
+pub fn sandbox_summary(
+    sb: &crate::sandbox::Sandbox,
+    tmp: &crate::sandbox::private_tmp::PrivateTmp,
+) -> Value {
     json!({
         "mode": match sb.mode { crate::sandbox::SandboxMode::Enforce => "enforce", crate::sandbox::SandboxMode::BestEffort => "best-effort" },
         "policy": {"name": sb.policy.name, "source": sb.policy.source, "description": sb.policy.description},
@@ -116,9 +119,9 @@ pub fn sandbox_summary(sb: &crate::sandbox::Sandbox) -> Value {
         },
         "mechanisms": {
             "memory": "RLIMIT_DATA (private memory) + RLIMIT_AS (all mappings, shared included); memfd_create refused",
-            "threads": sb.thread_cap_layer(),
+            "threads": sb.thread_cap_layer(tmp),
         },
-        "protections": sb.protections(),
+        "protections": sb.protections(tmp),
         "granted": {
             "read_only": sb.policy.filesystem.allow_read,
             "read_write": sb.policy.filesystem.read_write.iter().chain(&sb.policy.filesystem.allow_write).collect::<Vec<_>>(),

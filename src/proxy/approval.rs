@@ -46,25 +46,49 @@ pub struct Question {
     pub schema: ElicitationSchema,
 }
 
+/// Largest argument text an approval question shows. Arguments that would show longer are
+/// refused for approval with a message that says so: a question never shows less than the call.
+pub const MAX_SHOWN_ARGUMENT_BYTES: usize = 8 << 10;
+
 impl Question {
-    /// The question for `server.tool(args)`, showing the server, the tool and the arguments.
+    /// The question for `server.tool(args)`, showing the server, the tool and every argument
+    /// whole, in canonical form ([`shown_arguments`]): keys sorted, and every character that is
+    /// not printable ASCII written as a `\u{…}` escape, so what the user reads cannot hide,
+    /// reorder or imitate what runs. `declared` are the argument names the tool's inputSchema
+    /// declares (`None`: it declares none); other keys are shown, and named as undeclared.
+    /// Errs with the reason when the arguments are too large to show whole.
     pub fn for_call(
         server: &str,
         tool: &str,
         args: &serde_json::Map<String, Value>,
+        declared: Option<&[String]>,
         why: &str,
     ) -> Result<Question, String> {
-        let mut shown = serde_json::to_string_pretty(args).unwrap_or_default();
-        if shown.len() > 2000 {
-            let cut = (0..=2000)
-                .rev()
-                .find(|&i| shown.is_char_boundary(i))
-                .unwrap_or(0);
-            shown.truncate(cut);
-            shown.push_str("\n…");
+        let shown = shown_arguments(args);
+        if shown.len() > MAX_SHOWN_ARGUMENT_BYTES {
+            return Err(format!(
+                "its arguments are {} bytes when shown in full, and an approval question shows at most {MAX_SHOWN_ARGUMENT_BYTES} (it never shows part of a call); pass smaller arguments (e.g. write the data in several calls)",
+                shown.len()
+            ));
         }
+        let mut undeclared: Vec<String> = args
+            .keys()
+            .filter(|k| declared.is_none_or(|d| !d.iter().any(|n| n == *k)))
+            .map(|k| escaped_string(k))
+            .collect();
+        undeclared.sort();
+        let note = if undeclared.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "\n\nNot declared by the tool's inputSchema (passed on as shown; the server may use or ignore them): {}",
+                undeclared.join(", ")
+            )
+        };
+        let (tool_shown, server_shown) = (escaped_string(tool), escaped_string(server));
+        let why = escaped_text(why);
         let message = format!(
-            "Code running in ironcell wants to call {tool} on the MCP server {server:?} ({why}).\n\nArguments:\n{shown}\n\nAllow this call?"
+            "Code running in ironcell wants to call the tool {tool_shown} on the MCP server {server_shown} ({why}).\n\nArguments (all of them, keys sorted; characters other than printable ASCII are shown as \\u{{...}} escapes):\n{shown}{note}\n\nAllow this call?"
         );
         let schema = serde_json::from_value::<ElicitationSchema>(json!({
             "type": "object",
@@ -391,13 +415,106 @@ fn new_token() -> std::io::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// `value` with every object's keys in sorted order, at every depth: the form an approved
+/// call is shown in and passed on in, so the order the code chose cannot change what is shown.
+pub fn canonical(value: &Value) -> Value {
+    match value {
+        Value::Object(m) => Value::Object(canonical_map(m)),
+        Value::Array(a) => Value::Array(a.iter().map(canonical).collect()),
+        other => other.clone(),
+    }
+}
+
+/// [`canonical`] of an object.
+pub fn canonical_map(m: &serde_json::Map<String, Value>) -> serde_json::Map<String, Value> {
+    let mut keys: Vec<&String> = m.keys().collect();
+    keys.sort();
+    keys.into_iter()
+        .map(|k| (k.clone(), canonical(&m[k])))
+        .collect()
+}
+
+/// Arguments as an approval question shows them: JSON laid out one key per line, keys sorted,
+/// strings quoted with [`escaped_string`].
+pub fn shown_arguments(args: &serde_json::Map<String, Value>) -> String {
+    let mut out = String::new();
+    show_value(&Value::Object(canonical_map(args)), 0, &mut out);
+    out
+}
+
+fn show_value(v: &Value, depth: usize, out: &mut String) {
+    let pad = |n: usize| "  ".repeat(n);
+    match v {
+        Value::Object(m) if !m.is_empty() => {
+            out.push_str("{\n");
+            for (i, (k, v)) in m.iter().enumerate() {
+                out.push_str(&pad(depth + 1));
+                out.push_str(&escaped_string(k));
+                out.push_str(": ");
+                show_value(v, depth + 1, out);
+                if i + 1 < m.len() {
+                    out.push(',');
+                }
+                out.push('\n');
+            }
+            out.push_str(&pad(depth));
+            out.push('}');
+        }
+        Value::Array(a) if !a.is_empty() => {
+            out.push_str("[\n");
+            for (i, v) in a.iter().enumerate() {
+                out.push_str(&pad(depth + 1));
+                show_value(v, depth + 1, out);
+                if i + 1 < a.len() {
+                    out.push(',');
+                }
+                out.push('\n');
+            }
+            out.push_str(&pad(depth));
+            out.push(']');
+        }
+        Value::String(s) => out.push_str(&escaped_string(s)),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// `s` in double quotes, with `"` and `\\` escaped, `\n`, `\r`, `\t` as such, and every other
+/// character outside printable ASCII (controls, format and bidi characters, line and paragraph
+/// separators, zero-width characters, and every non-ASCII letter, so a look-alike cannot pass
+/// for the letter it imitates) as `\u{hex}`.
+pub fn escaped_string(s: &str) -> String {
+    format!("\"{}\"", escaped_text(s).replace('"', "\\\""))
+}
+
+/// `s` with the escapes of [`escaped_string`] except for `"` (for text that is not quoted).
+pub fn escaped_text(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            ' '..='~' => out.push(c),
+            _ => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn question() -> Question {
-        Question::for_call("memory", "delete_entities", &serde_json::Map::new(), "test")
-            .unwrap_or_else(|e| panic!("{e}"))
+        Question::for_call(
+            "memory",
+            "delete_entities",
+            &serde_json::Map::new(),
+            None,
+            "test",
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn accept(approve: bool) -> Value {
@@ -460,6 +577,66 @@ mod tests {
         assert!(relay.answer(&token, "d", Some(&responses)).is_ok());
         let answer = asking.await.unwrap_or_default();
         assert_eq!(answer.as_ref().map(Decision::of), Some(Decision::Declined));
+    }
+
+    #[test]
+    fn the_question_shows_every_key_and_value_escaped_sorted_and_whole() {
+        let args: serde_json::Map<String, Value> = serde_json::from_value(json!({
+            "path\u{200b}": "notes.txt",
+            "pad": "x".repeat(3000),
+            "path": "other.txt",
+            "content": "a\u{202e}b\u{2028}c\u{85}\u{1b}[2K\"\\\n",
+            "nested": {"z": 1, "a": ["\u{feff}"]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let declared = ["path".to_string(), "content".to_string()];
+        let q = Question::for_call("s", "write_file", &args, Some(&declared), "why")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let m = &q.message;
+        assert!(
+            m.chars().all(|c| c == '\n' || (' '..='~').contains(&c)),
+            "{m}"
+        );
+        assert!(m.contains(&format!("\"pad\": \"{}\"", "x".repeat(3000))));
+        assert!(
+            m.contains(r#""content": "a\u{202e}b\u{2028}c\u{85}\u{1b}[2K\"\\\n""#),
+            "{m}"
+        );
+        assert!(
+            m.contains(
+                r#""a": [
+      "\u{feff}"
+    ]"#
+            ),
+            "{m}"
+        );
+        let at = |k: &str| m.find(k).unwrap_or_else(|| panic!("{k} missing: {m}"));
+        assert!(at("\"content\"") < at("\"nested\"") && at("\"nested\"") < at("\"pad\""));
+        assert!(at("\"pad\"") < at("\"path\"") && at("\"path\"") < at(r#""path\u{200b}""#));
+        let note = &m[at("Not declared")..];
+        assert!(
+            note.contains(r#""path\u{200b}""#)
+                && note.contains("\"pad\"")
+                && !note.contains("\"path\",")
+        );
+        // The canonical form sorts keys at every depth and keeps every value.
+        let c = canonical_map(&args);
+        assert_eq!(Value::Object(c.clone()), Value::Object(args.clone()));
+        let keys: Vec<&String> = c.keys().collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        assert_eq!(keys, sorted);
+    }
+
+    #[test]
+    fn arguments_too_large_to_show_whole_are_refused_not_cut() {
+        let mut args = serde_json::Map::new();
+        args.insert("content".into(), json!("\u{200b}".repeat(1100)));
+        let err = Question::for_call("s", "t", &args, None, "why").err();
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("at most 8192")),
+            "{err:?}"
+        );
     }
 
     #[test]

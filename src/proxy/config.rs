@@ -685,6 +685,9 @@ fn parse_entry(
     };
     let rules = super::rules::ToolRules::parse(e)
         .map_err(|(field, message)| problem(Some(&field), message))?;
+    for (field, message) in rules.conflicts() {
+        warnings.push(problem(Some(&field), message));
+    }
     let server = ServerConfig {
         name: name.to_string(),
         command,

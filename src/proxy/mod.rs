@@ -97,6 +97,9 @@ pub enum CallOutcome {
     Declined,
     /// Approval was needed and could not be had.
     Refused,
+    /// The call ended without an answer: its worker went away (or the host stopped waiting)
+    /// while it was in flight. It may have run upstream.
+    Abandoned,
 }
 
 /// What a worker's bridge request asks for: its `method` field (`memory.<op>`, `tools.<op>`,
@@ -193,6 +196,54 @@ pub struct CallSummary {
     pub argument_keys: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub arguments: Option<Value>,
+    /// The call never got past its look-up (no such server or tool, a malformed request): the
+    /// audit counts these instead of listing them, so a flood of them cannot fill it.
+    #[serde(skip)]
+    pub lookup_failed: bool,
+}
+
+/// Where the summaries of one run's proxied calls go: the run's channel while the run lasts
+/// (its record and audit line list them), and the audit log, as a line of its own, for a call
+/// that ends when the run is over or past the run's [`MAX_CALL_SUMMARIES`]. So every proxied
+/// call is audited exactly once, whenever it ends (SECURITY.md #170).
+#[derive(Clone)]
+pub struct CallSink {
+    /// The run of the session the calls belong to (its number in the session).
+    pub run: u64,
+    pub summaries: tokio::sync::mpsc::Sender<CallSummary>,
+    /// Calls that failed their look-up, counted for the run.
+    pub lookups_failed: Arc<std::sync::atomic::AtomicU64>,
+    /// Calls past the run's [`MAX_CALL_SUMMARIES`]: each audited on a line of its own if it
+    /// reached the server (or the user), counted only if the host refused it.
+    pub omitted: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A call's summary until it is delivered: delivered as `Abandoned` if the call is dropped
+/// midway (its worker went away), so no call that may have run goes unaudited.
+struct Recording<'a> {
+    proxy: &'a Proxy,
+    session: &'a str,
+    sink: Option<&'a CallSink>,
+    started: std::time::Instant,
+    summary: Option<CallSummary>,
+}
+
+impl Recording<'_> {
+    fn finish(&mut self, outcome: CallOutcome, lookup_failed: bool) {
+        if let Some(mut s) = self.summary.take() {
+            s.outcome = outcome;
+            s.ok = outcome == CallOutcome::Ok;
+            s.lookup_failed = lookup_failed;
+            s.duration_ms = (self.started.elapsed().as_secs_f64() * 1e6).round() / 1000.0;
+            self.proxy.deliver(self.session, self.sink, s);
+        }
+    }
+}
+
+impl Drop for Recording<'_> {
+    fn drop(&mut self) {
+        self.finish(CallOutcome::Abandoned, false);
+    }
 }
 
 /// A call's arguments as the audit keeps them: whole up to [`MAX_AUDITED_ARGUMENT_BYTES`] of
@@ -223,6 +274,33 @@ pub struct Proxy {
     askers: std::sync::Mutex<BTreeMap<String, Asker>>,
     /// Approval questions on their way to a 2026-07-28 client.
     relay: Relay,
+    /// Where calls that end outside a run's record are audited (set by the server).
+    audit: std::sync::OnceLock<Arc<crate::audit::AuditLog>>,
+    /// Per session: its declined questions, so code cannot turn the user's dialog into a flood.
+    declines: std::sync::Mutex<BTreeMap<String, Declines>>,
+    /// Per session: held while one of its questions is open (one question at a time).
+    asking: std::sync::Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per (server, session): calls in flight, so one session cannot hold all of a server.
+    in_flight: std::sync::Mutex<BTreeMap<(String, String), Arc<tokio::sync::Semaphore>>>,
+}
+
+/// How many declines in [`DECLINE_WINDOW`] stop a session's questions until the window passes.
+const MAX_DECLINES: usize = 3;
+const DECLINE_WINDOW: Duration = Duration::from_secs(60);
+/// Most declined calls remembered per session (by digest), each refused without asking for
+/// the rest of its run.
+const MAX_REMEMBERED_DECLINES: usize = 256;
+/// Most calls one session may have in flight on one server; the server's other callers keep
+/// the rest of its capacity.
+pub const MAX_CALLS_PER_SESSION: usize = 64;
+
+/// One session's recent declines.
+#[derive(Default)]
+struct Declines {
+    /// When the user last said no (newest last, at most [`MAX_DECLINES`]).
+    times: std::collections::VecDeque<std::time::Instant>,
+    /// (run, digest of server, tool and canonical arguments) of declined calls.
+    calls: std::collections::VecDeque<(u64, String)>,
 }
 
 impl Proxy {
@@ -261,6 +339,58 @@ impl Proxy {
             approval,
             askers: std::sync::Mutex::new(BTreeMap::new()),
             relay: Relay::default(),
+            audit: std::sync::OnceLock::new(),
+            declines: std::sync::Mutex::new(BTreeMap::new()),
+            asking: std::sync::Mutex::new(BTreeMap::new()),
+            in_flight: std::sync::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Where proxied calls that end outside a run's record are audited (the first log set wins).
+    pub fn set_audit(&self, log: Arc<crate::audit::AuditLog>) {
+        let _ = self.audit.set(log);
+    }
+
+    /// The audit log, once the server has set it.
+    pub fn audit(&self) -> Option<&Arc<crate::audit::AuditLog>> {
+        self.audit.get()
+    }
+
+    /// Delivers one call's summary: counted if its look-up failed, into its run's record while
+    /// the run lasts, otherwise audited on a line of its own.
+    fn deliver(&self, session: &str, sink: Option<&CallSink>, summary: CallSummary) {
+        if summary.lookup_failed {
+            if let Some(sink) = sink {
+                sink.lookups_failed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            return;
+        }
+        let summary = match sink {
+            Some(sink) => match sink.summaries.try_send(summary) {
+                Ok(()) => return,
+                Err(tokio::sync::mpsc::error::TrySendError::Full(s)) => {
+                    sink.omitted
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    // Past the run's list, calls the host refused without asking anyone or
+                    // reaching the server are counted only: a loop of them is cheap to make
+                    // and would otherwise be a line each.
+                    if matches!(
+                        s.outcome,
+                        CallOutcome::Denied | CallOutcome::Refused | CallOutcome::Declined
+                    ) {
+                        return;
+                    }
+                    s
+                }
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(s)) => s,
+            },
+            None => summary,
+        };
+        if let Some(log) = self.audit.get() {
+            let entry =
+                crate::audit::AuditEntry::call_alone(session, sink.map(|s| s.run), &summary);
+            log.append(&entry);
         }
     }
 
@@ -541,10 +671,12 @@ impl Proxy {
         json!({"results": hits, "unavailable": self.unavailable()})
     }
 
-    /// Calls a tool if the rules allow it and, where it needs approval, the user approved.
+    /// Calls a tool if the rules allow it and, where it needs approval, the user approved. An
+    /// approved call is passed on exactly as it was shown: its canonical form.
     pub async fn call(
         &self,
         session: &str,
+        run: Option<u64>,
         server: &str,
         tool: &str,
         arguments: Value,
@@ -555,10 +687,24 @@ impl Proxy {
             ));
         };
         let (upstream, resolved, approval) = self.resolve_visible(server, tool).await?;
-        if let Some(why) = approval {
-            self.approve(session, server, tool, &args, &why, &upstream.config.source)
-                .await?;
-        }
+        let args = match approval {
+            Some(why) => {
+                let args = approval::canonical_map(&args);
+                let declared = declared_arguments(&resolved.entry);
+                let asked = Asked {
+                    session,
+                    run,
+                    server,
+                    tool,
+                    args: &args,
+                    declared: declared.as_deref(),
+                };
+                self.approve(&asked, &why, &upstream.config.source).await?;
+                args
+            }
+            None => args,
+        };
+        let _slot = self.call_slot(server, session).await;
         let result = upstream.call(resolved, args, self.call_timeout).await?;
         let size = serde_json::to_string(&result).map(|s| s.len()).unwrap_or(0);
         if size > MAX_RESULT_BYTES {
@@ -569,19 +715,78 @@ impl Proxy {
         Ok(result)
     }
 
-    /// Asks the user whether `server.tool(args)` may run, as the approval setting says. The
-    /// question goes to the client of the run's `session`, in that client's era.
-    async fn approve(
+    /// One of the [`MAX_CALLS_PER_SESSION`] places `session` has on `server` (waits for one).
+    async fn call_slot(
         &self,
-        session: &str,
         server: &str,
-        tool: &str,
-        args: &serde_json::Map<String, Value>,
-        why: &str,
-        source: &str,
-    ) -> Result<(), ProxyError> {
+        session: &str,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let places = {
+            let mut map = crate::lock(&self.in_flight);
+            // An entry only the map holds has no call in flight.
+            map.retain(|_, p| Arc::strong_count(p) > 1);
+            map.entry((server.to_string(), session.to_string()))
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_CALLS_PER_SESSION)))
+                .clone()
+        };
+        places.acquire_owned().await.ok()
+    }
+
+    /// Why `call` is refused without asking, if it is: the user declined this same call in
+    /// this run, or declined [`MAX_DECLINES`] questions of the session within
+    /// [`DECLINE_WINDOW`].
+    fn declined_before(&self, asked: &Asked<'_>, digest: &str) -> Option<String> {
+        let declines = crate::lock(&self.declines);
+        let d = declines.get(asked.session)?;
+        if let Some(run) = asked.run
+            && d.calls.iter().any(|(r, c)| *r == run && c == digest)
+        {
+            return Some(format!(
+                "declined: the user already declined this same call of {}.{} in this run; ironcell does not ask again before the next run",
+                asked.server, asked.tool
+            ));
+        }
+        let recent: Vec<_> = d
+            .times
+            .iter()
+            .filter(|t| t.elapsed() < DECLINE_WINDOW)
+            .collect();
+        if recent.len() >= MAX_DECLINES {
+            let wait = recent.first().map_or(DECLINE_WINDOW, |t| {
+                DECLINE_WINDOW.saturating_sub(t.elapsed())
+            });
+            return Some(format!(
+                "declined: the user declined {MAX_DECLINES} questions of this session within {} s, so ironcell does not ask again for {} s (the call of {}.{} was not shown)",
+                DECLINE_WINDOW.as_secs(),
+                wait.as_secs().max(1),
+                asked.server,
+                asked.tool
+            ));
+        }
+        None
+    }
+
+    fn note_decline(&self, asked: &Asked<'_>, digest: String) {
+        let mut declines = crate::lock(&self.declines);
+        let d = declines.entry(asked.session.to_string()).or_default();
+        d.times.push_back(std::time::Instant::now());
+        while d.times.len() > MAX_DECLINES {
+            d.times.pop_front();
+        }
+        if let Some(run) = asked.run {
+            d.calls.push_back((run, digest));
+            while d.calls.len() > MAX_REMEMBERED_DECLINES {
+                d.calls.pop_front();
+            }
+        }
+    }
+
+    /// Asks the user whether the call may run, as the approval setting says. The question goes
+    /// to the client of the run's session, in that client's era, one at a time per session.
+    async fn approve(&self, asked: &Asked<'_>, why: &str, source: &str) -> Result<(), ProxyError> {
+        let (session, server, tool) = (asked.session, asked.server, asked.tool);
         let how_to_allow = format!(
-            "To allow it without asking, set \"confirm\": false for server {server:?} (or list \"{tool}\" in its \"allow\") in {source}, or start ironcell with --approval allow (IRONCELL_APPROVAL=allow)"
+            "To allow it without asking, set \"confirm\": false for server {server:?} in {source} (and do not list it under \"confirm\"), or start ironcell with --approval allow (IRONCELL_APPROVAL=allow)"
         );
         match self.approval {
             ApprovalMode::Allow => return Ok(()),
@@ -605,7 +810,23 @@ impl Proxy {
             ));
         };
         let question =
-            Question::for_call(server, tool, args, why).map_err(ProxyError::unavailable)?;
+            Question::for_call(server, tool, asked.args, asked.declared, why).map_err(|e| {
+                ProxyError::refused(
+                    ErrorKind::Refused,
+                    format!(
+                        "{server}.{tool} needs your approval ({why}), and cannot be asked: {e}"
+                    ),
+                )
+            })?;
+        let digest = approval::call_digest(&format!("{server}\0{tool}"), Some(asked.args));
+        let gate = crate::lock(&self.asking)
+            .entry(session.to_string())
+            .or_default()
+            .clone();
+        let _open = gate.lock().await;
+        if let Some(why) = self.declined_before(asked, &digest) {
+            return Err(ProxyError::refused(ErrorKind::Declined, why));
+        }
         let answer = match asker {
             Asker::Elicit(peer) => peer
                 .create_elicitation_with_timeout(question.params(), Some(APPROVAL_TIMEOUT))
@@ -619,6 +840,7 @@ impl Proxy {
             }),
         };
         let declined = |how: &str| {
+            self.note_decline(asked, digest.clone());
             Err(ProxyError::refused(
                 ErrorKind::Declined,
                 format!("declined: the user {how} the call of {server}.{tool}"),
@@ -639,15 +861,15 @@ impl Proxy {
     }
 
     /// Answers one `request` frame from a worker of `session` (known to the host, never taken
-    /// from the frame): the payload for the `response` frame, and a summary when it was a tool
-    /// call.
+    /// from the frame). A tool call's summary goes to `sink` (the run's record) or, when the
+    /// run is over, to the audit log, once, however the call ends.
     pub async fn handle(
         &self,
         session: &str,
         method: ProxyMethod,
         params: &Value,
-    ) -> (Value, Option<CallSummary>) {
-        let started = std::time::Instant::now();
+        sink: Option<&CallSink>,
+    ) -> Value {
         let s = |k: &str| {
             params
                 .get(k)
@@ -655,7 +877,6 @@ impl Proxy {
                 .unwrap_or_default()
                 .to_string()
         };
-        let mut summary = None;
         let outcome = match method {
             ProxyMethod::Servers => Ok(json!(self.server_summaries())),
             ProxyMethod::Tools => match (
@@ -697,8 +918,27 @@ impl Proxy {
                     .get(&server)
                     .is_some_and(|u| u.config.rules.audit_arguments);
                 let arguments = audit_values.then(|| audited_arguments(&args));
+                let mut recording = Recording {
+                    proxy: self,
+                    session,
+                    sink,
+                    started: std::time::Instant::now(),
+                    summary: Some(CallSummary {
+                        server: crate::clip_chars(&server, MAX_SUMMARY_NAME_CHARS),
+                        tool: crate::clip_chars(&tool, MAX_SUMMARY_NAME_CHARS),
+                        ok: false,
+                        outcome: CallOutcome::Abandoned,
+                        duration_ms: 0.0,
+                        argument_keys,
+                        arguments,
+                        lookup_failed: false,
+                    }),
+                };
                 let r = match names_fit(params) {
-                    Ok(()) => self.call(session, &server, &tool, args).await,
+                    Ok(()) => {
+                        self.call(session, sink.map(|s| s.run), &server, &tool, args)
+                            .await
+                    }
                     Err(e) => Err(e),
                 };
                 let outcome = match &r {
@@ -711,23 +951,20 @@ impl Proxy {
                         _ => CallOutcome::Failed,
                     },
                 };
-                summary = Some(CallSummary {
-                    server: crate::clip_chars(&server, MAX_SUMMARY_NAME_CHARS),
-                    tool: crate::clip_chars(&tool, MAX_SUMMARY_NAME_CHARS),
-                    ok: outcome == CallOutcome::Ok,
-                    outcome,
-                    duration_ms: (started.elapsed().as_secs_f64() * 1e6).round() / 1000.0,
-                    argument_keys,
-                    arguments,
+                let lookup_failed = r.as_ref().err().is_some_and(|e| {
+                    matches!(
+                        e.kind,
+                        ErrorKind::UnknownServer | ErrorKind::UnknownTool | ErrorKind::BadRequest
+                    )
                 });
+                recording.finish(outcome, lookup_failed);
                 r
             }
         };
-        let payload = match outcome {
+        match outcome {
             Ok(result) => json!({"result": result}),
             Err(e) => error_payload(e.kind, &e.message),
-        };
-        (payload, summary)
+        }
     }
 
     pub async fn shutdown(&self) {
@@ -735,6 +972,24 @@ impl Proxy {
             u.stop().await;
         }
     }
+}
+
+/// One call put to the user.
+struct Asked<'a> {
+    session: &'a str,
+    run: Option<u64>,
+    server: &'a str,
+    tool: &'a str,
+    args: &'a serde_json::Map<String, Value>,
+    declared: Option<&'a [String]>,
+}
+
+/// The argument names a tool's `inputSchema` declares (`properties`), if it declares any.
+fn declared_arguments(tool: &rmcp::model::Tool) -> Option<Vec<String>> {
+    tool.input_schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .map(|p| p.keys().cloned().collect())
 }
 
 /// Server and tool names longer than [`MAX_NAME_BYTES`] are refused before anything looks them
@@ -800,40 +1055,112 @@ mod tests {
         }
     }
 
-    /// The worker chooses a call's server, tool and argument names: the summary that goes into
-    /// the run record and the audit log keeps a bounded part of each, even for an unknown server.
+    /// The worker chooses a call's server, tool and argument names: a call that fails its
+    /// look-up is counted for its run, not listed, and its error does not echo the name.
     #[tokio::test]
-    async fn a_call_summary_is_capped_whatever_the_worker_sent() {
+    async fn a_failed_look_up_is_counted_not_listed_whatever_the_worker_sent() {
         let proxy = Proxy::new(
             config::LoadedConfig::default(),
             Duration::from_secs(1),
             Duration::from_secs(1),
             ApprovalMode::default(),
         );
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let sink = CallSink {
+            run: 1,
+            summaries: tx,
+            lookups_failed: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            omitted: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        };
         let arguments: serde_json::Map<String, Value> = (0..1000)
             .map(|i| (format!("{}{i}", "k".repeat(500)), json!("v".repeat(1000))))
             .collect();
         let params = json!({"server": "S".repeat(1_000_000), "tool": "t".repeat(10_000),
                             "arguments": arguments});
-        let (payload, summary) = proxy.handle("s", ProxyMethod::Call, &params).await;
+        let payload = proxy
+            .handle("s", ProxyMethod::Call, &params, Some(&sink))
+            .await;
         assert_eq!(payload["error"]["kind"], "bad_request", "{payload}");
         let message = payload["error"]["message"].as_str().unwrap_or_default();
         assert!(
             message.len() < 100,
             "the name is not echoed: {message:.200}"
         );
-        let summary = summary.expect("a call always leaves a summary");
-        assert_eq!(summary.server.chars().count(), MAX_SUMMARY_NAME_CHARS + 1);
-        assert!(summary.server.ends_with('…'));
-        assert_eq!(summary.tool.chars().count(), MAX_SUMMARY_NAME_CHARS + 1);
-        assert_eq!(summary.argument_keys.len(), MAX_SUMMARY_KEYS);
-        assert!(
-            summary
-                .argument_keys
-                .iter()
-                .all(|k| k.chars().count() <= MAX_SUMMARY_NAME_CHARS + 1)
+        let params = json!({"server": "nope", "tool": "t", "arguments": {}});
+        let payload = proxy
+            .handle("s", ProxyMethod::Call, &params, Some(&sink))
+            .await;
+        assert_eq!(payload["error"]["kind"], "unknown_server", "{payload}");
+        assert!(rx.try_recv().is_err(), "failed look-ups are not listed");
+        assert_eq!(
+            sink.lookups_failed
+                .load(std::sync::atomic::Ordering::Relaxed),
+            2
         );
-        assert!(serde_json::to_vec(&summary).unwrap().len() < 8 << 10);
+    }
+
+    /// A call past the run's list, or after the run, is audited on a line of its own when it
+    /// reached the server; one the host refused past the list is counted only.
+    #[test]
+    fn calls_outside_the_runs_list_are_audited_alone_or_counted() {
+        let dir = std::env::temp_dir().join(format!("ironcell-deliver-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let proxy = Proxy::new(
+            config::LoadedConfig::default(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            ApprovalMode::default(),
+        );
+        let log = Arc::new(crate::audit::AuditLog::new(&dir, 1 << 20));
+        proxy.set_audit(log.clone());
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let sink = CallSink {
+            run: 7,
+            summaries: tx,
+            lookups_failed: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            omitted: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        };
+        let call = |tool: &str, outcome| CallSummary {
+            server: "s".into(),
+            tool: tool.into(),
+            ok: outcome == CallOutcome::Ok,
+            outcome,
+            duration_ms: 1.0,
+            argument_keys: Vec::new(),
+            arguments: None,
+            lookup_failed: false,
+        };
+        proxy.deliver("a", Some(&sink), call("listed", CallOutcome::Ok));
+        proxy.deliver("a", Some(&sink), call("past-ok", CallOutcome::Ok));
+        proxy.deliver("a", Some(&sink), call("past-denied", CallOutcome::Denied));
+        rx.close();
+        proxy.deliver("a", Some(&sink), call("after", CallOutcome::Abandoned));
+        let listed: Vec<String> = std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|c| c.tool)
+            .collect();
+        assert_eq!(listed, ["listed"]);
+        let (lines, _) = log.read_all();
+        let alone: Vec<(String, Value)> = lines
+            .iter()
+            .map(|e| {
+                (
+                    e.upstream_calls[0]["tool"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string(),
+                    e.cause.clone().unwrap_or_default()["run"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            alone,
+            [
+                ("past-ok".to_string(), json!(7)),
+                ("after".to_string(), json!(7))
+            ]
+        );
+        assert_eq!(sink.omitted.load(std::sync::atomic::Ordering::Relaxed), 2);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -14,7 +14,12 @@
 //!   annotated `destructiveHint: true` (the default).
 //! - `auditArguments: true`: the audit log records argument values, not only their names.
 //!
-//! A tool named exactly (no wildcard) in `allow` is explicitly allowed: it needs no approval.
+//! `allow`, `deny` and `readOnly` decide which tools code sees; `confirm` and `destructiveHint`
+//! decide which calls ask first. They are independent: a tool named exactly in `allow` is
+//! visible and still asks when `confirm` or its annotation says so (only `"confirm": false`
+//! turns asking off). Patterns match a tool by its real name and by the Python alias code
+//! sees (`get_env` matches `get-env`). Rules that contradict each other are reported with the
+//! configuration's problems, and the stricter one applies ([`ToolRules::conflicts`]).
 //! Annotations from an upstream are only hints; the configuration wins. Only an explicit
 //! `destructiveHint: true` asks for approval (the protocol's default for an unannotated tool
 //! is "destructive", which would make every tool of most servers ask).
@@ -165,15 +170,70 @@ impl ToolRules {
         }
     }
 
+    /// Rules of this entry that contradict each other or cannot mean what they say: (field,
+    /// message) for the configuration's problems. None changes what applies: the stricter
+    /// rule does (a denied tool stays hidden, a tool under `confirm` asks).
+    pub fn conflicts(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let confirm: &[String] = match &self.confirm {
+            Confirm::DestructiveAnd(ps) => ps,
+            _ => &[],
+        };
+        let lists: [(&str, &[String]); 3] = [
+            ("allow", self.allow.as_deref().unwrap_or(&[])),
+            ("deny", &self.deny),
+            ("confirm", confirm),
+        ];
+        for (field, list) in lists {
+            for (i, p) in list.iter().enumerate() {
+                if list[..i].iter().any(|q| alias(q) == alias(p)) {
+                    out.push((
+                        format!("{field}[{i}]"),
+                        format!("{p:?} is listed twice (as itself or by its Python alias)"),
+                    ));
+                }
+            }
+        }
+        for (i, p) in self.allow.iter().flatten().enumerate() {
+            if let Some(d) = self.deny.iter().find(|d| pattern_matches(d, p)) {
+                out.push((
+                    format!("allow[{i}]"),
+                    format!("{p:?} is also hidden by \"deny\": [{d:?}]; deny wins, so code cannot see it"),
+                ));
+            }
+            if is_exact(p)
+                && let Some(c) = confirm.iter().find(|c| pattern_matches(c, p))
+            {
+                out.push((
+                    format!("allow[{i}]"),
+                    format!(
+                        "{p:?} is in \"allow\" and under \"confirm\" ({c:?}): \"allow\" decides whether code sees a tool, \"confirm\" whether you are asked, so its calls ask"
+                    ),
+                ));
+            }
+        }
+        for (i, c) in confirm.iter().enumerate() {
+            if let Some(d) = self.deny.iter().find(|d| pattern_matches(d, c)) {
+                out.push((
+                    format!("confirm[{i}]"),
+                    format!(
+                        "{c:?} is hidden by \"deny\": [{d:?}], so it is never called or asked about"
+                    ),
+                ));
+            }
+        }
+        out
+    }
+
     /// What the rules say about `tool` of server `server`.
     pub fn verdict(&self, server: &str, tool: &str, hints: Hints) -> Verdict {
-        if let Some(p) = self.deny.iter().find(|p| glob_match(p, tool)) {
+        if let Some(p) = self.deny.iter().find(|p| pattern_matches(p, tool)) {
             return Verdict::Denied(format!(
                 "{server}.{tool} is denied by the rule \"deny\": [{p:?}] of server {server:?}"
             ));
         }
         if let Some(allow) = &self.allow
-            && !allow.iter().any(|p| glob_match(p, tool))
+            && !allow.iter().any(|p| pattern_matches(p, tool))
         {
             return Verdict::Denied(if allow.is_empty() {
                 format!("server {server:?} has \"allow\": [], which allows no tool")
@@ -184,10 +244,9 @@ impl ToolRules {
         if self.read_only && hints.read_only != Some(true) {
             return Verdict::Denied(read_only_denial(server, tool));
         }
-        if self.allow.iter().flatten().any(|p| p == tool) {
-            return Verdict::Allowed; // named exactly: the user allowed it on purpose
-        }
-        let listed = |ps: &[String]| ps.iter().any(|p| glob_match(p, tool));
+        // `allow` decides visibility only: a tool named in it still asks where `confirm` or its
+        // annotation says so.
+        let listed = |ps: &[String]| ps.iter().any(|p| pattern_matches(p, tool));
         match &self.confirm {
             Confirm::Never => Verdict::Allowed,
             Confirm::Always => {
@@ -216,6 +275,46 @@ pub fn read_only_denial(server: &str, tool: &str) -> String {
         "server {server:?} is \"readOnly\": true, and it has no tool {tool:?} annotated \
          readOnlyHint: true (`await runtime.query_tool_docs({server:?})` lists the ones code can call)"
     )
+}
+
+/// Whether a rule's pattern matches `tool`, by its real name or by its Python alias.
+pub fn pattern_matches(pattern: &str, tool: &str) -> bool {
+    glob_match(pattern, tool)
+        || glob_match(pattern, &alias(tool))
+        || (is_exact(pattern) && alias(pattern) == alias(tool))
+}
+
+fn is_exact(pattern: &str) -> bool {
+    !pattern.contains(['*', '?', '['])
+}
+
+/// The Python name code uses for a tool: what `mcp.identifier` makes of it (characters other
+/// than letters, digits and `_` become `_`; a leading digit gets a `_` before it; a keyword
+/// gets one after it).
+pub fn alias(name: &str) -> String {
+    const KEYWORDS: &[&str] = &[
+        "False", "None", "True", "and", "as", "assert", "async", "await", "break", "class",
+        "continue", "def", "del", "elif", "else", "except", "finally", "for", "from", "global",
+        "if", "import", "in", "is", "lambda", "nonlocal", "not", "or", "pass", "raise", "return",
+        "try", "while", "with", "yield",
+    ];
+    let mut out: String = name
+        .chars()
+        .map(|c| {
+            if c.is_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if out.is_empty() || out.starts_with(|c: char| c.is_ascii_digit()) {
+        out.insert(0, '_');
+    }
+    if KEYWORDS.contains(&out.as_str()) {
+        out.push('_');
+    }
+    out
 }
 
 /// Shell-style glob: `*` any run of characters, `?` one character, everything else literal.
@@ -312,8 +411,22 @@ mod tests {
         assert_eq!(default.verdict("m", "plain", PLAIN), Verdict::Allowed);
         let never = rules(json!({"confirm": false}));
         assert_eq!(never.verdict("m", "drop", DESTRUCTIVE), Verdict::Allowed);
+        // Naming a tool in `allow` makes it visible, never silent.
         let exact = rules(json!({"allow": ["drop", "read_*"]}));
-        assert_eq!(exact.verdict("m", "drop", DESTRUCTIVE), Verdict::Allowed);
+        assert!(matches!(
+            exact.verdict("m", "drop", DESTRUCTIVE),
+            Verdict::NeedsApproval(_)
+        ));
+        let exact_and_confirm = rules(json!({"allow": ["write_file"], "confirm": ["write_file"]}));
+        assert!(matches!(
+            exact_and_confirm.verdict("m", "write_file", PLAIN),
+            Verdict::NeedsApproval(_)
+        ));
+        let exact_and_always = rules(json!({"allow": ["write_file"], "confirm": true}));
+        assert!(matches!(
+            exact_and_always.verdict("m", "write_file", PLAIN),
+            Verdict::NeedsApproval(_)
+        ));
         let listed = rules(json!({"confirm": ["create_*"]}));
         assert!(matches!(
             listed.verdict("m", "create_entities", PLAIN),
@@ -340,6 +453,66 @@ mod tests {
         assert_eq!(bad(json!({"deny": [1]})).as_deref(), Some("deny[0]"));
         assert_eq!(bad(json!({"readOnly": "yes"})).as_deref(), Some("readOnly"));
         assert_eq!(bad(json!({"confirm": 3})).as_deref(), Some("confirm"));
+    }
+
+    #[test]
+    fn patterns_match_the_real_name_and_the_python_alias() {
+        let r = rules(json!({"deny": ["get_env"], "confirm": ["set_*"]}));
+        assert!(matches!(
+            r.verdict("m", "get-env", PLAIN),
+            Verdict::Denied(_)
+        ));
+        assert!(r.hides_name("m", "get-env").is_some());
+        assert!(matches!(
+            r.verdict("m", "set-env", PLAIN),
+            Verdict::NeedsApproval(_)
+        ));
+        let by_real = rules(json!({"deny": ["get-env"]}));
+        assert!(matches!(
+            by_real.verdict("m", "get-env", PLAIN),
+            Verdict::Denied(_)
+        ));
+        assert!(matches!(
+            by_real.verdict("m", "get.env", PLAIN),
+            Verdict::Denied(_)
+        ));
+        let allow = rules(json!({"allow": ["get_env"]}));
+        assert_eq!(allow.verdict("m", "get-env", PLAIN), Verdict::Allowed);
+        assert!(matches!(
+            allow.verdict("m", "other", PLAIN),
+            Verdict::Denied(_)
+        ));
+        assert_eq!(alias("class"), "class_");
+        assert_eq!(alias("1st"), "_1st");
+        assert_eq!(alias("a.b-c"), "a_b_c");
+    }
+
+    #[test]
+    fn contradicting_rules_are_reported_and_the_stricter_applies() {
+        let r = rules(
+            json!({"allow": ["write_file", "read_*", "drop"], "deny": ["drop"],
+                             "confirm": ["write_file", "write-file", "drop"]}),
+        );
+        let found: Vec<String> = r
+            .conflicts()
+            .into_iter()
+            .map(|(f, m)| format!("{f}: {m}"))
+            .collect();
+        let has =
+            |f: &str, words: &str| found.iter().any(|m| m.starts_with(f) && m.contains(words));
+        assert!(has("allow[0]", "its calls ask"), "{found:?}");
+        assert!(has("allow[2]", "deny wins"), "{found:?}");
+        assert!(has("confirm[1]", "listed twice"), "{found:?}");
+        assert!(has("confirm[2]", "never called"), "{found:?}");
+        assert!(matches!(
+            r.verdict("m", "drop", DESTRUCTIVE),
+            Verdict::Denied(_)
+        ));
+        assert!(
+            rules(json!({"allow": ["a"], "deny": ["b"]}))
+                .conflicts()
+                .is_empty()
+        );
     }
 
     #[test]

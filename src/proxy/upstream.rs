@@ -540,6 +540,9 @@ async fn list_tools(
     Ok(catalog)
 }
 
+/// How long a server that let a call overrun has to answer a ping before it counts as wedged.
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub struct Upstream {
     pub config: ServerConfig,
     startup_timeout: Duration,
@@ -780,12 +783,30 @@ impl Upstream {
                 }
             }
             Err(_) => {
-                // A server that does not answer in time is restarted: it may be wedged.
+                // Dropping the call sent `notifications/cancelled` for it. Other sessions may be
+                // using this server, so it is restarted only if it does not answer a ping
+                // either: wedged for everyone, not just slow on this call.
+                let ping = live
+                    .peer
+                    .send_request(rmcp::model::ClientRequest::PingRequest(
+                        rmcp::model::PingRequest {
+                            method: Default::default(),
+                            extensions: Default::default(),
+                        },
+                    ));
+                if matches!(tokio::time::timeout(PING_TIMEOUT, ping).await, Ok(Ok(_))) {
+                    return Err(ProxyError::unavailable(format!(
+                        "server {:?} did not answer {tool:?} within {} s; the call was cancelled (the server was sent notifications/cancelled, and keeps running for its other callers)",
+                        self.name(),
+                        timeout.as_secs_f64()
+                    )));
+                }
                 self.stop().await;
                 Err(ProxyError::unavailable(format!(
-                    "server {:?} did not answer {tool:?} within {} s; it was restarted",
+                    "server {:?} did not answer {tool:?} within {} s, nor a ping within {} s; it was restarted",
                     self.name(),
-                    timeout.as_secs_f64()
+                    timeout.as_secs_f64(),
+                    PING_TIMEOUT.as_secs()
                 )))
             }
         }

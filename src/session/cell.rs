@@ -222,6 +222,8 @@ pub(super) struct CellRun<'a> {
     summaries_tx: tokio::sync::mpsc::Sender<CallSummary>,
     summaries_rx: tokio::sync::mpsc::Receiver<CallSummary>,
     summaries_omitted: Arc<AtomicU64>,
+    /// Proxied calls that failed their look-up: counted, not listed.
+    lookups_failed: Arc<AtomicU64>,
     /// The quota is measured in the background; its verdict wakes the loop.
     quota_verdict: tokio::sync::watch::Receiver<Option<String>>,
     disk_stops: tokio::sync::watch::Receiver<(u64, String)>,
@@ -266,6 +268,7 @@ impl<'a> CellRun<'a> {
             summaries_tx,
             summaries_rx,
             summaries_omitted: Arc::new(AtomicU64::new(0)),
+            lookups_failed: Arc::new(AtomicU64::new(0)),
             quota_verdict,
             disk_stops,
             cancel,
@@ -481,8 +484,12 @@ impl<'a> CellRun<'a> {
         let local_tools = m.local_tools.get().cloned();
         let session_name = self.session.name.clone();
         let changes = m.changes.clone();
-        let summaries = self.summaries_tx.clone();
-        let omitted = self.summaries_omitted.clone();
+        let sink = crate::proxy::CallSink {
+            run: self.run_no,
+            summaries: self.summaries_tx.clone(),
+            lookups_failed: self.lookups_failed.clone(),
+            omitted: self.summaries_omitted.clone(),
+        };
         let answers = worker.answers();
         let gone = worker.gone();
         let tools_turn = worker.tools_turn();
@@ -496,7 +503,7 @@ impl<'a> CellRun<'a> {
             let mut room = Some(room); // until answered (or the worker is gone)
             let work = async {
                 let mut answer_turn = None;
-                let (payload, summary) = match parsed {
+                let payload = match parsed {
                     // The host does the file I/O, off the async runtime.
                     Ok(BridgeMethod::Memory(op)) => {
                         let Some(turns) = blocking_turns(&blocking_turn, &blocking_io, &gone).await
@@ -506,7 +513,7 @@ impl<'a> CellRun<'a> {
                         let (mine, io) = turns;
                         answer_turn = Some(mine);
                         let room = room.take();
-                        let answer = tokio::task::spawn_blocking(move || {
+                        tokio::task::spawn_blocking(move || {
                             // Counted in the worker's budget until the parameters are freed.
                             let _held = (io, room);
                             memory.handle(op, &params)
@@ -517,8 +524,7 @@ impl<'a> CellRun<'a> {
                                 crate::proxy::ErrorKind::Unavailable,
                                 &e.to_string(),
                             )
-                        });
-                        (answer, None)
+                        })
                     }
                     Ok(BridgeMethod::Tools(op)) => {
                         use crate::local_tools::ToolsOp;
@@ -537,9 +543,11 @@ impl<'a> CellRun<'a> {
                             params,
                             gone.clone(),
                         );
-                        (answer.await, None)
+                        answer.await
                     }
-                    Ok(BridgeMethod::Proxy(m)) => proxy.handle(&session_name, m, &params).await,
+                    Ok(BridgeMethod::Proxy(m)) => {
+                        proxy.handle(&session_name, m, &params, Some(&sink)).await
+                    }
                     Ok(BridgeMethod::ChangedFiles) => {
                         // Names only, from the host's own watches: nothing is opened here.
                         let limit = CHANGED_FILES_HINT_LIMIT;
@@ -563,15 +571,10 @@ impl<'a> CellRun<'a> {
                                 .flatten()
                             }
                         };
-                        (changed_files_answer(pending), None)
+                        changed_files_answer(pending)
                     }
-                    Err(unknown) => (unknown, None),
+                    Err(unknown) => unknown,
                 };
-                if let Some(call) = summary
-                    && summaries.try_send(call).is_err()
-                {
-                    omitted.fetch_add(1, Ordering::Relaxed);
-                }
                 match frame::json_body(&ToWorker::Response { id, payload }) {
                     Ok(body) => {
                         // The writer task's queue, not the socket: this never waits on the worker
@@ -703,6 +706,8 @@ impl<'a> CellRun<'a> {
     fn into_outcome(mut self, ending: Ending) -> CellOutcome {
         // The proxied calls answered so far, in the order they were answered (a call answered
         // before `done` sent its summary before its answer).
+        // Closed first: a call that ends from now on is audited on a line of its own.
+        self.summaries_rx.close();
         let mut calls = Vec::new();
         while let Ok(call) = self.summaries_rx.try_recv() {
             calls.push(call);
@@ -747,6 +752,7 @@ impl<'a> CellRun<'a> {
         };
         outcome.record.upstream_calls = calls;
         outcome.record.upstream_calls_omitted = self.summaries_omitted.load(Ordering::Relaxed);
+        outcome.record.upstream_lookups_failed = self.lookups_failed.load(Ordering::Relaxed);
         outcome
     }
 }
@@ -866,6 +872,7 @@ impl CellOutcome {
             stderr_truncated: err_cut,
             upstream_calls: Vec::new(),
             upstream_calls_omitted: 0,
+            upstream_lookups_failed: 0,
             images: Vec::new(),
             files: Vec::new(),
             inline_images: Vec::new(),

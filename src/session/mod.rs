@@ -713,6 +713,12 @@ impl SessionManager {
         };
         notices.append(&mut record.notices);
         record.notices = notices;
+        if crate::output::may_need_notes(&record) {
+            let pid = state.worker.as_ref().filter(|_| record.error.is_some());
+            let ctx = self.note_context(pid.map(LiveWorker::pid)).await;
+            let notes = crate::output::sandbox_notes(&record, &ctx);
+            record.notices.extend(notes);
+        }
         // A free-disk stop after the cell ended (its loop no longer listens) still stops this
         // worker, before the session is let go.
         let stop = self.disk_stops.borrow().clone();
@@ -733,6 +739,35 @@ impl SessionManager {
         }
         self.pool.run_answered();
         Ok(record)
+    }
+
+    /// What the notes on a failed run name: the interpreter, the memory limit and what the
+    /// worker `pid` holds of it (read on a blocking thread, as the memory watch reads).
+    async fn note_context(&self, pid: Option<i32>) -> crate::output::NoteContext {
+        let zygote = lock(&self.zygote).clone();
+        let version = match zygote {
+            Some(z) => tokio::time::timeout(Duration::from_millis(100), z.ready())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .map(|info| info.python_version),
+            None => None,
+        };
+        let held = match pid {
+            Some(pid) => {
+                tokio::task::spawn_blocking(move || crate::output::data_segment_bytes(pid))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+            None => None,
+        };
+        crate::output::NoteContext {
+            python: self.python.as_ref().ok().map(|p| p.executable.clone()),
+            python_version: version,
+            memory_limit: self.sandbox.memory_bytes,
+            memory_held: held,
+        }
     }
 
     /// Makes room for one more worker by stopping an idle session: a saved tools file's, else

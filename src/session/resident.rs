@@ -55,9 +55,16 @@ pub(super) fn watch_memory_periodically(manager: &Arc<SessionManager>) {
 /// first line is the thread's name, which the worker sets (`PR_SET_NAME`) and the kernel
 /// passes on unescaped, so it need not be UTF-8 (#134).
 fn anonymous_bytes(pid: i32) -> Option<u64> {
+    held_by(pid).map(|(bytes, _)| bytes)
+}
+
+/// [`anonymous_bytes`] and the number of threads of process `pid` (its `Threads` line, 0 when
+/// the status shows none).
+fn held_by(pid: i32) -> Option<(u64, u64)> {
     let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
+    let threads = threads_in(&status).unwrap_or(0);
     if let Some(bytes) = anonymous_bytes_in(&status) {
-        return Some(bytes);
+        return Some((bytes, threads));
     }
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .ok()?
@@ -66,6 +73,15 @@ fn anonymous_bytes(pid: i32) -> Option<u64> {
             let status = std::fs::read(task.path().join("status")).ok()?;
             anonymous_bytes_in(&status)
         })
+        .map(|bytes| (bytes, threads))
+}
+
+/// The `Threads:` count of a `/proc/<pid>/status` text.
+fn threads_in(status: &[u8]) -> Option<u64> {
+    status.split(|&b| b == b'\n').find_map(|line| {
+        let rest = line.strip_prefix(b"Threads:")?;
+        std::str::from_utf8(rest).ok()?.trim().parse().ok()
+    })
 }
 
 /// `RssAnon` + `VmSwap` + `VmPTE` of a `/proc/<pid>/status` text (each in kB; a kernel thread
@@ -127,11 +143,11 @@ impl SessionManager {
         let zygote_pid = zygote.pid();
         let read = tokio::task::spawn_blocking(move || {
             let base = anonymous_bytes(zygote_pid).unwrap_or(0);
-            let held: Vec<(WorkerProcess, u64)> = due
+            let held: Vec<(WorkerProcess, u64, u64)> = due
                 .into_iter()
                 .filter_map(|worker| {
-                    let bytes = anonymous_bytes(worker.pid())?;
-                    Some((worker, bytes))
+                    let (bytes, threads) = held_by(worker.pid())?;
+                    Some((worker, bytes, threads))
                 })
                 .collect();
             (base, held)
@@ -140,7 +156,25 @@ impl SessionManager {
         let Ok((base, held)) = read else { return };
         let limit = self.sandbox.memory_bytes;
         let allowed = allowed_bytes(limit, base);
-        for (worker, bytes) in held {
+        // A worker's own tasks: its main thread plus the policy's threads, as RLIMIT_NPROC in a
+        // user namespace of its own counts them. Only where the uid's count is shared can a
+        // worker get past it; here it is killed (SECURITY.md #153).
+        let max_threads = self.sandbox.policy.limits.threads.saturating_add(1);
+        for (worker, bytes, threads) in held {
+            if threads > max_threads {
+                let why = ExitInfo::OverThreads {
+                    threads,
+                    limit: max_threads - 1,
+                };
+                if zygote.kill_for_memory(&worker, why) {
+                    tracing::warn!(
+                        pid = worker.pid(),
+                        threads,
+                        "killed a worker running more threads than its session may"
+                    );
+                }
+                continue;
+            }
             if bytes <= allowed {
                 continue;
             }

@@ -144,10 +144,22 @@ impl SessionManager {
 }
 
 /// The whole environment of a worker: fixed values and the session's own directories.
+///
+/// The zygote runs its BLAS on one thread (it forks, so it must stay single-threaded); a worker's
+/// libraries size their thread pools to the CPUs the host may use (numpy's OpenBLAS, OpenMP,
+/// MKL read these when they load in the worker; one the zygote preloaded keeps its one thread).
 pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
+    let cpus = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .to_string();
     let mut env: Vec<(String, String)> = crate::zygote::zygote_environment()
         .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .map(|(k, v)| match k {
+            "OPENBLAS_NUM_THREADS" | "OMP_NUM_THREADS" | "MKL_NUM_THREADS" => {
+                (k.to_string(), cpus.clone())
+            }
+            _ => (k.to_string(), v.to_string()),
+        })
         .collect();
     env.push(("TERM".to_string(), "dumb".to_string()));
     env.extend(session_environment(session, scratch));

@@ -254,9 +254,9 @@ def test_54_a_run_in_progress_when_the_zygote_dies_finishes_with_a_clear_result(
 
 
 def test_a_run_of_many_proxied_calls_with_huge_names_leaves_a_bounded_record(host):
-    """Every proxied call leaves a summary in the run's record and the audit line; the worker
-    chooses its server, tool and argument names and how many calls it makes. Past 1,000 calls a
-    run's calls are only counted, and each name is cut to 128 characters."""
+    """The worker chooses a proxied call's server, tool and argument names and how many calls
+    it makes. Calls that fail their look-up (no such server) are counted, not listed
+    (SECURITY.md #171): the record and the audit line stay small however many there are."""
     code = """
 import asyncio
 name = "S" * 1000
@@ -270,14 +270,11 @@ await asyncio.gather(*(one() for _ in range(1060)))
 """
     r = host.run(code, session="many-calls")
     assert r["result"] == "'done'", r
-    calls = r["upstream_calls"]
-    assert len(calls) == 1000 and r["upstream_calls_omitted"] == 60, (len(calls), r.get("upstream_calls_omitted"))
-    assert all(len(c["server"]) <= 129 and len(c["tool"]) <= 129 for c in calls)
-    assert all(len(c["argument_keys"]) <= 32 and all(len(k) <= 129 for k in c["argument_keys"]) for c in calls)
+    assert "upstream_calls" not in r and r["upstream_lookups_failed"] == 1060, r
     line = (host.dir / "state" / "audit.jsonl").read_text().splitlines()[-1]
     entry = json.loads(line)
-    assert entry["session"] == "many-calls" and entry["upstream_calls_omitted"] == 60
-    assert len(line) < 8_000_000, len(line)
+    assert entry["session"] == "many-calls" and entry["upstream_lookups_failed"] == 1060
+    assert len(line) < 4_000, len(line)
 
 
 def test_listing_memories_costs_the_host_what_the_list_holds(host):

@@ -442,7 +442,8 @@ async def test_save_tool_makes_a_tool_announces_it_and_keeps_it_across_restarts(
         assert r.is_error and "invalid tool name" in r.text, r
         r = await run(s, "import mcp\nmcp._request_sync('tools.save', {'name': 'big', 'source': 'x' * 70000})")
         assert r.is_error and "limit" in r.text, r
-    assert sorted(p.name for p in (state_dir / "tools").iterdir()) == ["hypotenuse.py"]
+    # The tool and its owner (the session that saved it: SECURITY.md #173), nothing else.
+    assert sorted(p.name for p in (state_dir / "tools").iterdir()) == [".hypotenuse.owner", "hypotenuse.py"]
 
     async with client(state_dir) as s:
         assert s.init_result.capabilities.tools.list_changed is True
@@ -813,7 +814,8 @@ def test_a_tool_cannot_escape_the_sandbox(raw_tools_server):
     try:
         assert tool_text(call_tool(srv, "read_path", path="/etc/shadow")) == "PermissionError:13"
         assert tool_text(call_tool(srv, "read_path", path=str(secret))) == "PermissionError:13"
-        assert tool_text(call_tool(srv, "read_path", path="/proc/self/environ")) == "PermissionError:13"
+        # Landlock refuses it; in the worker's own namespace /proc is an empty tmpfs (#155).
+        assert tool_text(call_tool(srv, "read_path", path="/proc/self/environ")) in ("PermissionError:13", "FileNotFoundError:2")
         assert tool_text(call_tool(srv, "open_socket")) == "PermissionError:1"
         assert tool_text(call_tool(srv, "spawn")) == "PermissionError:1"
         # ironcell's state (memory, saved tools, other sessions) is out of reach.

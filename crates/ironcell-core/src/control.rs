@@ -122,6 +122,12 @@ pub enum ExitInfo {
         held_mib: u64,
         limit_mib: u64,
     },
+    /// Killed by the host's watch (never sent by the zygote) for running `threads` tasks, past
+    /// the session's `limit` (where the uid's RLIMIT_NPROC count is shared; SECURITY.md #153).
+    OverThreads {
+        threads: u64,
+        limit: u64,
+    },
 }
 
 impl fmt::Display for ExitInfo {
@@ -145,6 +151,11 @@ impl fmt::Display for ExitInfo {
                 f,
                 "was killed for holding {held_mib} MiB of memory, past the memory limit of \
                  {limit_mib} MiB (--memory-limit or MCP_BRIDGE_MEMORY_LIMIT raises it)"
+            ),
+            ExitInfo::OverThreads { threads, limit } => write!(
+                f,
+                "was killed for running {threads} threads, past the session's limit of {limit} \
+                 (`limits.threads` in a policy file raises it)"
             ),
         }
     }

@@ -17,8 +17,12 @@
 
 pub mod arenas;
 pub mod bridge;
+pub mod scrub;
 pub mod worker;
 pub mod zygote;
+
+#[global_allocator]
+static ALLOCATOR: scrub::ScrubOnFree = scrub::ScrubOnFree;
 
 /// Locks a mutex, carrying on with the data if another thread panicked while holding it.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

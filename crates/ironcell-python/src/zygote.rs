@@ -269,6 +269,10 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
     use nix::sys::signal::{SigSet, Signal};
     use nix::sys::signalfd::{SfdFlags, SignalFd};
 
+    // From the first request on, nothing one worker was told outlives it in the zygote's heap
+    // (crate::scrub): each request's decoded copies are cleared when freed, its buffer below.
+    crate::scrub::scrubbing(true);
+
     // SIGCHLD arrives through a signalfd so the loop stays single-threaded and synchronous.
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);
@@ -316,6 +320,7 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                     send_event(ctl.as_raw_fd(), &event)?;
                 }
             }
+            crate::scrub::clear(&mut buf);
         }
     }
 }

@@ -98,6 +98,8 @@ pub struct Sandbox {
     pub root_workers: bool,
     /// Private `/tmp` per session (see [`private_tmp`]); set from the settings.
     pub private_tmp: private_tmp::PrivateTmpMode,
+    /// Workers that may live at once (sessions and spares); see [`WorkerLimits::workers`].
+    pub max_workers: u64,
 }
 
 /// One protection a user relies on and the layers that provide it on this host.
@@ -135,6 +137,7 @@ impl Sandbox {
             cgroups: CgroupsMode::Auto,
             root_workers: nix::unistd::getuid().is_root(),
             private_tmp: private_tmp::PrivateTmpMode::Auto,
+            max_workers: 1,
         }
     }
 
@@ -170,17 +173,23 @@ impl Sandbox {
         }
     }
 
-    /// What caps a worker's threads on this host, or `None` when nothing does.
-    pub fn thread_cap_layer(&self) -> Option<String> {
+    /// What caps a worker's threads on this host, or `None` when nothing does. `tmp` is what
+    /// workers get for `/tmp` ([`private_tmp::host_status`]): in a user namespace of its own a
+    /// worker's RLIMIT_NPROC counts only its own tasks.
+    pub fn thread_cap_layer(&self, tmp: &private_tmp::PrivateTmp) -> Option<String> {
         let n = self.policy.limits.threads;
         if let Some(parent) = &self.pids_cgroup_parent {
             Some(format!(
                 "pids cgroup v1 (pids.max {n}, under {})",
                 parent.display()
             ))
+        } else if !self.root_workers && tmp.in_own_user_namespace() {
+            Some(format!(
+                "RLIMIT_NPROC in the worker's own user namespace ({n} per session)"
+            ))
         } else if !self.root_workers {
             Some(format!(
-                "RLIMIT_NPROC ({n} more than the tasks on the machine at worker start)"
+                "RLIMIT_NPROC shared by the uid ({n} per worker more than the tasks at worker start) + host watch ({n} per session)"
             ))
         } else {
             None
@@ -251,6 +260,7 @@ impl Sandbox {
                 file_size_bytes: l.file_size_mib << 20,
                 open_files: l.open_files,
                 threads: l.threads,
+                workers: self.max_workers,
             },
             seccomp: self.seccomp_available,
             pids_cgroup_parent: self.pids_cgroup_parent.clone(),
@@ -262,8 +272,9 @@ impl Sandbox {
         self.policy.limits.scratch_quota_mib << 20
     }
 
-    /// Which layer provides each protection on this host (for `doctor` and `system://info`).
-    pub fn protections(&self) -> Vec<Protection> {
+    /// Which layer provides each protection on this host (for `doctor` and `system://info`),
+    /// given what workers get for `/tmp` ([`private_tmp::host_status`]).
+    pub fn protections(&self, tmp: &private_tmp::PrivateTmp) -> Vec<Protection> {
         let abi = self.landlock_abi;
         let ll = |since: i32| (abi >= since).then(|| format!("landlock (ABI {abi})"));
         let sc = |what: &str| self.seccomp_available.then(|| format!("seccomp ({what})"));
@@ -274,7 +285,10 @@ impl Sandbox {
             ),
             (
                 "no truncate of files outside the session dir",
-                vec![ll(3), sc("truncate refused")],
+                vec![
+                    ll(3),
+                    sc("truncate refused; open with O_TRUNC only for writing; no openat2"),
+                ],
             ),
             (
                 "no TCP connect or bind",
@@ -349,7 +363,14 @@ impl Sandbox {
                 "memory the data limit misses (mprotect, MAP_GROWSDOWN)",
                 vec![Some("host memory watch (RssAnon + VmSwap + VmPTE)".into())],
             ),
-            ("threads capped", vec![self.thread_cap_layer()]),
+            ("threads capped", vec![self.thread_cap_layer(tmp)]),
+            (
+                "no other process visible in /proc or /sys",
+                vec![
+                    tmp.own_namespace()
+                        .map(|_| "mount namespace (empty, read-only /proc and /sys)".to_string()),
+                ],
+            ),
             (
                 "wall time, output size, scratch quota, session count",
                 vec![Some("host supervisor".into())],
@@ -364,18 +385,42 @@ impl Sandbox {
     }
 }
 
+impl SandboxPlan {
+    /// Every path the plan grants, read-only or read-write.
+    pub fn granted_paths(&self) -> Vec<&Path> {
+        self.filesystem
+            .iter()
+            .flat_map(|g| {
+                g.read_only
+                    .iter()
+                    .chain(&g.read_write)
+                    .chain(&g.read_write_files)
+            })
+            .map(PathBuf::as_path)
+            .collect()
+    }
+}
+
 /// Applies `plan` to the calling process, which must have exactly one thread. Returns the
 /// layers that were skipped (best-effort mode only); in enforce mode any failure is an error.
 pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<String>, String> {
-    apply_lockdown_with_compiled_filters(plan, None)
+    let no_namespace = private_tmp::PrivateTmp::Fallback {
+        reason: String::new(),
+        allowed: Vec::new(),
+        namespace: None,
+    };
+    apply_lockdown_with_compiled_filters(plan, None, &no_namespace)
 }
 
 /// [`apply_lockdown_to_current_process`] with the seccomp programs compiled beforehand (by the
 /// zygote, once): the same filters, installed here by the worker itself; `None` compiles them
 /// now.
+/// `namespace` is what [`private_tmp::mount_session_dir_over_tmp`] gave the worker: in a
+/// namespace of its own, `/proc` is hidden and the thread cap counts only its own tasks.
 pub fn apply_lockdown_with_compiled_filters(
     plan: &SandboxPlan,
     compiled: Option<&seccomp::CompiledWorkerFilters>,
+    namespace: &private_tmp::PrivateTmp,
 ) -> Result<Vec<String>, String> {
     let mut missing = Vec::new();
     let mut step = |name: &str, result: Result<(), String>| -> Result<(), String> {
@@ -395,6 +440,19 @@ pub fn apply_lockdown_with_compiled_filters(
                 .map_err(|e| format!("{} ({e})", parent.display())),
         )?;
     }
+    // Read before `/proc` is hidden.
+    let task_count = if namespace.in_own_user_namespace() {
+        Ok(rlimits::TaskCount::OwnUserNamespace)
+    } else {
+        rlimits::tasks_on_machine()
+            .map(|tasks_now| rlimits::TaskCount::SharedWithUid { tasks_now })
+            .map_err(|e| format!("reading /proc/loadavg: {e}"))
+    };
+    step(
+        "empty /proc",
+        private_tmp::hide_other_processes(namespace, &plan.granted_paths())
+            .map_err(|e| e.to_string()),
+    )?;
     step(
         "capabilities",
         sys::drop_all_capabilities().map_err(|e| e.to_string()),
@@ -415,7 +473,9 @@ pub fn apply_lockdown_with_compiled_filters(
     sys::limit_malloc_arenas(2);
     step(
         "rlimits",
-        rlimits::apply_worker_limits(&plan.limits).map_err(|e| e.to_string()),
+        task_count.and_then(|count| {
+            rlimits::apply_worker_limits(&plan.limits, count).map_err(|e| e.to_string())
+        }),
     )?;
     match &plan.filesystem {
         Some(grants) => step(
@@ -463,7 +523,13 @@ mod tests {
         // SAFETY: the child only runs the lockdown and the attack, then _exit()s.
         match unsafe { libc::fork() } {
             0 => {
-                let code = match apply_lockdown_with_compiled_filters(&plan, Some(&compiled)) {
+                let none = private_tmp::PrivateTmp::Fallback {
+                    reason: String::new(),
+                    allowed: Vec::new(),
+                    namespace: None,
+                };
+                let code = match apply_lockdown_with_compiled_filters(&plan, Some(&compiled), &none)
+                {
                     Ok(_) => attack(),
                     Err(_) => 100,
                 };

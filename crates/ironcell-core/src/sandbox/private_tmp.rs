@@ -8,9 +8,17 @@
 //! 1. as root, `unshare(CLONE_NEWNS)`; as anyone else (or if that is refused),
 //!    `unshare(CLONE_NEWUSER | CLONE_NEWNS)` with a user namespace that maps only the worker's
 //!    own uid and gid (never 0 for a non-root worker), `setgroups` denied;
-//! 2. every mount made private (`MS_REC | MS_PRIVATE` on `/`), so the bind below can never
-//!    propagate back into the host's namespace;
+//! 2. every mount made a slave of the host's (`MS_REC | MS_SLAVE` on `/`): the bind below can
+//!    never propagate back into the host's namespace, while a volume the host unmounts leaves
+//!    every worker and spare too (SECURITY.md #154; a private copy kept it mounted, readable
+//!    through its grant and busy, until the server exited). Propagation reaches only mounts the
+//!    host shares (systemd makes `/` shared);
 //! 3. `mount(session_dir, "/tmp", MS_BIND)`.
+//!
+//! In the same namespace the lockdown later mounts an empty, read-only tmpfs over `/proc`
+//! ([`hide_other_processes`]): Landlock refuses opening `/proc` but not `stat`, so
+//! `os.stat('/proc/<pid>')` listed every process on the machine with its owner (SECURITY.md
+//! #155). Without a namespace (the fallback) `/proc` stays the host's, unreadable but stat-able.
 //!
 //! This must come before Landlock (which forbids mount changes once applied) and before the
 //! capabilities are dropped (a new user namespace grants a full set inside it; the lockdown then
@@ -62,6 +70,10 @@ pub enum PrivateTmp {
         /// there, granted folders): the refusal leaves them alone.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         allowed: Vec<String>,
+        /// The worker's own namespace, when it has one without the bind (the session
+        /// directories are beneath `/tmp`): `/proc` is still hidden and the thread cap its own.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        namespace: Option<String>,
     },
 }
 
@@ -70,20 +82,49 @@ impl PrivateTmp {
         matches!(self, PrivateTmp::Namespace { .. })
     }
 
+    /// Which namespace of its own the worker is in, with or without the bind over `/tmp`.
+    pub fn own_namespace(&self) -> Option<&str> {
+        match self {
+            PrivateTmp::Namespace { how } => Some(how),
+            PrivateTmp::Fallback { namespace, .. } => namespace.as_deref(),
+        }
+    }
+
+    /// The worker made a user namespace of its own (a non-root worker, or root where a plain
+    /// mount namespace was refused): RLIMIT_NPROC then counts only its own tasks.
+    pub fn in_own_user_namespace(&self) -> bool {
+        self.own_namespace()
+            .is_some_and(|how| how.starts_with(USER_NAMESPACE))
+    }
+
     /// One line for `doctor`, the log and `system://info`.
     pub fn describe(&self) -> String {
         match self {
             PrivateTmp::Namespace { how } => format!(
                 "private per session: the session directory is mounted over /tmp in the worker's own {how}"
             ),
-            PrivateTmp::Fallback { reason, .. } => format!(
+            PrivateTmp::Fallback {
+                reason,
+                namespace: None,
+                ..
+            } => format!(
                 "fallback: /tmp is refused inside sessions, TMPDIR and tempfile use the session directory ({reason})"
+            ),
+            PrivateTmp::Fallback {
+                reason,
+                namespace: Some(how),
+                ..
+            } => format!(
+                "fallback: /tmp is refused inside sessions, TMPDIR and tempfile use the session directory ({reason}); workers still get their own {how}"
             ),
         }
     }
 }
 
 const PATH_TMP: &CStr = c"/tmp";
+const PATH_PROC: &CStr = c"/proc";
+const PATH_SYS: &CStr = c"/sys";
+const USER_NAMESPACE: &str = "user and mount namespace (mapping only its own uid and gid)";
 const PATH_ROOT: &CStr = c"/";
 const PATH_SETGROUPS: &CStr = c"/proc/self/setgroups";
 const PATH_UID_MAP: &CStr = c"/proc/self/uid_map";
@@ -101,10 +142,13 @@ struct Prepared {
     /// namespace, so a plain bind of it is refused (EINVAL) although a worker's bind of its
     /// session directory would succeed. Workers bind without it.
     recursive: bool,
+    /// Whether to bind `source` over `/tmp` at all (not when the session directories are
+    /// beneath it: the namespace is still entered, for `/proc` and the thread cap).
+    bind_tmp: bool,
 }
 
 impl Prepared {
-    fn new(source: &Path, recursive: bool) -> io::Result<Prepared> {
+    fn new(source: &Path, recursive: bool, bind_tmp: bool) -> io::Result<Prepared> {
         // SAFETY: geteuid/getegid cannot fail.
         let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
         Ok(Prepared {
@@ -116,6 +160,7 @@ impl Prepared {
                 .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?,
             is_root: uid == 0,
             recursive,
+            bind_tmp,
         })
     }
 }
@@ -127,13 +172,14 @@ struct StepError {
     errno: i32,
 }
 
-const STEPS: [&str; 6] = [
+const STEPS: [&str; 7] = [
     "unshare(CLONE_NEWUSER | CLONE_NEWNS)",
     "writing /proc/self/setgroups",
     "writing /proc/self/uid_map",
     "writing /proc/self/gid_map",
-    "making mounts private",
+    "making mounts slaves of the host's",
     "bind-mounting the session directory over /tmp",
+    "mounting an empty tmpfs over /proc",
 ];
 
 impl StepError {
@@ -183,7 +229,7 @@ fn enter_namespace_and_mount(p: &Prepared) -> Result<&'static str, StepError> {
     // SAFETY: unshare(2) with flag arguments only.
     let plain = p.is_root && unsafe { libc::unshare(libc::CLONE_NEWNS) } == 0;
     if !plain {
-        how = "user and mount namespace (mapping only its own uid and gid)";
+        how = USER_NAMESPACE;
         // SAFETY: unshare(2) with flag arguments only.
         if unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS) } != 0 {
             return Err(StepError::last_os(0));
@@ -198,12 +244,15 @@ fn enter_namespace_and_mount(p: &Prepared) -> Result<&'static str, StepError> {
             std::ptr::null(),
             PATH_ROOT.as_ptr(),
             std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
+            libc::MS_REC | libc::MS_SLAVE,
             std::ptr::null(),
         )
     };
     if rc != 0 {
         return Err(StepError::last_os(4));
+    }
+    if !p.bind_tmp {
+        return Ok(how);
     }
     let flags = if p.recursive {
         libc::MS_BIND | libc::MS_REC
@@ -256,55 +305,96 @@ pub fn mount_session_dir_over_tmp(
         .map(|p| p.as_path())
         .filter(|p| *p != session_dir)
         .collect();
-    let fallback = |reason: String| PrivateTmp::Fallback {
+    let fallback = |reason: String, namespace: Option<&str>| PrivateTmp::Fallback {
         reason,
         allowed: std::iter::once(session_dir)
             .chain(grants.iter().copied())
             .filter(|p| p.starts_with("/tmp"))
             .map(|p| p.display().to_string())
             .collect(),
+        namespace: namespace.map(str::to_string),
     };
     if mode == PrivateTmpMode::Off {
-        return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into());
+        return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into(), None);
     }
-    if let Some(reason) = paths_beneath_tmp(session_dir, &grants) {
-        return fallback(reason);
-    }
-    let prepared = match Prepared::new(session_dir, false) {
+    let beneath_tmp = paths_beneath_tmp(session_dir, &grants);
+    let prepared = match Prepared::new(session_dir, false, beneath_tmp.is_none()) {
         Ok(p) => p,
-        Err(e) => return fallback(format!("unusable session path: {e}")),
+        Err(e) => return fallback(format!("unusable session path: {e}"), None),
     };
-    match enter_namespace_and_mount(&prepared) {
-        Ok(how) => PrivateTmp::Namespace { how: how.into() },
-        Err(e) => fallback(e.reason()),
+    match (enter_namespace_and_mount(&prepared), beneath_tmp) {
+        (Ok(how), None) => PrivateTmp::Namespace { how: how.into() },
+        (Ok(how), Some(reason)) => fallback(reason, Some(how)),
+        (Err(e), _) => fallback(e.reason(), None),
     }
+}
+
+/// Mounts an empty, read-only tmpfs over `/proc` in the worker's own mount namespace, so no
+/// other process can be found there by `stat`, `readlink` or a walk (SECURITY.md #155). Called by
+/// the lockdown after the pids cgroup join (which reads `/proc/self/stat`) and before the
+/// capabilities are dropped (the mount needs CAP_SYS_ADMIN in the namespace). Nothing of the
+/// host's `/proc` is readable afterwards: Landlock grants none of it anyway.
+///
+/// `/sys` gets the same, unless a grant lies beneath it: its pids cgroup directories are named
+/// after workers' pids (`w<pid>`), so `stat` of a guessed one told a live worker's pid.
+pub fn hide_other_processes(private_tmp: &PrivateTmp, grants: &[&Path]) -> io::Result<()> {
+    if private_tmp.own_namespace().is_none() {
+        return Ok(());
+    }
+    let errno = |e: StepError| io::Error::from_raw_os_error(e.errno);
+    if !grants.iter().any(|g| g.starts_with("/proc")) {
+        mount_empty(PATH_PROC).map_err(errno)?;
+    }
+    if !grants.iter().any(|g| g.starts_with("/sys")) {
+        mount_empty(PATH_SYS).map_err(errno)?;
+    }
+    Ok(())
+}
+
+/// An empty, read-only tmpfs over `path`, with raw calls only (the host probe makes it too).
+fn mount_empty(path: &CStr) -> Result<(), StepError> {
+    let flags = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: mount(2) of a new tmpfs; every string is NUL-terminated and outlives the call.
+    let rc = unsafe {
+        libc::mount(
+            c"none".as_ptr(),
+            path.as_ptr(),
+            c"tmpfs".as_ptr(),
+            flags,
+            c"mode=0555,size=4k,nr_inodes=1".as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(StepError::last_os(6));
+    }
+    Ok(())
 }
 
 /// What workers of this host will get, found once by trying the same steps in a short-lived
 /// child (bind-mounting `/tmp` over itself). For `doctor` and `system://info`.
 pub fn host_status(mode: PrivateTmpMode, state_dir: &Path) -> PrivateTmp {
-    let fallback = |reason: String| PrivateTmp::Fallback {
+    let fallback = |reason: String, namespace: Option<&str>| PrivateTmp::Fallback {
         reason,
         allowed: Vec::new(),
+        namespace: namespace.map(str::to_string),
     };
     if mode == PrivateTmpMode::Off {
-        return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into());
+        return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into(), None);
     }
-    if let Some(reason) = paths_beneath_tmp(&state_dir.join("sessions"), &[]) {
-        return fallback(reason);
+    static PROBE: OnceLock<Result<&'static str, String>> = OnceLock::new();
+    let probed = PROBE.get_or_init(probe_in_child);
+    match (probed, paths_beneath_tmp(&state_dir.join("sessions"), &[])) {
+        (Ok(how), None) => PrivateTmp::Namespace {
+            how: (*how).to_string(),
+        },
+        (Ok(how), Some(reason)) => fallback(reason, Some(how)),
+        (Err(reason), _) => fallback(reason.clone(), None),
     }
-    static PROBE: OnceLock<PrivateTmp> = OnceLock::new();
-    PROBE
-        .get_or_init(|| match probe_in_child() {
-            Ok(how) => PrivateTmp::Namespace { how: how.into() },
-            Err(reason) => fallback(reason),
-        })
-        .clone()
 }
 
 /// Forks a child that runs the namespace steps and reports the outcome through a pipe.
 fn probe_in_child() -> Result<&'static str, String> {
-    let prepared = Prepared::new(Path::new("/tmp"), true).map_err(|e| e.to_string())?;
+    let prepared = Prepared::new(Path::new("/tmp"), true, true).map_err(|e| e.to_string())?;
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
     use std::os::fd::AsRawFd;
@@ -316,7 +406,9 @@ fn probe_in_child() -> Result<&'static str, String> {
         return Err(io::Error::last_os_error().to_string());
     }
     if pid == 0 {
-        let msg: [u8; 6] = match enter_namespace_and_mount(&prepared) {
+        let msg: [u8; 6] = match enter_namespace_and_mount(&prepared)
+            .and_then(|how| mount_empty(PATH_PROC).map(|()| how))
+        {
             Ok("mount namespace") => [0, 0, 0, 0, 0, 0],
             Ok(_) => [0, 1, 0, 0, 0, 0],
             Err(e) => {
@@ -338,7 +430,7 @@ fn probe_in_child() -> Result<&'static str, String> {
     read.map_err(|e| format!("the probe child did not report: {e}"))?;
     match msg {
         [0, 0, ..] => Ok("mount namespace"),
-        [0, _, ..] => Ok("user and mount namespace (mapping only its own uid and gid)"),
+        [0, _, ..] => Ok(USER_NAMESPACE),
         [_, step, a, b, c, d] => Err(StepError {
             step,
             errno: i32::from_le_bytes([a, b, c, d]),

@@ -16,11 +16,18 @@
 //! Pending signals and POSIX timers (SECURITY.md #120): RLIMIT_SIGPENDING, see
 //! [`SIGNALS_PENDING`].
 //!
-//! Threads (SECURITY.md #49): RLIMIT_NPROC, which the kernel checks per real uid against every
-//! task (thread) of that uid on the machine, and never for real uid 0. So for a non-root
-//! worker the cap is set to the tasks on the machine at start (an upper bound of the uid's own)
-//! plus the policy's `threads`; a root worker is capped by a pids cgroup instead when one is
-//! writable (see [`super::cgroup`]).
+//! Threads (SECURITY.md #49, #153): RLIMIT_NPROC, which the kernel checks against the tasks
+//! (threads) of the real uid *in the caller's user namespace* (since Linux 5.14), and never for
+//! real uid 0. A worker in a user namespace of its own (the private `/tmp`) is the only task
+//! there, so its cap is exactly its own: 1 + the policy's `threads`, whatever other sessions
+//! hold, and the sum over workers is bounded by the number of live workers. (The cap was once
+//! the machine's task count + `threads` there too, which counted the machine but bound only the
+//! worker: each new session could start as many threads as the whole machine ran, and seven
+//! sessions in a row took every pid.) A worker without one shares the count of its uid with
+//! every process of that uid, so one session's threads would come out of every other's room:
+//! there the cap is the machine's tasks at its start + `threads` for every worker that may live
+//! at once (the sum stays bounded), and the host's memory watch kills a worker running more
+//! than its own `threads` (see `src/session/resident.rs`). A root worker is capped by a pids cgroup instead when one is writable (see [`super::cgroup`]).
 
 use rlimit::Resource;
 use serde::{Deserialize, Serialize};
@@ -42,17 +49,42 @@ pub struct WorkerLimits {
     /// Threads the worker may add (RLIMIT_NPROC for a non-root worker; the pids cgroup's
     /// `pids.max` for a root one).
     pub threads: u64,
+    /// Workers that may live at once (sessions and spares): where the uid's count is shared
+    /// ([`TaskCount::SharedWithUid`]), RLIMIT_NPROC leaves room for all of them, and the host's
+    /// watch holds each to `threads` (SECURITY.md #153).
+    #[serde(default = "one")]
+    pub workers: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// How the kernel counts the worker's tasks for RLIMIT_NPROC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskCount {
+    /// In a user namespace of the worker's own: only its own tasks.
+    OwnUserNamespace,
+    /// Every task of the worker's uid on the machine, of which there are at most `tasks_now`
+    /// (read by [`tasks_on_machine`] before `/proc` was hidden).
+    SharedWithUid { tasks_now: u64 },
 }
 
 /// Applies `limits` (and no core dumps) to the current process.
-pub fn apply_worker_limits(limits: &WorkerLimits) -> std::io::Result<()> {
+pub fn apply_worker_limits(limits: &WorkerLimits, count: TaskCount) -> std::io::Result<()> {
     Resource::CORE.set(0, 0)?;
     Resource::CPU.set(limits.cpu_seconds, limits.cpu_seconds + 5)?;
     Resource::DATA.set(limits.memory_bytes, limits.memory_bytes)?;
     Resource::AS.set(limits.address_space_bytes, limits.address_space_bytes)?;
     Resource::FSIZE.set(limits.file_size_bytes, limits.file_size_bytes)?;
     Resource::NOFILE.set(limits.open_files, limits.open_files)?;
-    let nproc = thread_rlimit(limits.threads, tasks_on_machine()?);
+    let nproc = match count {
+        TaskCount::OwnUserNamespace => thread_rlimit(limits.threads, 1),
+        TaskCount::SharedWithUid { tasks_now } => thread_rlimit(
+            limits.threads.saturating_mul(limits.workers.max(1)),
+            tasks_now,
+        ),
+    };
     Resource::NPROC.set(nproc, nproc)?;
     Resource::MEMLOCK.set(0, 0)?;
     let (_, hard) = Resource::SIGPENDING.get()?;
@@ -75,7 +107,7 @@ pub fn thread_rlimit(threads: u64, tasks_now: u64) -> u64 {
 }
 
 /// Tasks (threads) on the machine now: the denominator of `/proc/loadavg`'s fourth field.
-fn tasks_on_machine() -> std::io::Result<u64> {
+pub fn tasks_on_machine() -> std::io::Result<u64> {
     let text = std::fs::read_to_string("/proc/loadavg")?;
     parse_loadavg_tasks(&text).ok_or_else(|| {
         std::io::Error::new(

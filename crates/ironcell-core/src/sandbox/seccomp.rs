@@ -90,19 +90,20 @@ const ALLOWED: &[libc::c_long] = &[
     // byte spliced into a pipe or a socket holds a reference to its whole page-cache folio (2
     // MiB from a huge-page mapping of a sparse file), which no limit counts and which outlives
     // the file's name (SECURITY.md #122); `shutil.copyfile` and `socket.sendfile` fall back to
-    // reads and writes.
+    // reads and writes. Not `openat2`: its flags are in a struct the filter cannot read, so an
+    // `O_TRUNC` in them could not be checked (see [`OPEN_TRUNCATES_WITHOUT_WRITE`]); glibc and
+    // CPython open with `openat`, and `openat2` gets ENOSYS. The path forms of the xattr reads
+    // are in [`UNSUPPORTED`].
     libc::SYS_read, libc::SYS_write, libc::SYS_readv, libc::SYS_writev, libc::SYS_pread64,
     libc::SYS_pwrite64, libc::SYS_preadv, libc::SYS_pwritev, libc::SYS_preadv2, libc::SYS_pwritev2,
-    libc::SYS_lseek, libc::SYS_close, libc::SYS_close_range, libc::SYS_openat, libc::SYS_openat2,
+    libc::SYS_lseek, libc::SYS_close, libc::SYS_close_range, libc::SYS_openat,
     libc::SYS_newfstatat, libc::SYS_fstat, libc::SYS_statx, libc::SYS_statfs, libc::SYS_fstatfs,
     libc::SYS_faccessat, libc::SYS_faccessat2, libc::SYS_readlinkat, libc::SYS_getdents64,
     libc::SYS_getcwd, libc::SYS_chdir, libc::SYS_fchdir, libc::SYS_mkdirat, libc::SYS_renameat,
     libc::SYS_renameat2, libc::SYS_unlinkat, libc::SYS_symlinkat, libc::SYS_linkat,
     libc::SYS_fsync, libc::SYS_fdatasync, libc::SYS_ftruncate, libc::SYS_fallocate, libc::SYS_flock,
     libc::SYS_dup, libc::SYS_dup3, libc::SYS_pipe2, libc::SYS_copy_file_range,
-    libc::SYS_fadvise64,
-    libc::SYS_getxattr, libc::SYS_lgetxattr, libc::SYS_fgetxattr, libc::SYS_listxattr,
-    libc::SYS_llistxattr, libc::SYS_flistxattr, libc::SYS_umask,
+    libc::SYS_fadvise64, libc::SYS_fgetxattr, libc::SYS_flistxattr, libc::SYS_umask,
     // Memory (PROT_EXEC is needed to load extension modules).
     libc::SYS_mmap, libc::SYS_mprotect, libc::SYS_munmap, libc::SYS_mremap, libc::SYS_madvise,
     libc::SYS_brk, libc::SYS_msync, libc::SYS_mincore, libc::SYS_mbind, libc::SYS_get_mempolicy,
@@ -359,6 +360,7 @@ fn allow_list(own_pid: u32) -> Result<Rules, SeccompError> {
     // PermissionError) is the answer, rather than ENOSYS.
     always(&mut rules, REFUSED);
     always(&mut rules, REFUSED_LEGACY);
+    always(&mut rules, UNSUPPORTED);
     for &cmd in IOCTL_ALLOWED {
         when(&mut rules, libc::SYS_ioctl, vec![arg32(1, Op::Eq, cmd)?])?;
     }
@@ -427,6 +429,21 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
             arg32(1, Op::Ne, FALLOCATE_PUNCH_HOLE)?,
         ],
     )?;
+    // An open that truncates without asking to write (SECURITY.md #151): the kernel truncates
+    // on `O_TRUNC` whatever the access mode, and Landlock before ABI 3 checks only the access
+    // mode, so `open(path, O_RDONLY | O_TRUNC)` emptied any file the worker may read (the
+    // Python installation, system libraries, an `--allow-read` folder) that its uid owns.
+    // Access mode 3 (neither read nor write: an fd for ioctls only) asks Landlock for no right
+    // at all, so it is refused with or without `O_TRUNC`. Every ABI, for one answer everywhere.
+    for (nr, flags_arg) in OPENS {
+        for (mask, value) in OPEN_TRUNCATES_WITHOUT_WRITE {
+            when(
+                &mut rules,
+                *nr,
+                vec![arg32(*flags_arg, Op::MaskedEq(mask), value)?],
+            )?;
+        }
+    }
     // Signals and rlimits only for itself (0 means "self" for prlimit64).
     when(&mut rules, libc::SYS_kill, vec![arg32(0, Op::Ne, pid)?])?;
     when(&mut rules, libc::SYS_tgkill, vec![arg32(0, Op::Ne, pid)?])?;
@@ -520,11 +537,39 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     Ok(rules)
 }
 
+/// The open calls and the index of their flags argument.
+#[cfg(target_arch = "x86_64")]
+const OPENS: &[(libc::c_long, u8)] = &[(libc::SYS_openat, 2), (libc::SYS_open, 1)];
+#[cfg(not(target_arch = "x86_64"))]
+const OPENS: &[(libc::c_long, u8)] = &[(libc::SYS_openat, 2)];
+
+/// (mask, value) pairs of open flags refused: read-only with `O_TRUNC`, and access mode 3.
+#[allow(clippy::unnecessary_cast)]
+pub const OPEN_TRUNCATES_WITHOUT_WRITE: [(u64, u64); 2] = [
+    (
+        (libc::O_ACCMODE | libc::O_TRUNC) as u64,
+        (libc::O_RDONLY | libc::O_TRUNC) as u64,
+    ),
+    (libc::O_ACCMODE as u64, libc::O_ACCMODE as u64),
+];
+
+/// Answered `EOPNOTSUPP` whatever their arguments: the path forms of the extended-attribute
+/// reads (SECURITY.md #152). Landlock does not mediate them, so by path they returned the
+/// xattrs of any file on the host (browsers store a download's URL, tokens included, in
+/// `user.xdg.origin.url`). EOPNOTSUPP is what a filesystem without xattrs answers: `shutil.copy2`
+/// and `copytree` skip the xattr step on it. The descriptor forms stay, on files Landlock let the
+/// worker open.
+#[rustfmt::skip]
+const UNSUPPORTED: &[libc::c_long] = &[
+    libc::SYS_getxattr, libc::SYS_lgetxattr, libc::SYS_listxattr, libc::SYS_llistxattr,
+];
+
 /// Calls answered `EOPNOTSUPP` (installed between the allow-list and the refusals, so a
 /// refusal's EPERM wins over it): libc falls back to its portable path, as on a filesystem that
 /// lacks the feature.
 fn unsupported() -> Result<Rules, SeccompError> {
     let mut rules = Rules::new();
+    always(&mut rules, UNSUPPORTED);
     // fallocate mode 0 is held to RLIMIT_FSIZE per file, but over many files (O_TMPFILE ones
     // have no name for the scratch quota to count) it took blocks at 10-65 GiB/s with no page
     // written, 2-12 GiB below the free-disk floor before the guard's next look (red-team pass
@@ -606,13 +651,14 @@ pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompErro
 enum ByNumber {
     Allow,
     Refuse,
+    Unsupported,
     Unknown,
     Kill,
     Conditional,
 }
 
 /// The four programs as one, laid out for the kernel's cost: seccompiler compares the system
-/// call number with each listed call in turn (about 1,800 instructions for the four), and the
+/// call number with each listed call in turn (about 2,200 instructions for the four), and the
 /// kernel converts and JIT-compiles every instruction of every filter each worker installs, and
 /// runs the filter on every system call. Here a binary search over the call number (runs of
 /// numbers with the same verdict) answers every call whose verdict does not depend on its
@@ -625,9 +671,6 @@ fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
     let unsupported = unsupported()?;
     let refused = refusals(own_pid)?;
     let killed = kill_list();
-    if unsupported.values().any(Vec::is_empty) {
-        return Err(SeccompError::Merge("an unconditional EOPNOTSUPP"));
-    }
     let conditional: std::collections::BTreeSet<i64> = allowed
         .iter()
         .chain(&unsupported)
@@ -642,6 +685,8 @@ fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
             ByNumber::Conditional
         } else if refused.contains_key(&nr) {
             ByNumber::Refuse
+        } else if unsupported.contains_key(&nr) {
+            ByNumber::Unsupported
         } else if allowed.contains_key(&nr) {
             ByNumber::Allow
         } else {
@@ -686,7 +731,7 @@ fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
             arch,
         )?)?,
         BpfProgram::try_from(SeccompFilter::new(
-            unsupported,
+            only(&unsupported),
             SeccompAction::Allow,
             eopnotsupp,
             arch,
@@ -742,6 +787,7 @@ fn emit_search(
             program.push(match answer {
                 ByNumber::Allow => ret(libc::SECCOMP_RET_ALLOW),
                 ByNumber::Refuse => ret(libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
+                ByNumber::Unsupported => ret(libc::SECCOMP_RET_ERRNO | libc::EOPNOTSUPP as u32),
                 ByNumber::Unknown => ret(libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
                 ByNumber::Kill => ret(libc::SECCOMP_RET_KILL_PROCESS),
                 ByNumber::Conditional => {
@@ -1083,9 +1129,10 @@ mod tests {
         assert_eq!(merged.len(), 1);
         let merged = &merged[0];
         assert!(
-            merged.len() * 2 < four.iter().map(Vec::len).sum::<usize>(),
-            "{} instructions",
-            merged.len()
+            merged.len() * 3 < four.iter().map(Vec::len).sum::<usize>() * 2,
+            "{} instructions, {:?} stacked",
+            merged.len(),
+            four.iter().map(Vec::len).collect::<Vec<_>>()
         );
         let arch = run(&four[0], 0, 0, [0; 6]); // wrong arch: killed
         assert_eq!(arch, libc::SECCOMP_RET_KILL_PROCESS);
@@ -1126,6 +1173,7 @@ mod tests {
             FALLOCATE_PUNCH_HOLE,
             libc::FALLOC_FL_ZERO_RANGE as u64,
         ]);
+        values.extend(OPEN_FLAGS_SEEN);
         let more: Vec<u64> = values
             .iter()
             .flat_map(|&v| [v.wrapping_add(1), v | (1 << 32)])
@@ -1137,6 +1185,7 @@ mod tests {
         let mut thirds = vec![0, libc::O_ASYNC as u64, libc::O_NONBLOCK as u64];
         thirds.extend(SOCKOPT_REFUSED.iter().copied());
         thirds.push(libc::SO_KEEPALIVE as u64);
+        thirds.extend(OPEN_FLAGS_SEEN);
         let conditional: Vec<i64> = allow_list(pid)
             .unwrap()
             .into_iter()
@@ -1358,7 +1407,65 @@ mod tests {
         let prctl = |op: libc::c_int| call(libc::SYS_prctl, [op as u64, 0, 0, 0, 0, 0]);
         assert_eq!(prctl(libc::PR_GET_THP_DISABLE), ok);
         assert_eq!(prctl(libc::PR_SET_THP_DISABLE), enosys);
+        // An open truncates only with write access asked for (#151); openat2's flags cannot be
+        // read, so it is unknown; xattrs by path are unsupported, by fd allowed (#152).
+        let openat = |flags: libc::c_int| {
+            call(
+                libc::SYS_openat,
+                [libc::AT_FDCWD as u64, 0x1000, flags as u64, 0o644, 0, 0],
+            )
+        };
+        let (rd, wr, rw, t) = (libc::O_RDONLY, libc::O_WRONLY, libc::O_RDWR, libc::O_TRUNC);
+        for ok_flags in [
+            rd,
+            wr,
+            rw,
+            wr | t,
+            rw | t,
+            rd | libc::O_CREAT,
+            wr | t | libc::O_CREAT,
+        ] {
+            assert_eq!(openat(ok_flags), ok, "{ok_flags:#o}");
+            assert_eq!(openat(ok_flags | libc::O_CLOEXEC), ok, "{ok_flags:#o}");
+        }
+        for bad in [
+            rd | t,
+            rd | t | libc::O_CREAT | libc::O_CLOEXEC,
+            3,
+            3 | t,
+            3 | libc::O_CLOEXEC,
+        ] {
+            assert_eq!(openat(bad), eperm, "{bad:#o}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let open =
+                |flags: libc::c_int| call(libc::SYS_open, [0x1000, flags as u64, 0, 0, 0, 0]);
+            assert_eq!(open(rd | t), eperm);
+            assert_eq!(open(3), eperm);
+            assert_eq!(open(wr | t), ok);
+            assert_eq!(open(rd), ok);
+        }
+        assert_eq!(call(libc::SYS_openat2, [0; 6]), enosys);
+        for n in UNSUPPORTED {
+            assert_eq!(call(*n, [0x1000, 0x2000, 0, 64, 0, 0]), eopnotsupp, "{n}");
+        }
+        assert_eq!(call(libc::SYS_fgetxattr, [3, 0x2000, 0, 64, 0, 0]), ok);
+        assert_eq!(call(libc::SYS_flistxattr, [3, 0, 0, 0, 0, 0]), ok);
     }
+
+    /// Open flags the comparison of the merged and stacked filters tries (#151).
+    #[allow(clippy::unnecessary_cast)]
+    const OPEN_FLAGS_SEEN: [u64; 8] = [
+        libc::O_TRUNC as u64,
+        (libc::O_TRUNC | libc::O_WRONLY) as u64,
+        (libc::O_TRUNC | libc::O_RDWR) as u64,
+        (libc::O_TRUNC | libc::O_ACCMODE) as u64,
+        libc::O_ACCMODE as u64,
+        (libc::O_TRUNC | libc::O_CREAT | libc::O_CLOEXEC) as u64,
+        (libc::O_RDONLY | libc::O_CLOEXEC) as u64,
+        (libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC) as u64,
+    ];
 
     #[test]
     fn a_merge_that_would_change_a_verdict_is_refused() {

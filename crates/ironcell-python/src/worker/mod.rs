@@ -68,6 +68,8 @@ pub fn fork(
     // single-threaded process.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
+        // The worker's own frees need no clearing (crate::scrub).
+        crate::scrub::scrubbing(false);
         // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         let _ = blocked.thread_unblock();
@@ -194,6 +196,7 @@ fn serve_session(
     let missing_layers = ironcell_core::sandbox::apply_lockdown_with_compiled_filters(
         &spec.sandbox,
         crate::zygote::compiled_filters(),
+        &private_tmp,
     )
     .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;

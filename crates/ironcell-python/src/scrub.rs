@@ -1,0 +1,76 @@
+//! The zygote forgets what it decoded for one worker before it forks the next (SECURITY.md
+//! #156). Every spawn request names a session and its directories; the zygote decodes it
+//! (serde buffers an internally tagged enum's fields in heap copies), forks, and frees it. Freed
+//! heap is not cleared, and a fork copies the whole heap, so a new worker found earlier sessions'
+//! names and full paths in its own memory (3 of 3 runs, read with ctypes).
+//!
+//! So the extension's allocator clears every block it frees while [`scrubbing`] is on: in the
+//! zygote, from its start. A worker turns it off first thing after the fork (its own frees are
+//! its own business, and clearing them would cost time on every frame). The request buffer the
+//! zygote reuses is cleared by hand after each request ([`clear`]).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use zeroize::Zeroize;
+
+static SCRUBBING: AtomicBool = AtomicBool::new(false);
+
+/// Clears what this process frees from now on (`true`) or stops doing so (`false`).
+pub fn scrubbing(on: bool) {
+    SCRUBBING.store(on, Ordering::Relaxed);
+}
+
+/// Clears `buf`, in place, whole capacity included, with writes the compiler keeps.
+pub fn clear(buf: &mut Vec<u8>) {
+    let len = buf.capacity();
+    buf.resize(len, 0);
+    buf.as_mut_slice().zeroize();
+}
+
+/// The extension's global allocator: the system's, clearing blocks on free while scrubbing.
+pub struct ScrubOnFree;
+
+// SAFETY: every call is forwarded to `System` with the caller's own arguments; clearing writes
+// only within the block being freed (`layout.size()` bytes at `ptr`, which the caller owns), and
+// the scrubbing realloc copies at most the smaller of the two sizes into the new block.
+unsafe impl GlobalAlloc for ScrubOnFree {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract for `GlobalAlloc::alloc`, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if SCRUBBING.load(Ordering::Relaxed) {
+            // SAFETY: the caller owns the `layout.size()` bytes at `ptr` until it is freed below.
+            unsafe { std::slice::from_raw_parts_mut(ptr, layout.size()) }.zeroize();
+        }
+        // SAFETY: the caller's contract for `GlobalAlloc::dealloc`, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if !SCRUBBING.load(Ordering::Relaxed) {
+            // SAFETY: the caller's contract for `GlobalAlloc::realloc`, passed on.
+            return unsafe { System.realloc(ptr, layout, new_size) };
+        }
+        // libc's realloc would free the old block uncleared: move it by hand instead.
+        let Ok(new_layout) = Layout::from_size_align(new_size, layout.align()) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: `new_layout` has a non-zero size (the caller's contract for realloc).
+        let new = unsafe { System.alloc(new_layout) };
+        if !new.is_null() {
+            // SAFETY: both blocks are live and distinct, each at least this long.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size)) };
+            // SAFETY: the old block is the caller's and is no longer used.
+            unsafe { self.dealloc(ptr, layout) };
+        }
+        new
+    }
+}
