@@ -10,6 +10,7 @@ answer to the probe then arrives first.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -109,6 +110,7 @@ def test_doctor_reports_the_state_dir_and_tmp_that_serve_uses_when_home_is_unwri
         info = srv.info()
     finally:
         srv.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     assert info["state_dir"]["path"] == str(fallback) and info["state_dir"]["fallback"] is True, info["state_dir"]
     assert info["state_dir"]["configured"] == "/proc/ironcell-no-home/.local/state/ironcell"
     # Session dirs beneath /tmp: serve refuses /tmp in sessions, and doctor now says so too.
