@@ -367,14 +367,18 @@ def test_156_the_zygote_itself_keeps_no_earlier_request(state_dir):
 # #157: the public /etc files libraries read are readable; the rest of /etc is not
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("user", USERS)
-def test_157_mime_types_and_os_release_are_readable_and_nothing_else_of_etc(user):
-    b = Sandboxed(user)
+@pytest.mark.parametrize("user,abi", [(u, a) for u in USERS for a in (1, 3, 5, None)])
+def test_157_mime_types_and_os_release_are_readable_and_nothing_else_of_etc(user, abi):
+    b = Sandboxed(user, abi_max=abi)
     try:
         rec = b.run("import mimetypes, platform\nmimetypes.init()\n"
                     "(mimetypes.guess_type('book.xlsx')[0], bool(platform.freedesktop_os_release().get('ID')))")
         assert rec["status"] == "ok", rec
         assert ast.literal_eval(rec["result"]) == ("application/vnd.openxmlformats-officedocument.spreadsheetml.sheet", True)
+        # Read-only: the grant is a file, and no write, truncate or neighbour comes with it.
+        for attack in ("open('/etc/mime.types', 'a')", "os.open('/etc/mime.types', os.O_RDONLY | os.O_TRUNC)",
+                       "open('/etc/mime.types.new', 'w')", "os.truncate('/etc/os-release', 0)"):
+            assert b.outcome(attack) in ("PermissionError:13", "PermissionError:1"), attack
         for path in ("/etc/passwd", "/etc/shadow", "/etc/hostname", "/etc/ssh/sshd_config"):
             assert b.outcome(f"open({path!r}).read()") in ("PermissionError:13", "FileNotFoundError:2"), path
     finally:
