@@ -343,20 +343,7 @@ impl AuditLog {
                 text.push('\n');
             }
         }
-        use std::os::unix::fs::OpenOptionsExt;
-        let tmp = self
-            .dir
-            .join(format!("{OLD_FILE}.{}.tmp", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        drop(f);
-        std::fs::rename(&tmp, self.dir.join(OLD_FILE))?;
+        crate::host_fs::replace_file_privately(&self.dir, OLD_FILE, text.as_bytes())?;
         match std::fs::remove_file(self.path()) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),

@@ -212,6 +212,28 @@ pub enum ReadError {
     Read(io::Error),
 }
 
+/// Writes `dir/name` (a directory of the host's own: the state dir, never a session's) through a
+/// fresh private temporary file (0600, `O_NOFOLLOW`, created new) that is synced and renamed
+/// over it, so a reader never sees half a file and a planted symlink is never followed.
+pub fn replace_file_privately(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()));
+    written
+        .and_then(|()| std::fs::rename(&tmp, dir.join(name)))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+}
+
 /// Reads the regular file `rel` beneath `dir`, at most `max` bytes, without following a symlink
 /// and without waiting on a lease or a FIFO.
 pub fn read_regular_file(dir: BorrowedFd<'_>, rel: &Path, max: u64) -> Result<Vec<u8>, ReadError> {

@@ -1455,8 +1455,7 @@ fn saved_tool_files(dir: &Path) -> impl Iterator<Item = PathBuf> {
 /// Writes `name` in `dir` (created private if missing) through a fresh temporary file that is
 /// renamed over it, so a reader never sees half a file and a planted symlink is never followed.
 fn write_saved_tool(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -1468,20 +1467,7 @@ fn write_saved_tool(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()>
             dir.display()
         )));
     }
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, dir.join(name)).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+    crate::host_fs::replace_file_privately(dir, name, bytes)
 }
 
 #[cfg(test)]
