@@ -12,6 +12,7 @@ servers, un-awaited coroutines, images, the bridge's environment variables and m
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import sys
@@ -83,7 +84,7 @@ async def test_readme_execute_code(state, tmp_path):
                 await mcp_github.create_issue(repo='owner/repo', title=data.title)
                 """)))
             r = ok(await run(s, "result"))
-            assert eval(r["result"]) == test_txt.read_text()
+            assert ast.literal_eval(r["result"]) == test_txt.read_text()
     finally:
         if created:
             test_txt.unlink()
@@ -211,11 +212,11 @@ async def test_tool_docs_are_a_list_and_a_mapping_with_the_bridges_key_names(sta
             (len(docs), [d["tool"] for d in docs][:2], list(docs.keys())[:2],
              docs["create_entities"]["inputSchema"]["type"], "create_entities" in docs, docs[0]["serverAlias"])
             """)))
-        n, as_list, keys, schema_type, contained, alias = eval(r["result"])
+        n, as_list, keys, schema_type, contained, alias = ast.literal_eval(r["result"])
         assert n >= 5 and as_list == keys and schema_type == "object" and contained and alias == "memory"
         assert "create_entities | " in r["stdout"] and "['entities']" in r["stdout"]
         r = ok(await run(s, "await runtime.query_tool_docs('everything', tool='get-sum', detail='full')"))
-        doc = eval(r["result"])
+        doc = ast.literal_eval(r["result"])
         assert doc["tool"] == "get-sum" and doc["toolAlias"] == "get_sum" and "inputSchema" in doc
         assert "input_schema" not in doc
 
@@ -231,7 +232,7 @@ async def test_tmp_files_and_a_tool_catalog_written_there_are_session_files(stat
                 json.dump(catalog, f)
             sorted(json.load(open("/tmp/tool_catalog.json")))
             """), session="catalog", timeout_s=120))
-        assert "everything" in eval(r["result"])
+        assert "everything" in ast.literal_eval(r["result"])
         assert any(f["path"] == "tool_catalog.json" for f in r["files"]), r["files"]
         assert not Path("/tmp/tool_catalog.json").exists()
 
@@ -252,7 +253,7 @@ async def test_read_file_gives_text_that_pandas_reads(state, tmp_path):
         assert r["result"] == "7"
         # raw=True: the whole result, structuredContent and all.
         r = ok(await run(s, f"await mcp_filesystem.read_file(path={str(data / 'sales.csv')!r}, raw=True)"))
-        raw = eval(r["result"].replace("false", "False").replace("true", "True"))
+        raw = ast.literal_eval(r["result"].replace("false", "False").replace("true", "True"))
         assert raw["content"][0]["text"].startswith("region,amount") and "structuredContent" in raw
 
 
@@ -288,7 +289,7 @@ async def test_unwrapping_rules_of_the_manual(state, tmp_path):
             e = await mcp_everything.echo(message="hi")                 # plain text
             (type(a).__name__, b, b.square, type(c).__name__, d[0].id, e)
             """)))
-        a, b, square, c, first_id, e = eval(r["result"])
+        a, b, square, c, first_id, e = ast.literal_eval(r["result"])
         assert a == "str" and b == {"n": 3, "square": 9} and square == 9
         assert c == "Record" and first_id == "API-1" and e == "Echo: hi"
 
@@ -334,7 +335,7 @@ async def test_unavailable_servers_are_named_with_the_reason(state, tmp_path):
             (hits[0]["tool"], sorted(hits.unavailable), detailed["broken"]["available"],
              detailed["hangs"].get("error", ""), "broken" in runtime.discovered_servers(), broken)
             """), timeout_s=60))
-        top, unavailable, broken_available, hangs_error, listed, broken = eval(r["result"])
+        top, unavailable, broken_available, hangs_error, listed, broken = ast.literal_eval(r["result"])
         assert top == "get-sum" and unavailable == ["broken", "hangs"]
         assert not broken_available and "did not finish starting within 8 s" in hangs_error
         assert not listed
@@ -375,10 +376,10 @@ async def test_memory_outlives_sessions_and_restarts_and_stays_with_the_host(sta
             save_memory("../../escape", 1, metadata={"tags": ["x"]})
             (saved, runtime.load_memory("project_context")["goal"])
             """), session="a"))
-        assert eval(r["result"]) == ("Memory 'project_context' saved.", "Build API")
+        assert ast.literal_eval(r["result"]) == ("Memory 'project_context' saved.", "Build API")
         r = ok(await run(s, "(load_memory('project_context'), load_memory('nope', 'default'), "
                             "update_memory('counter', lambda v: (v or 0) + 1), memory_exists('counter'))", session="b"))
-        assert eval(r["result"]) == ({"goal": "Build API", "progress": ["Step 1"]}, "default", 1, True)
+        assert ast.literal_eval(r["result"]) == ({"goal": "Build API", "progress": ["Step 1"]}, "default", 1, True)
         r = ok(await run(s, textwrap.dedent("""\
             errors = []
             for bad in ["x" * 101, "a\\nb"]:
@@ -392,7 +393,7 @@ async def test_memory_outlives_sessions_and_restarts_and_stays_with_the_host(sta
                 errors.append(str(e))
             errors
             """), session="b"))
-        errors = eval(r["result"])
+        errors = ast.literal_eval(r["result"])
         assert len(errors) == 3 and "100 bytes" in errors[0] and "limit" in errors[2], errors
     files = sorted(p.name for p in (state / "memory").iterdir())
     assert all(set(f[:-5]) <= set("0123456789abcdef") and f.endswith(".json") for f in files), files
@@ -402,7 +403,7 @@ async def test_memory_outlives_sessions_and_restarts_and_stays_with_the_host(sta
     async with connect(state) as s:
         r = ok(await run(s, "(load_memory('project_context')['goal'], [m['key'] for m in list_memories()], "
                             "delete_memory('counter'), memory_exists('counter'))"))
-        goal, keys, deleted, exists = eval(r["result"])
+        goal, keys, deleted, exists = ast.literal_eval(r["result"])
         assert goal == "Build API" and sorted(keys) == ["../../escape", "counter", "project_context"]
         assert deleted == "Memory 'counter' deleted." and exists is False
         r = await run(s, f"open({str(state / 'memory' / files[0])!r}).read()")

@@ -8,6 +8,7 @@ callback.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import subprocess
@@ -77,12 +78,12 @@ async def test_allow_deny_and_read_only_shape_what_code_sees_and_can_call(state_
     )
     async with connect(state_dir, MCP_BRIDGE_CONFIG=config) as s:
         r = await run(s, "sorted(t['tool'] for t in await runtime.query_tool_docs('ro'))")
-        assert eval(r["result"]) == ["open_nodes", "read_graph", "search_nodes"]
+        assert ast.literal_eval(r["result"]) == ["open_nodes", "read_graph", "search_nodes"]
         r = await run(s, "sorted(t['tool'] for t in await runtime.query_tool_docs('nodelete'))")
-        names = eval(r["result"])
+        names = ast.literal_eval(r["result"])
         assert "create_entities" in names and not any(n.startswith("delete_") for n in names)
         r = await run(s, "sorted(t['tool'] for t in await runtime.query_tool_docs('only'))")
-        assert eval(r["result"]) == ["create_entities", "create_relations", "read_graph"]
+        assert ast.literal_eval(r["result"]) == ["create_entities", "create_relations", "read_graph"]
 
         # Annotations travel with the docs, so code can read them too.
         r = await run(s, "[t['annotations'] for t in await runtime.query_tool_docs('ro', detail='full')][0]")
@@ -90,7 +91,7 @@ async def test_allow_deny_and_read_only_shape_what_code_sees_and_can_call(state_
 
         # Search never offers a hidden tool.
         r = await run(s, "[(h['server'], h['tool']) for h in await runtime.search_tool_docs('delete entities', limit=50)]")
-        hits = eval(r["result"])
+        hits = ast.literal_eval(r["result"])
         assert ("only", "create_entities") in hits, hits
         assert not [h for h in hits if h[0] == "nodelete" and h[1].startswith("delete_")], hits
         assert not [h for h in hits if h[0] in ("ro", "only") and h[1].startswith("delete_")], hits
@@ -112,7 +113,7 @@ out
 """
         r = await run(s, code)
         assert not r.is_error, r
-        ro_msg, deny_msg, allow_msg, ro_missing_msg = eval(r["result"])
+        ro_msg, deny_msg, allow_msg, ro_missing_msg = ast.literal_eval(r["result"])
         assert "readOnly" in ro_msg and "readOnlyHint" in ro_msg
         assert '"deny"' in deny_msg and "delete_*" in deny_msg
         assert '"allow"' in allow_msg
@@ -143,7 +144,7 @@ except ToolNotFoundError as e:
 out
 """
         r = await run(s, code)
-        attr, attr_sync, unknown, absent, unknown_call = eval(r["result"])
+        attr, attr_sync, unknown, absent, unknown_call = ast.literal_eval(r["result"])
         assert absent == "absent", r  # hasattr and getattr with a default work
         assert attr.startswith("ToolError: ") and '"deny"' in attr and "delete_*" in attr, attr
         assert attr_sync == attr, (attr, attr_sync)
@@ -184,16 +185,16 @@ names = [e["name"] for e in (await mcp_memory.read_graph())["entities"]]
 """
     async with connect_asking(state_dir, ["decline", "no", "accept"], asked, MCP_BRIDGE_CONFIG=config) as s:
         r = await run(s, code, session="a")
-        outcome, names = eval(r["result"])
+        outcome, names = ast.literal_eval(r["result"])
         assert outcome.startswith("refused: declined"), outcome
         assert names == ["keep"]
         # Accepting the form without ticking "approve" is not approval.
         r = await run(s, code, session="a")
-        outcome, names = eval(r["result"])
+        outcome, names = ast.literal_eval(r["result"])
         assert outcome.startswith("refused: declined"), outcome
         assert names == ["keep"]
         r = await run(s, code, session="a")
-        outcome, names = eval(r["result"])
+        outcome, names = ast.literal_eval(r["result"])
         assert outcome == "deleted" and names == [], r
     assert len(asked) == 3
     # The question shows the server, the tool and the arguments.
@@ -217,7 +218,7 @@ except ToolError as e:
 msg
 """
         r = await run(s, code)
-        msg = eval(r["result"])
+        msg = ast.literal_eval(r["result"])
         assert "cannot ask" in msg and '"confirm": false' in msg and "--approval allow" in msg
         # The config wins over the upstream's annotation.
         r = await run(s, "await mcp_trusted.delete_entities(entityNames=['x'])\n'called'")
@@ -308,15 +309,15 @@ async def test_modern_era_destructive_calls_are_approved_or_declined_through_inp
     asked: list[str] = []
     async with modern_client(state_dir, ["decline", "no", "accept"], asked, MCP_BRIDGE_CONFIG=config) as c:
         r = await run(c, DELETE_KEEP, session="a")
-        outcome, names = eval(r["result"])
+        outcome, names = ast.literal_eval(r["result"])
         assert outcome.startswith("refused: declined"), outcome
         assert names == ["keep"]
         r = await run(c, DELETE_KEEP, session="a")
-        outcome, names = eval(r["result"])
+        outcome, names = ast.literal_eval(r["result"])
         assert outcome.startswith("refused: declined"), outcome
         assert names == ["keep"]
         r = await run(c, DELETE_KEEP, session="a")
-        outcome, names = eval(r["result"])
+        outcome, names = ast.literal_eval(r["result"])
         assert outcome == "deleted" and names == [], r
         # The session's state survived the round trips.
         r = await run(c, "outcome", session="a")
@@ -338,7 +339,7 @@ async def test_modern_era_a_background_job_asks_through_run_python_job(state_dir
         done = Run(await c.call_tool("run_python_job", {"job": r["job"], "wait_s": 30}))
         while done["status"] == "running":
             done = Run(await c.call_tool("run_python_job", {"job": r["job"], "wait_s": 30}))
-        outcome, names = eval(done["result"])
+        outcome, names = ast.literal_eval(done["result"])
         assert outcome == "deleted" and names == [], done
     assert len(asked) == 1 and "delete_entities" in asked[0]
 
@@ -357,7 +358,7 @@ except ToolError as e:
 msg
 """
         r = await run(c, code)
-        msg = eval(r["result"])
+        msg = ast.literal_eval(r["result"])
         assert "cannot ask" in msg and '"confirm": false' in msg and "--approval allow" in msg
         r = await run(c, "await mcp_trusted.delete_entities(entityNames=['x'])\n'called'")
         assert r["result"] == "'called'", r
@@ -433,7 +434,7 @@ def test_modern_era_a_task_asks_through_tasks_get_and_is_answered_with_tasks_upd
     assert "error" not in ok, ok
     done = wait_task(srv, task["taskId"], caps)
     assert done["status"] == "completed", done
-    assert eval(done["result"]["structuredContent"]["result"]) == ("deleted", [])
+    assert ast.literal_eval(done["result"]["structuredContent"]["result"]) == ("deleted", [])
     srv.close()
     outcomes = [c["outcome"] for line in audit_lines(state_dir) for c in line.get("upstream_calls", [])
                 if c["tool"] == "delete_entities"]

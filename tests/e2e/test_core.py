@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import time
 
 import anyio
@@ -118,8 +119,8 @@ async def test_sessions_are_separate_processes_with_separate_files(state_dir):
     async with connect(state_dir) as s:
         a = await run(s, "import os\nsecret = 'a'\nopen('mine.txt','w').write('a')\n(os.getpid(), os.getcwd())", session="alpha")
         b = await run(s, "import os\n(os.getpid(), os.getcwd(), os.path.exists('mine.txt'))", session="beta")
-        pid_a, cwd_a = eval(a["result"])
-        pid_b, cwd_b, sees_file = eval(b["result"])
+        pid_a, cwd_a = ast.literal_eval(a["result"])
+        pid_b, cwd_b, sees_file = ast.literal_eval(b["result"])
         assert pid_a != pid_b and cwd_a != cwd_b and not sees_file
         r = await run(s, "secret", session="beta")
         assert r.is_error and r["error"]["type"] == "NameError"

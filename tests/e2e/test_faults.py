@@ -8,6 +8,7 @@ sessions and the server keep serving. Forged frames are tried as root and as `no
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import json
@@ -90,7 +91,7 @@ class Host:
         return info["sessions"]["live_workers"] + info["spare_workers"]["waiting"]
 
     def zygote_pid(self) -> int:
-        return eval(self.run("import os\nos.getppid()", session="probe")["result"])
+        return ast.literal_eval(self.run("import os\nos.getppid()", session="probe")["result"])
 
     def worker_pids(self) -> set[int]:
         """The zygote's live children, as the kernel sees them."""
@@ -115,7 +116,7 @@ def host(request):
 def assert_fresh_after_loss(h: Host, session: str, old_pid: int, cause: str) -> None:
     """The next run in `session` says the state was lost (and why), and runs in a new worker."""
     nxt = h.run("import os\n(os.getpid(), 'x' in globals())", session=session)
-    pid, had_x = eval(nxt["result"])
+    pid, had_x = ast.literal_eval(nxt["result"])
     assert nxt["status"] == "ok" and pid != old_pid and had_x is False, nxt
     assert any(cause in n and "fresh" in n for n in nxt["notices"]), nxt["notices"]
 
@@ -188,7 +189,7 @@ KEEP = (a, b)
 """
     try:
         rec = h.run(fill, session="hoarder")
-        sent, stopped = eval(rec["result"])
+        sent, stopped = ast.literal_eval(rec["result"])
         assert sent == 0 and stopped == errno.EPERM, rec
         for s in ("new-1", "new-2"):
             r = h.srv.call("print('hello')", session=s)
@@ -220,13 +221,13 @@ if not os.path.lexists('d/link.png'):
 
 def test_54_after_the_zygote_is_killed_the_next_run_says_state_was_lost_and_runs_fresh(host):
     before = host.run("import os\nx = 1\n(os.getpid(), os.getppid())", session="z")
-    worker, zygote = eval(before["result"])
+    worker, zygote = ast.literal_eval(before["result"])
     os.kill(zygote, signal.SIGKILL)
     assert wait_until(lambda: not pid_alive(zygote) and not pid_alive(worker), 5)
     started = time.monotonic()
     nxt = host.run("import os\n(os.getpid(), os.getppid(), 'x' in globals(), 6 * 7)", session="z")
     assert time.monotonic() - started < 25  # an answer, not a background job that never ends
-    pid, ppid, had_x, value = eval(nxt["result"])
+    pid, ppid, had_x, value = ast.literal_eval(nxt["result"])
     assert nxt["status"] == "ok" and value == 42 and had_x is False, nxt
     assert pid != worker and ppid != zygote
     assert nxt["session_state"] == "restarted", nxt
@@ -535,7 +536,7 @@ t.join()
 """
     rec = proxied.run(code, session="big-params", timeout_s=60)
     assert rec["status"] == "ok", rec
-    second, first_answered = eval(rec["result"])
+    second, first_answered = ast.literal_eval(rec["result"])
     assert "JSON values" in second and "1000000" in second, second
     assert first_answered
     assert proxied.run("1", session="big-params")["session_state"] != "lost"
@@ -598,7 +599,7 @@ r = await asyncio.gather(*(mcp_test_server.sleep(seconds=0) for _ in range(500))
 (len(r), sum(x["result"] if isinstance(x, dict) else x for x in r))
 """
     rec = proxied.run(code, session="gather", timeout_s=120)
-    assert rec["status"] == "ok" and eval(rec["result"]) == (500, 0), (rec.get("error"), rec.get("stderr"))
+    assert rec["status"] == "ok" and ast.literal_eval(rec["result"]) == (500, 0), (rec.get("error"), rec.get("stderr"))
     assert len(rec["upstream_calls"]) == 500
 
 
@@ -650,7 +651,7 @@ while True:
     assert rec["status"] == "timeout", rec
     assert time.monotonic() - started < 40
     nxt = proxied.run("import sys\nsys.setswitchinterval(0.005)\n(kept, 2 + 3)", session="noread", timeout_s=60)
-    assert nxt["status"] == "ok" and eval(nxt["result"]) == ("yes", 5), nxt
+    assert nxt["status"] == "ok" and ast.literal_eval(nxt["result"]) == ("yes", 5), nxt
 
 
 def test_52_more_open_requests_than_the_limit_is_a_protocol_violation(proxied):
@@ -685,9 +686,9 @@ msg
         "name": "run_python", "arguments": {"code": code, "session": "search"}}})
     pong = srv.request("ping", timeout=10)
     assert "result" in pong
-    msg = eval(srv.wait_for(rid, timeout=30)["result"]["structuredContent"]["result"])
+    msg = ast.literal_eval(srv.wait_for(rid, timeout=30)["result"]["structuredContent"]["result"])
     assert "1200000 characters" in msg and "limit is 1000" in msg, msg
-    hits = eval(proxied.run("await runtime.search_tool_docs('sleep', limit=1)", session="search")["result"])
+    hits = ast.literal_eval(proxied.run("await runtime.search_tool_docs('sleep', limit=1)", session="search")["result"])
     assert hits[0]["tool"] == "sleep"
 
 

@@ -9,6 +9,7 @@ answer to the probe then arrives first.
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import sys
@@ -46,7 +47,7 @@ pids = [mcp_slow_legacy.pid_sync(), mcp_slow_modern.pid_sync()]
         # Both start at once (the `servers` argument starts them before the code runs).
         r = await run(s, code, timeout_s=120, servers=["slow-legacy", "slow-modern"])
         assert not r.is_error, r
-        pids, usable, searched = eval(r["result"])
+        pids, usable, searched = ast.literal_eval(r["result"])
         assert all(isinstance(p["result"], int) and p["result"] > 0 for p in pids), pids
         assert sorted(usable) == ["slow-legacy", "slow-modern"]
         assert "slow-legacy" in searched and "slow-modern" in searched, searched
@@ -72,7 +73,7 @@ hits = runtime.search_tool_docs_sync("pid")
 (called, list(runtime.discovered_servers_sync(detailed=True)), hits.unavailable, list(runtime.discovered_servers_sync()))
 """
         r = await run(s, code, timeout_s=60)
-        called, detailed, unavailable, usable = eval(r["result"])
+        called, detailed, unavailable, usable = ast.literal_eval(r["result"])
         assert 'server "broken-npx" failed to start' in called, called
         for said in (called, detailed[0]["error"], unavailable["broken-npx"]):
             assert "npm ERR! 404 Not Found - @example/no-such-server" in said, said
@@ -129,7 +130,7 @@ async def test_a_broken_config_is_named_to_the_model_and_doctor_is_not_ready(sta
     cfg.write_text('{"mcpServers": {"time": {"command": "uvx", "args": ["mcp-server-time"]},}}\n')
     async with connect(state_dir) as s:
         r = await run(s, "(list(runtime.discovered_servers_sync(detailed=True)), list(runtime.discovered_servers_sync()))")
-        detailed, usable = eval(r["result"])
+        detailed, usable = ast.literal_eval(r["result"])
         assert usable == []
         assert [d["name"] for d in detailed] == [str(cfg)], detailed
         assert detailed[0]["available"] is False and "not valid JSON" in detailed[0]["error"], detailed

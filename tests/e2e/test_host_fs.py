@@ -9,6 +9,7 @@ SECURITY.md's catalogue numbers (44, 45, 50, 53).
 
 from __future__ import annotations
 
+import ast
 import os
 import time
 from pathlib import Path
@@ -168,7 +169,7 @@ def test_45_a_rename_exchange_loop_never_brings_a_host_path_into_resources(box):
     finally:
         rec = box.run("stop_swapping.set()\nswaps", session="race")
     assert rec["status"] == "ok" and rec["session_state"] == "kept", rec
-    swaps = eval(rec["result"])
+    swaps = ast.literal_eval(rec["result"])
     assert swaps[0] > 100, swaps  # the race really ran
     assert saw_inner > 0  # and the real file was listed meanwhile
 

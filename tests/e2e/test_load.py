@@ -8,6 +8,7 @@ speed beyond a generous overall bound.
 
 from __future__ import annotations
 
+import ast
 import time
 
 import anyio
@@ -59,7 +60,7 @@ async def test_5000_runs_over_50_sessions_lose_and_cross_nothing(state_dir):
         assert not r.is_error and r["status"] == "ok", (i, r)
         assert r["session"] == f"s{i % SESSIONS}", (i, r.record)
         assert r["stdout"] == token + "\n", (i, r.record)
-        got_token, n = eval(r["result"])
+        got_token, n = ast.literal_eval(r["result"])
         assert got_token == token, (i, r.record)
         counts.setdefault(r["session"], set()).add(n)
     per_session = RUNS // SESSIONS

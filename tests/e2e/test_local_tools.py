@@ -333,7 +333,7 @@ async def test_a_broken_tools_file_is_reported_and_the_others_still_load(state_d
         tools = await tool_map(s)
         assert "safe_divide_numbers" in tools and "describe" in tools
         rec = await run(s, "from mcp import tools\ntools.errors")
-        errors = eval(rec["result"])
+        errors = ast.literal_eval(rec["result"])
         by_file = {Path(e["file"]).name: e for e in errors}
         assert by_file["broken.py"]["line"] == 3
         assert "RuntimeError: this tools file is broken on purpose" in by_file["broken.py"]["reason"]
@@ -350,7 +350,7 @@ async def test_a_tools_file_that_hangs_at_import_is_cut_off_and_the_others_still
         async with client(state_dir, IRONCELL_TOOLS=str(d)) as s:
             assert "safe_divide_numbers" in await tool_map(s)
             rec = await run(s, "from mcp import tools\n[(e['file'], e['line'], e['reason']) for e in tools.errors]")
-            assert eval(rec["result"]) == [(str(d / "a_hangs.py"), 2, "importing it took more than 10 s")]
+            assert ast.literal_eval(rec["result"]) == [(str(d / "a_hangs.py"), 2, "importing it took more than 10 s")]
     finally:
         shutil.rmtree(d.parent, ignore_errors=True)
 

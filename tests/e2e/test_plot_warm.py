@@ -20,6 +20,7 @@ sleeping.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import os
 import signal
@@ -71,7 +72,7 @@ def wait_for_shared_font_cache(box: Sandboxed) -> None:
 
 def assert_first_cell_has_pyplot(box: Sandboxed) -> int:
     rec = first_cell(box, FIRST_CELL)
-    pyplot, font_manager, backend, shared_cache, figures, zygote = eval(rec["result"])
+    pyplot, font_manager, backend, shared_cache, figures, zygote = ast.literal_eval(rec["result"])
     assert (pyplot, font_manager) == (True, True), rec
     assert backend == "agg", rec
     assert shared_cache, rec
@@ -130,7 +131,7 @@ def test_a_first_plot_takes_its_copy_on_write_faults_ahead(box):
     # session; ~910 before the heap the plot grows into was written ahead as well.
     assert faults_marked * 2 < faults_unmarked, (faults_marked, faults_unmarked)
     assert faults_marked < 3 * faults_warm, (faults_marked, faults_warm)
-    done, pages = eval(box.run(PAGES_AHEAD, session=marked["session"])["result"])
+    done, pages = ast.literal_eval(box.run(PAGES_AHEAD, session=marked["session"])["result"])
     assert done is False and pages > 500, (done, pages)
     # Once per worker: the session that hid its plot has not written anything ahead.
     assert box.run(PAGES_AHEAD, session=unmarked["session"])["result"] == "[True, 0]"
@@ -171,7 +172,7 @@ def test_a_new_session_whose_first_cell_plots_takes_the_spare_that_wrote_its_pag
         rec = first_cell(box, PLOT_WITH_PID)
         assert int(rec["result"]) == plot_spare, rec
         assert [i["path"] for i in rec["images"]] == ["p.png"], rec
-        done, pages = eval(box.run(PAGES_AHEAD, session=rec["session"])["result"])
+        done, pages = ast.literal_eval(box.run(PAGES_AHEAD, session=rec["session"])["result"])
         assert done is False and pages > 500, (done, pages)
 
 
@@ -196,7 +197,7 @@ def test_with_warm_plots_off_new_sessions_import_matplotlib_themselves():
         wait_for_shared_font_cache(b)
         for _ in range(2):
             rec = first_cell(b, FIRST_CELL)
-            pyplot, font_manager, backend, shared_cache, figures, _ = eval(rec["result"])
+            pyplot, font_manager, backend, shared_cache, figures, _ = ast.literal_eval(rec["result"])
             assert (pyplot, font_manager) == (False, False), rec
             assert backend == "agg" and shared_cache and figures == [], rec
             rec = b.run(PLOT, session=rec["session"])

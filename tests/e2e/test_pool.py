@@ -7,6 +7,7 @@ the zygote, before the request was sent (read from /proc by the test, outside th
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import time
@@ -86,7 +87,7 @@ def test_a_new_session_runs_in_a_spare_that_knows_its_name_and_directory(server)
         "          os.environ['IRONCELL_SESSION'], os.path.dirname(f.name), sorted(os.listdir('.')), _first)\n"
         "print(repr(_where))\n",
     )
-    cwd, home, tmpdir, pwd, name, tmpfile_dir, listing, first = eval(rec["stdout"])
+    cwd, home, tmpdir, pwd, name, tmpfile_dir, listing, first = ast.literal_eval(rec["stdout"])
     assert first == [], f"the spare handed over a directory that is not empty: {first}"
     sessions_dir = next(server.state.glob("sessions-*"))
     expected = str(sessions_dir / "analysis")
@@ -107,7 +108,7 @@ def test_a_spare_leaves_no_name_in_its_session(server):
     before = server.workers()
     rec = server.run("_names = sorted(k for k in globals() if not k.startswith('__'))\n"
                      "import os\n(os.getpid(), _names)", "fresh")
-    pid, names = eval(rec["result"])
+    pid, names = ast.literal_eval(rec["result"])
     assert pid in before, f"the session did not take a spare: {rec}"
     assert "os" not in names and "_" not in names, names
     assert not [n for n in names if n.startswith("_ironcell")], names

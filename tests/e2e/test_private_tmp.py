@@ -8,6 +8,7 @@ ironcell falls back on purpose (a bind over `/tmp` would hide their real paths).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ class Box:
     def value(self, code: str, session: str = "s1"):
         rec = self.run(code, session)
         assert rec["status"] == "ok", rec
-        return eval(rec["result"])
+        return ast.literal_eval(rec["result"])
 
     def info(self) -> dict:
         r = self.srv.request("resources/read", {"uri": "system://info"})
@@ -98,7 +99,7 @@ def test_the_worker_cannot_undo_or_remount_its_tmp(ns_box):
                  "libc.unshare(0x00020000)"):
         rec = ns_box.run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nrc = {call}\n(rc, ctypes.get_errno())")
         # seccomp kills the worker (mount family and unshare are on the kill list)...
-        assert rec["status"] == "crashed" or eval(rec["result"])[0] == -1, rec
+        assert rec["status"] == "crashed" or ast.literal_eval(rec["result"])[0] == -1, rec
         # ...and the session's next worker still has its private /tmp, the host's is untouched.
         assert ns_box.value("import os\nopen('/tmp/again', 'w').write('x')\nos.path.samefile('/tmp', '.')")
         assert not os.path.exists("/tmp/again")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -16,7 +17,7 @@ from conftest import IRONCELL, RawServer, pid_alive, wait_until, server_env, REP
 
 def worker_and_zygote_pids(srv: RawServer, session: str) -> tuple[int, int]:
     r = srv.call("import os\n(os.getpid(), os.getppid())", session=session)
-    return eval(r["structuredContent"]["result"])
+    return ast.literal_eval(r["structuredContent"]["result"])
 
 
 def test_stdin_eof_exits_promptly_and_leaves_no_process_behind(state_dir):
@@ -58,7 +59,7 @@ def test_the_zygote_has_a_clean_environment_and_one_thread(state_dir):
         with contextlib.suppress(FileNotFoundError):
             assert "ironcell-boot" not in os.readlink(f"/proc/{zygote}/fd/{fd}")
     r = srv.call("import os\n(dict(os.environ), os.getcwd())", session="s")
-    env, cwd = eval(r["structuredContent"]["result"])
+    env, cwd = ast.literal_eval(r["structuredContent"]["result"])
     assert "GITHUB_TOKEN" not in env
     assert env["HOME"] == cwd, "the session directory is both HOME and the working directory"
     assert env["HOME"] == env["TMPDIR"] and env["HOME"].endswith("/s")
@@ -179,7 +180,7 @@ def test_preloaded_modules_are_ready_in_every_session_and_the_zygote_stays_singl
     srv = RawServer(state_dir, IRONCELL_PRELOAD="numpy,pandas,matplotlib.pyplot,no_such_module")
     srv.initialize()
     r = srv.call("import sys, os\n(sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules), os.getppid())")
-    loaded, zygote = eval(r["structuredContent"]["result"])
+    loaded, zygote = ast.literal_eval(r["structuredContent"]["result"])
     if not loaded:
         pytest.skip("numpy/pandas/matplotlib are not installed for this Python")
     assert loaded == ["matplotlib.pyplot", "numpy", "pandas"]

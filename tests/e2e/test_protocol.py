@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import time
@@ -97,7 +98,7 @@ async def test_the_sdk2_client_lands_in_its_era_and_every_scenario_works(state_d
         assert not r.is_error, r.text
         while r["status"] == "running":  # starting both upstreams may take past the 5 s budget
             r = Run(await c.call_tool("run_python_job", {"job": r["job"], "wait_s": 30}))
-        assert eval(r["result"]) == ("The sum of 2 and 3 is 5.", "UTC")
+        assert ast.literal_eval(r["result"]) == ("The sum of 2 and 3 is 5.", "UTC")
 
         # Images.
         if worker_python_has("matplotlib", "numpy", "PIL"):
@@ -305,7 +306,7 @@ out
 """
         r = await run(c, code, timeout_s=120)
         assert not r.is_error, r.text
-        out = eval(r["result"])
+        out = ast.literal_eval(r["result"])
         assert out["time"] == "UTC" and out["git"] == "clean"
         assert out["everything"] == "The sum of 2 and 3 is 5."
         assert "fsroot" in out["filesystem"] and out["memory"] == ["entities", "relations"]

@@ -6,6 +6,7 @@ servers/test_server.py (official Python SDK) for crashes, hangs, secrets and big
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import time
@@ -51,7 +52,7 @@ def proxy_env(tmp: Path, **extra: str) -> dict[str, str]:
 async def test_every_call_style_reaches_the_reference_servers(state_dir, tmp_path):
     async with connect(state_dir, **proxy_env(tmp_path)) as s:
         r = await run(s, "await runtime.discovered_servers()")
-        assert eval(r["result"]) == ["everything", "filesystem", "hangs", "memory", "test-server", "time"]
+        assert ast.literal_eval(r["result"]) == ["everything", "filesystem", "hangs", "memory", "test-server", "time"]
         r = await run(s, "[d['identifier'] for d in await runtime.discovered_servers(detailed=True)]")
         assert "mcp_test_server" in r["result"]
         code = """
@@ -67,7 +68,7 @@ g = runtime.call_tool_sync("everything", "get-sum", {"a": 2, "b": 2})
 """
         r = await run(s, code)
         assert not r.is_error, r.text
-        results = eval(r["result"])
+        results = ast.literal_eval(r["result"])
         assert results[0] == "The sum of 2 and 3 is 5."
         assert [x.rsplit(" ", 1)[1] for x in results] == ["5.", "9.", "2.", "30.", "6.", "7.", "4."]
         assert [c["tool"] for c in r["upstream_calls"]] == ["get-sum"] * 7
@@ -78,11 +79,11 @@ async def test_results_are_unwrapped_as_documented(state_dir, tmp_path):
     async with connect(state_dir, **proxy_env(tmp_path)) as s:
         # structuredContent wins; a single JSON text block is parsed; raw=True gives everything.
         r = await run(s, "await mcp_time.get_current_time(timezone='UTC')")
-        assert eval(r["result"])["timezone"] == "UTC"
+        assert ast.literal_eval(r["result"])["timezone"] == "UTC"
         r = await run(s, "await mcp_test_server.structured(n=4)")
-        assert eval(r["result"]) == {"n": 4, "square": 16}
+        assert ast.literal_eval(r["result"]) == {"n": 4, "square": 16}
         r = await run(s, "(await mcp_everything.echo(message='hi'), await runtime.call_tool('everything', 'echo', {'message': 'hi'}, raw=True))")
-        text, raw = eval(r["result"].replace("false", "False").replace("true", "True"))
+        text, raw = ast.literal_eval(r["result"].replace("false", "False").replace("true", "True"))
         assert text == "Echo: hi" and raw["content"][0]["text"] == "Echo: hi"
 
 
@@ -92,7 +93,7 @@ async def test_help_and_docs_are_built_from_the_schema(state_dir, tmp_path):
         assert "get_sum(*, a: 'float', b: 'float')" in r["stdout"], r["stdout"]
         assert "a (float, required)" in r["stdout"]
         r = await run(s, "await runtime.query_tool_docs('everything', tool='get-sum', detail='full')")
-        doc = eval(r["result"])  # one tool asked for: its dict, as the bridge answers
+        doc = ast.literal_eval(r["result"])  # one tool asked for: its dict, as the bridge answers
         assert doc["tool"] == "get-sum" and doc["identifier"] == "get_sum" and "inputSchema" in doc
         r = await run(s, "print(runtime.capability_summary())")
         assert "mcp_test_server ('test-server')" in r["stdout"]
@@ -113,7 +114,7 @@ async def test_search_ranks_the_obvious_tool_first(state_dir, tmp_path):
             ("list directory", "filesystem", "list_directory"),
         ]:
             r = await run(s, f"await runtime.search_tool_docs({query!r}, limit=5)")
-            hits = eval(r["result"])
+            hits = ast.literal_eval(r["result"])
             assert (hits[0]["server"], hits[0]["tool"]) == (server, tool), (query, hits)
             scores = [h["score"] for h in hits]
             assert scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1
@@ -139,7 +140,7 @@ for name, call in {
 out
 """
         r = await run(s, code)
-        out = eval(r["result"])
+        out = ast.literal_eval(r["result"])
         assert out["server"][0] == "ServerNotFoundError" and "everything, filesystem" in out["server"][1]
         assert out["server_call"][0] == "ServerNotFoundError"
         assert out["tool"][0] == "ToolNotFoundError" and "get_sum" in out["tool"][1]
@@ -163,7 +164,7 @@ echo = [mcp_everything.echo_sync(message=m) for m in ["${IRONCELL_TEST_TOKEN}", 
 (outcomes, echo)
 """
         r = await run(s, code)
-        outcomes, echo = eval(r["result"])
+        outcomes, echo = ast.literal_eval(r["result"])
         assert outcomes == ["not found"] * 6
         assert echo == ["Echo: ${IRONCELL_TEST_TOKEN}", "Echo: $(id)", "Echo: `id`"]
 
@@ -180,7 +181,7 @@ except mcp.ServerUnavailableError as e:
 (first, mcp_test_server.get_env_sync(name="SECRET_TOKEN") is not None)
 """
         r = await run(s, code)
-        first, second = eval(r["result"])
+        first, second = ast.literal_eval(r["result"])
         assert "exited during the call" in first and "restarts on next use" in first, first
         assert second is True
 
@@ -198,7 +199,7 @@ except mcp.ServerUnavailableError as e:
 (msg, round(time.monotonic() - t), mcp_everything.get_sum_sync(a=1, b=2))
 """
         r = await run(s, code, timeout_s=30)
-        msg, seconds, other = eval(r["result"])
+        msg, seconds, other = ast.literal_eval(r["result"])
         assert "did not finish starting within 2 s" in msg and seconds <= 10
         assert other == "The sum of 1 and 2 is 3."
 
@@ -215,7 +216,7 @@ except mcp.ServerUnavailableError as e:
 (msg, len(mcp_test_server.huge_sync(megabytes=1)))
 """
         r = await run(s, code, timeout_s=60)
-        msg, small = eval(r["result"])
+        msg, small = ast.literal_eval(r["result"])
         assert "huge" in msg and ("did not answer" in msg or "limit" in msg), msg
         assert small == 1 << 20
 
@@ -230,7 +231,7 @@ done = await asyncio.gather(*(mcp_test_server.sleep(seconds=1) for _ in range(10
 (len(done), time.monotonic() - t)
 """
         r = await run(s, code)
-        n, elapsed = eval(r["result"])
+        n, elapsed = ast.literal_eval(r["result"])
         assert n == 10 and elapsed < 5, elapsed  # one after another would take 10 s
 
 
@@ -256,7 +257,7 @@ cell_ends = time.monotonic()
         await run(s, code)
         await anyio.sleep(1.5)
         r = await run(s, "next_cell = time.monotonic()\nasker.join(30)\n(answered, cell_ends, next_cell)")
-        answered, cell_ends, next_cell = eval(r["result"])
+        answered, cell_ends, next_cell = ast.literal_eval(r["result"])
         assert next_cell - cell_ends > 1.0
         assert len(answered) == 1
         # It came during the pause, not when the next cell started.
@@ -315,7 +316,7 @@ t.join(30)
 """
         r = await run(s, code, timeout_s=60)
         assert r["status"] == "ok", r.record
-        order, n_quick, alive = eval(r["result"])
+        order, n_quick, alive = ast.literal_eval(r["result"])
         assert (n_quick, alive) == (20, False)
         # The thread's short call was answered while the cell's own call waited, and neither
         # the cell's call nor its quick calls after it waited for the thread's long one.
@@ -389,7 +390,7 @@ async def test_a_cell_timed_out_in_its_own_blocking_call_leaves_the_session_work
 async def test_the_upstream_secret_reaches_its_server_and_nothing_else(state_dir, tmp_path):
     async with connect(state_dir, **proxy_env(tmp_path)) as s:
         r = await run(s, "mcp_test_server.get_env_sync(name='SECRET_TOKEN')")
-        assert eval(r["result"]) == TOKEN  # {"result": text} mirroring the text unwraps to it
+        assert ast.literal_eval(r["result"]) == TOKEN  # {"result": text} mirroring the text unwraps to it
         code = f"""
 import os, ctypes
 libc = ctypes.CDLL(None)
@@ -429,7 +430,7 @@ async def test_a_malformed_entry_is_reported_and_the_rest_work(state_dir, tmp_pa
         info = json.loads((await s.read_resource("system://info")).contents[0].text)
         assert any("server \"broken\", field `command`: is missing" in p for p in info["mcp"]["problems"]), info["mcp"]
         r = await run(s, "(await runtime.discovered_servers(), mcp_everything.get_sum_sync(a=1, b=1))")
-        assert eval(r["result"]) == (["everything"], "The sum of 1 and 1 is 2.")
+        assert ast.literal_eval(r["result"]) == (["everything"], "The sum of 1 and 1 is 2.")
 
 
 async def test_claude_desktop_siblings_are_proxied_but_not_ironcell_itself(state_dir, tmp_path):
@@ -444,7 +445,7 @@ async def test_claude_desktop_siblings_are_proxied_but_not_ironcell_itself(state
     }}))
     async with connect(state_dir, HOME=str(home)) as s:
         r = await run(s, "await runtime.discovered_servers()")
-        assert eval(r["result"]) == ["everything"]
+        assert ast.literal_eval(r["result"]) == ["everything"]
 
 
 async def test_the_official_sdk_stays_importable_beside_the_injected_module(state_dir, tmp_path):
@@ -489,7 +490,7 @@ def test_proxied_servers_stop_when_ironcell_exits(state_dir, tmp_path):
     srv = RawServer(state_dir, **proxy_env(tmp_path))
     srv.initialize()
     r = srv.call("mcp_test_server.pid_sync()")["structuredContent"]
-    upstream = int(eval(r["result"])["result"])
+    upstream = int(ast.literal_eval(r["result"])["result"])
     assert pid_alive(upstream)
     assert srv.close(timeout=5) == 0
     assert wait_until(lambda: not pid_alive(upstream), 5)

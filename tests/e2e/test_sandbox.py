@@ -8,6 +8,7 @@ provide what Landlock cannot. Test names carry the catalogue's numbers.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pwd
@@ -57,7 +58,7 @@ class Sandboxed:
     def outcome(self, expr: str, session: str = "attack") -> str:
         rec = self.run(f"outcome(lambda: {expr})", session=session)
         assert rec["status"] == "ok", rec
-        return eval(rec["result"])
+        return ast.literal_eval(rec["result"])
 
     def private_tmp_is_namespace(self) -> bool:
         info = json.loads(self.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
@@ -145,7 +146,7 @@ def test_06_proc_is_invisible(box):
 
 def test_07_another_sessions_files_are_unreachable(box):
     rec = box.run("open('private.txt','w').write('victim data')\nos.path.abspath('private.txt')", session="victim")
-    victim_path = eval(rec["result"])
+    victim_path = ast.literal_eval(rec["result"])
     assert box.outcome(f"open({victim_path!r}).read()") == "PermissionError:13"
     assert box.outcome(f"os.listdir(os.path.dirname({victim_path!r}))") == "PermissionError:13"
 
@@ -439,11 +440,11 @@ def test_140_other_processes_cannot_be_read_by_pid(box):
     box.run(PROBE_PID, session="pid-prober")
     me = int(box.run("os.getpid()", session="pid-prober")["result"])
     for pid in sorted({1, box.srv.proc.pid, other, me - 1, me + 1}):
-        seen = eval(box.run(f"probe({pid})", session="pid-prober")["result"])
+        seen = ast.literal_eval(box.run(f"probe({pid})", session="pid-prober")["result"])
         assert seen == REFUSED_FOR_ANOTHER, (pid, seen)
     # A sweep of the pids around its own finds only itself (once: getsid, getpgid, getpriority
     # and sched_getaffinity found the server, the zygote and the other sessions' workers).
-    found = eval(box.run(
+    found = ast.literal_eval(box.run(
         "def alive(p):\n"
         "    try:\n"
         "        os.getsid(p)\n"
@@ -456,7 +457,7 @@ def test_140_other_processes_cannot_be_read_by_pid(box):
         session="pid-prober")["result"])
     assert found == [me], found
     for pid in (0, me):
-        seen = eval(box.run(f"probe({pid})", session="pid-prober")["result"])
+        seen = ast.literal_eval(box.run(f"probe({pid})", session="pid-prober")["result"])
         assert all(v.startswith("ok") for v in seen.values()), (pid, seen)
     # Nor through a priority-inheritance futex (#142): TRYLOCK_PI looks up the thread id in the
     # futex word machine-wide (ESRCH for a free pid, EPERM for a live one); every PI command is
@@ -577,7 +578,7 @@ a.sendall(b'x' * 1000)
 """
     rec = box.run(code, session="sockbuf")
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == ([1, 1, 1, 1], True, 1000), rec
+    assert ast.literal_eval(rec["result"]) == ([1, 1, 1, 1], True, 1000), rec
 
 
 def test_115_epoll_is_refused_and_asyncio_runs_on_poll(box):
@@ -602,7 +603,7 @@ async def main():
 """
     rec = box.run(code, session="epoll")
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == ((b"ping\n", 3), "PollSelector"), rec
+    assert ast.literal_eval(rec["result"]) == ((b"ping\n", 3), "PollSelector"), rec
 
 
 def test_120_posix_timers_are_capped_and_leave_the_uid_its_budget(box):
@@ -624,7 +625,7 @@ while made < 200_000 and libc.timer_create(1, ctypes.byref(event), ctypes.byref(
 """
     rec = box.run(fill, session="timers")
     assert rec["status"] == "ok", rec
-    limit, made, errno_ = eval(rec["result"])
+    limit, made, errno_ = ast.literal_eval(rec["result"])
     # For root the count is shared with every root process, so a few may be taken already.
     assert limit == (1024, 1024) and 0 < made <= 1024 and errno_ == 11, rec  # 11: EAGAIN
     probe = fill.replace("made < 200_000", "made < 1")
@@ -657,7 +658,7 @@ with open('src.bin', 'rb') as f:
 """
     rec = box.run(code, session="splice")
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == ([38, 38], True, 1000, 1000), rec  # 38: ENOSYS
+    assert ast.literal_eval(rec["result"]) == ([38, 38], True, 1000, 1000), rec  # 38: ENOSYS
 
 
 # ctypes' mmap(2), for mappings Python's mmap module would not make.
@@ -684,7 +685,7 @@ mapped = libc.mmap(None, 4096, 3, 0x22 | 0x2000, -1, 0)  # private, anonymous, M
 """
     rec = box.run(code, session="mlock")
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == ((0, 0), -1, 1, -1, 1), rec  # 1: EPERM
+    assert ast.literal_eval(rec["result"]) == ((0, 0), -1, 1, -1, 1), rec  # 1: EPERM
 
 
 def meminfo_mb(field: str) -> int:
@@ -717,7 +718,7 @@ n[:1] = b'z'
     before = meminfo_mb("Shmem")
     rec = box.run(code, session="shmem", timeout_s=120)
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == (-1, 1, [4096] * 3, b"abcz", True), rec
+    assert ast.literal_eval(rec["result"]) == (-1, 1, [4096] * 3, b"abcz", True), rec
     assert meminfo_mb("Shmem") - before < 256, "the session holds shared memory past its limits"
     assert box.run("1", session="shmem", reset=True)["status"] == "ok"
 
@@ -755,7 +756,7 @@ a.close(); b.close()
 def bpf_programs_are_refused(b: "Sandboxed", session: str) -> None:
     rec = b.run(BPF_PROGRAMS + "BPF_RESULT", session=session)
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == (1, 38, 1, 1, 0), rec  # 1: EPERM, 38: ENOSYS
+    assert ast.literal_eval(rec["result"]) == (1, 38, 1, 1, 0), rec  # 1: EPERM, 38: ENOSYS
     assert b.run("1 + 1", session=session)["result"] == "2"
 
 
@@ -792,7 +793,7 @@ def huge_pages_are_off(b: "Sandboxed", session: str) -> None:
     before = meminfo_mb("MemAvailable")
     rec = b.run(HUGE_PAGES, session=session, timeout_s=120)
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == (1, 1000), rec
+    assert ast.literal_eval(rec["result"]) == (1, 1000), rec
     held = before - meminfo_mb("MemAvailable")
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():
@@ -847,7 +848,7 @@ def box_with_secret(request):
 
 
 def test_36_the_environment_holds_only_the_fixed_variables(box_with_secret):
-    env = eval(box_with_secret.run("dict(os.environ)")["result"])
+    env = ast.literal_eval(box_with_secret.run("dict(os.environ)")["result"])
     assert set(env) <= {"PATH", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
                         "PYTHONIOENCODING", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                         "MPLBACKEND", "HOME", "TMPDIR", "PWD", "TERM", "IRONCELL_SESSION"}, env
@@ -869,7 +870,7 @@ def test_37_the_hosts_token_is_not_in_the_workers_memory(box_with_secret):
     )
     rec = box_with_secret.run(code)
     assert rec["status"] == "ok", rec
-    found, scanned, heap_hits = eval(rec["result"])
+    found, scanned, heap_hits = ast.literal_eval(rec["result"])
     assert scanned > 10000 and not found
     assert heap_hits == 0, "the host's token is in a Python object of the worker"
 
@@ -1103,7 +1104,7 @@ def test_43_two_hundred_concurrent_calls_are_bounded_and_cancel_cleanly(state_di
         assert "busy" in r["content"][0]["text"], r
         time.sleep(0.5)
     assert r["structuredContent"]["result"] == "'after the storm'", r
-    zygote = int(eval(srv.call("import os\nos.getppid()", session="s0")["structuredContent"]["result"]))
+    zygote = int(ast.literal_eval(srv.call("import os\nos.getppid()", session="s0")["structuredContent"]["result"]))
     children = [p for p in os.listdir("/proc") if p.isdigit() and
                 Path(f"/proc/{p}/stat").exists() and
                 Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(zygote)]
@@ -1176,7 +1177,7 @@ def test_46_no_setuid_copy_and_no_fd_forms_on_read_only_files(box):
     )
     rec = box.run(code)
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == ["PermissionError:1"] * 2 + [False] + ["PermissionError:1"] * 3
+    assert ast.literal_eval(rec["result"]) == ["PermissionError:1"] * 2 + [False] + ["PermissionError:1"] * 3
 
 
 VICTIM = r'''
@@ -1245,7 +1246,7 @@ def fcntl_signal_attack_holds(box: "Sandboxed", session: str = "signals") -> Non
     try:
         rec = box.run(FCNTL_SIGNAL_ATTACK.format(vpid=victim.pid), session=session)
         assert rec["status"] == "ok", rec
-        res = eval(rec["result"])
+        res = ast.literal_eval(rec["result"])
         for cmd in ("F_SETOWN", "F_SETOWN_pgrp", "F_SETOWN_EX", "F_SETSIG", "O_ASYNC", "F_SETLEASE", "F_NOTIFY"):
             assert res[cmd] == "PermissionError:1", (cmd, res)
         # The flags word is 32 bits in the kernel: high bits do not smuggle O_ASYNC past the check.
@@ -1294,7 +1295,7 @@ def test_48_shared_memory_and_memfd_are_bounded(box):
     limit = address_space_limit(box)
     rec = box.run(SHARED_MEMORY_GROWTH, session="shm", timeout_s=120)
     assert rec["status"] == "ok", rec
-    total, err, huge, memfd = eval(rec["result"])
+    total, err, huge, memfd = ast.literal_eval(rec["result"])
     assert err in ("OSError", "MemoryError") and 0 < total < limit, (total, limit)
     assert huge == "OSError:12" and memfd == "PermissionError:1"
     assert box.run("'still serving'", session="shm")["result"] == "'still serving'"
@@ -1329,7 +1330,7 @@ def thread_storm_is_capped(box: "Sandboxed", policy_threads: int = 256) -> int:
         pytest.skip("root without a writable pids cgroup: nothing caps threads (doctor says so)")
     rec = box.run(THREAD_STORM, session="threads-storm", timeout_s=120)
     assert rec["status"] == "ok", rec
-    started, err = eval(rec["result"])
+    started, err = ast.literal_eval(rec["result"])
     assert err == "can't start new thread", rec
     tasks_on_machine = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
     # Root: the pids cgroup caps the worker itself; a user: RLIMIT_NPROC, counted in the
@@ -1498,7 +1499,7 @@ def _privileges(b, ctx):
 def _rlimits(b, ctx):
     info = json.loads(b.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
     lim = info["sandbox"]["limits"]
-    got = eval(b.run("import resource as r\n[r.getrlimit(x)[0] for x in (r.RLIMIT_DATA, r.RLIMIT_AS, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CPU)]")["result"])
+    got = ast.literal_eval(b.run("import resource as r\n[r.getrlimit(x)[0] for x in (r.RLIMIT_DATA, r.RLIMIT_AS, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CPU)]")["result"])
     assert got == [lim["memory_bytes"], lim["address_space_bytes"], lim["file_size_bytes"], lim["open_files"], lim["cpu_seconds"]]
     rec = b.run("x = []\nwhile True:\n    x.append(bytearray(64 << 20))", session="doctor-mem")
     assert rec["status"] == "error" and rec["error"]["type"] == "MemoryError", rec

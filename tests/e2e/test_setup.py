@@ -7,6 +7,7 @@ and a `mnt/c` drive with a Windows user's Claude Desktop config.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -376,7 +377,7 @@ def test_granted_folders_are_reachable_and_their_siblings_are_not(as_user, how):
         srv.initialize()
         r = srv.call(GRANT_PROBE.format(base=str(base)))["structuredContent"]
         assert r["status"] == "ok", r
-        got = eval(r["result"])
+        got = ast.literal_eval(r["result"])
         assert got["read granted"] == "ok:'readable data\\n'", got
         assert got["list granted"] == "ok:['data.txt']", got
         assert got["write to read grant"] == "PermissionError", got
@@ -512,7 +513,7 @@ async def test_windows_side_servers_are_used_when_they_can_run_and_listed_with_a
     env = {"IRONCELL_PROBE_ROOT": str(root), "WSL_DISTRO_NAME": "Ubuntu", "MCP_BRIDGE_STARTUP_TIMEOUT": "20s"}
     async with connect(state_dir, **env) as s:
         r = await run(s, PROBE_SERVERS)
-        names, skipped = eval(r["result"])
+        names, skipped = ast.literal_eval(r["result"])
         assert "other-distro" in skipped and "Debian" in skipped["other-distro"], skipped
         # ironcell itself is listed as skipped, with why; "inside" runs a file of this clone,
         # whose path may well contain "ironcell": that is no reason to skip it.

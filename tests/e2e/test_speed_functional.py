@@ -14,6 +14,7 @@ Run as root and as the unprivileged user `nobody`, like the sandbox suite.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,7 @@ def shared_font_cache(box: Sandboxed) -> str:
         return rec["result"] not in (None, "None")
 
     assert wait_until(built, timeout=120, step=0.5), f"no session got the shared font cache: {seen}"
-    return eval(seen[len(seen) - 1])
+    return ast.literal_eval(seen[len(seen) - 1])
 
 
 def test_a_new_sessions_first_plot_uses_the_shared_font_cache_and_cannot_change_it(box):
@@ -232,7 +233,7 @@ def test_a_new_sessions_first_plot_uses_the_shared_font_cache_and_cannot_change_
         session="plot",
     )
     assert rec["status"] == "ok", rec
-    assert eval(rec["result"]) == cache, rec
+    assert ast.literal_eval(rec["result"]) == cache, rec
     assert "plot.png" in listed(rec), rec
     # No font cache in the session: matplotlib read the shared one and wrote nothing.
     rec = box.run(
@@ -240,10 +241,10 @@ def test_a_new_sessions_first_plot_uses_the_shared_font_cache_and_cannot_change_
         "sorted(os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs)",
         session="plot",
     )
-    files = eval(rec["result"])
+    files = ast.literal_eval(rec["result"])
     assert not [f for f in files if "fontlist" in f or "matplotlib" in f], files
     # The shared cache is read-only for sessions: poisoning it for other sessions fails.
-    name = [f for f in eval(box.run(f"import os\nos.listdir({cache!r})", session="plot")["result"])
+    name = [f for f in ast.literal_eval(box.run(f"import os\nos.listdir({cache!r})", session="plot")["result"])
             if f.startswith("fontlist")][0]
     for attack in (
         f"open(os.path.join({cache!r}, {name!r}), 'w').write('{{}}')",

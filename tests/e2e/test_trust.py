@@ -10,6 +10,7 @@ and `input_required` (2026-07-28, the SDK's `Client` in auto mode).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import shutil
@@ -130,7 +131,7 @@ async def client(box: Box, era: str, answers: list[str] | None, asked: list[str]
 
 def result(r) -> Any:
     assert isinstance(r.record.get("result"), str), r
-    return eval(r["result"])
+    return ast.literal_eval(r["result"])
 
 
 CALL = """
@@ -406,7 +407,7 @@ def raw_request(srv: RawServer, session: str, op: str, params: dict) -> str:
     code = (f"import mcp\ntry:\n    mcp._request_sync({op!r}, {params!r})\n    out = 'ok'\n"
             "except Exception as e:\n    out = type(e).__name__ + ': ' + str(e)\nout")
     r = srv.call(code, session=session)
-    return eval(r["structuredContent"]["result"])
+    return ast.literal_eval(r["structuredContent"]["result"])
 
 
 async def test_173_a_saved_tool_belongs_to_its_session_and_names_and_notices_are_bounded(box_factory):

@@ -9,6 +9,7 @@ directory, chosen through CONDA_PREFIX, with the sandbox attacked from inside as
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -126,7 +127,7 @@ def test_threads_and_logging_work_in_a_fresh_worker(python, state_dir):
 
     def probe(srv, session, pool) -> bool:
         done, seen, main, threading_hook, logging_hook, seed_code, seeded, drawn, quieted, pyplot = \
-            eval(_result(srv.call(THREADS_AFTER_FORK, session=session)))
+            ast.literal_eval(_result(srv.call(THREADS_AFTER_FORK, session=session)))
         assert done and seen == {"lock free": True, "logged": True}, (pool, session, seen)
         assert main, "the worker's main thread is threading's main thread"
         assert threading_hook == "_after_fork", threading_hook
@@ -148,7 +149,7 @@ def test_threads_and_logging_work_in_a_fresh_worker(python, state_dir):
                 probe(srv, session, pool)
             # Where matplotlib is installed the zygote warms up for plots between two forks and
             # quiets the hooks again: workers forked after that, too.
-            if pool == "2" and eval(_result(srv.call("import importlib.util\n"
+            if pool == "2" and ast.literal_eval(_result(srv.call("import importlib.util\n"
                                                       "importlib.util.find_spec('matplotlib') is not None"))):
                 fresh = iter(range(1000))
                 assert wait_until(lambda: probe(srv, f"w{next(fresh)}", pool), timeout=120, step=0.5), \
@@ -188,7 +189,7 @@ def test_a_venvs_packages_are_importable_and_absent_without_it(venv_with_package
     srv = RawServer(state_dir, IRONCELL_PYTHON=str(venv_with_package))
     try:
         srv.initialize()
-        assert eval(_result(srv.call(code))) == ("tabulate", str(venv_with_package))
+        assert ast.literal_eval(_result(srv.call(code))) == ("tabulate", str(venv_with_package))
         info = _info(srv)["python"]
         assert info["prefix"] == str(venv_with_package) and info["base_prefix"] == "/usr"
         assert any("site-packages" in p and str(venv_with_package) in p for p in info["site_packages"])
@@ -204,7 +205,7 @@ def test_a_venvs_packages_are_importable_and_absent_without_it(venv_with_package
     srv = RawServer(state_dir, IRONCELL_PYTHON=None, VIRTUAL_ENV=str(venv_with_package))
     try:
         srv.initialize()
-        assert eval(_result(srv.call(code)))[0] == "tabulate"
+        assert ast.literal_eval(_result(srv.call(code)))[0] == "tabulate"
         assert _info(srv)["python"]["chosen_by"] == "VIRTUAL_ENV"
     finally:
         srv.close()
@@ -268,7 +269,7 @@ def test_the_sandbox_holds_with_a_conda_like_prefix_under_a_home(conda_like_pref
         srv = RawServer(state, as_user=as_user, IRONCELL_PYTHON=None, CONDA_PREFIX=str(conda_like_prefix))
         try:
             srv.initialize()
-            out = eval(_result(srv.call(ATTACKS)))
+            out = ast.literal_eval(_result(srv.call(ATTACKS)))
             assert out["pkg"] == "from the env" and out["prefix"] == str(conda_like_prefix)
             for attack in ("write_site_packages", "write_stdlib", "read_home_key", "list_home",
                            "read_prefix_bin", "read_etc"):
