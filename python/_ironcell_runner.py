@@ -70,7 +70,8 @@ def _poll_instead_of_epoll():
 def _private_anonymous_mmap():
     """The sandbox refuses shared anonymous mappings: their pages live in a hidden file that a
     4 KiB leftover of the mapping keeps whole, outside every memory limit (SECURITY.md #129).
-    A worker cannot fork, so no other process could share them anyway: `mmap.mmap(-1, n)` (and
+    Children share memory through files in the session's `/dev/shm` instead (multiprocessing's
+    locks and heaps do): `mmap.mmap(-1, n)` (and
     `access=ACCESS_WRITE`/`ACCESS_READ`) gives a private anonymous mapping instead, which behaves
     the same here and counts against the memory limit."""
     import mmap as _mmap
@@ -131,6 +132,8 @@ def prepare_worker(env, servers_json="[]", options=None):
         options = json.loads(options)
     _options.update(options or {})
     _configure_servers(mcp, servers_json)
+    if _options.get("children"):
+        _allow_children()
     tmp = _options.get("private_tmp") or {}
     if tmp.get("mechanism") != "namespace":
         _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
@@ -826,6 +829,8 @@ def run_cell(code, run_id=0):
         _warn_unawaited_globals()
         _remember_function_sources(code)
         _flush()
+    if _in_a_child[0]:
+        _leave_child(out)
     if out["status"] != "interrupted":
         try:
             out["images"] = _collect_images(run_id, started - 1)
@@ -833,6 +838,164 @@ def run_cell(code, run_id=0):
             print(f"[ironcell] collecting images failed: {exc}", file=sys.stderr)
         _flush()
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Children: where the sandbox lets a worker fork (SECURITY.md #158-#160), process pools run as
+# written. Never exec: the start methods that exec a fresh interpreter are pointed at fork.
+# ---------------------------------------------------------------------------------------------
+
+_in_a_child = [False]
+_after_import = {}
+
+
+def _allow_children():
+    import os
+
+    os.register_at_fork(after_in_child=_became_a_child)
+    _patch_after_import("multiprocessing.context", _fork_by_default)
+    # joblib's default `loky` backend execs its workers; its `multiprocessing` backend forks.
+    _patch_after_import("joblib.parallel", _joblib_forks)
+
+
+def _fork_by_default(context):
+    """`spawn` and `forkserver` exec a fresh interpreter, which the sandbox refuses (and
+    multiprocessing would not even report: the child just exits 255). Asked for by name, by
+    default (3.14+) or by `set_start_method`, they give the `fork` context here."""
+    contexts = getattr(context, "_concrete_contexts", {})
+    fork = contexts.get("fork")
+    if fork is None:
+        return
+    for method in ("spawn", "forkserver"):
+        if method in contexts:
+            contexts[method] = fork
+    default = getattr(context, "_default_context", None)
+    if getattr(default, "_actual_context", 1) is None:
+        default._default_context = fork
+
+
+def _joblib_forks(parallel):
+    backends = getattr(parallel, "BACKENDS", {})
+    if "multiprocessing" in backends and "loky" in backends:
+        backends["loky"] = backends["multiprocessing"]
+    _patch_after_import("joblib.externals.loky.backend.resource_tracker", _no_resource_tracker)
+    _patch_after_import("joblib._memmapping_reducer", _memmaps_without_modes)
+
+
+def _no_resource_tracker(tracker):
+    """loky's resource tracker is a process it execs to delete leftover temporary files if the
+    pool dies; here it cannot start, and the session directory is removed with the session
+    anyway. joblib deletes its memmap folder itself at the end of each call."""
+
+    def nothing(*args, **kwargs):
+        return None
+
+    for name in ("ensure_running", "register", "unregister", "maybe_unlink"):
+        if hasattr(tracker, name):
+            setattr(tracker, name, nothing)
+
+
+def _memmaps_without_modes(reducer):
+    """joblib chmods the arrays it shares with its workers; the sandbox refuses mode changes
+    (SECURITY.md #46), and in the session's own directory they change nothing for the session's
+    own processes, so a refused chmod there is skipped."""
+    import os
+    import types
+
+    real = getattr(reducer, "os", os)
+    if getattr(real, "_ironcell_lenient_chmod", False):
+        return
+
+    def chmod(path, mode, *args, **kwargs):
+        try:
+            real.chmod(path, mode, *args, **kwargs)
+        except PermissionError:
+            pass
+
+    shim = types.ModuleType("os")
+    shim.__dict__.update(real.__dict__)
+    shim.chmod = chmod
+    shim._ironcell_lenient_chmod = True
+    reducer.os = shim
+
+
+class _NoBridgeInAChild:
+    """`mcp` calls answer from the worker's own process only: a child's request would share the
+    session's socket with its parent."""
+
+    @staticmethod
+    def request(method, params):
+        raise RuntimeError(
+            "mcp calls work only in the session's main process, not in a forked child "
+            "(a process pool's worker): call the tool before or after the pool, and pass its result"
+        )
+
+    submit = request
+
+
+def _became_a_child():
+    import os
+
+    _in_a_child[0] = True
+    sys.modules["_ironcell_bridge"] = _NoBridgeInAChild
+    # The session socket (fd 3) belongs to the worker: a child writes nothing on it.
+    try:
+        null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        os.dup2(null, 3, inheritable=False)
+        os.close(null)
+    except OSError:
+        pass
+
+
+def _leave_child(out):
+    """A child forked by the cell's own code (`os.fork()` with no `os._exit`) that reaches the
+    end of the cell ends there, with the cell's outcome as its exit status: it never returns to
+    the worker's loop, which belongs to its parent."""
+    import os
+
+    _flush()
+    code = out.get("exit_code")
+    if not isinstance(code, int):
+        code = 0 if out.get("status") == "ok" else 1
+    os._exit(code & 0xFF)
+
+
+def _patch_after_import(name, patch):
+    """Runs `patch(module)` right after `name` is first imported (now, if it already is)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+    if not _after_import:
+        sys.meta_path.insert(0, _AfterImport())
+    _after_import[name] = patch
+
+
+class _AfterImport:
+    """A meta-path finder that finds nothing itself: for the few modules in `_after_import`, it
+    wraps the real loader's `exec_module` so the patch runs once the module is loaded."""
+
+    @staticmethod
+    def find_spec(name, path, target=None):
+        patch = _after_import.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if isinstance(finder, _AfterImport) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                load = spec.loader.exec_module
+
+                def exec_module(module, _load=load):
+                    _load(module)
+                    try:
+                        patch(module)
+                    except Exception as exc:  # noqa: BLE001 - never break the import itself
+                        print(f"[ironcell] adapting {name} for the sandbox failed: {exc}", file=sys.stderr)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
 
 
 def zygote_warm_up(font_cache_dir=None):

@@ -93,6 +93,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     // The state dir decides /tmp (beneath /tmp: no bind), so it is looked at again here.
     let tmp = crate::sandbox::private_tmp::host_status(settings.private_tmp, &state_dir);
     println!("/tmp          {}", tmp.describe());
+    match sandbox.children(&tmp) {
+        Ok(()) => println!(
+            "children      fork (never exec): process pools run; capped, counted and killed with their session"
+        ),
+        Err(why) => println!(
+            "children      refused ({why}): multiprocessing and joblib's processes fail; threads work"
+        ),
+    }
     let protections = sandbox.protections(&tmp);
     let width = protections
         .iter()

@@ -240,6 +240,8 @@ pub struct NoteContext {
     /// (`VmData`, what that limit counts); `None` when the worker is gone or was not read.
     pub memory_limit: u64,
     pub memory_held: Option<u64>,
+    /// Why sessions may not fork children here (`Sandbox::children`); `None`: they may.
+    pub children_refused: Option<String>,
 }
 
 /// How much of the error and stderr the notes look at (twice this, at the end, where the
@@ -274,7 +276,7 @@ pub fn sandbox_notes(record: &RunRecord, ctx: &NoteContext) -> Vec<String> {
     text.push_str(tail_of(&record.stderr));
     let error_kind = record.error.as_ref().map(|e| e.kind.as_str());
     let error_message = record.error.as_ref().map_or("", |e| e.message.as_str());
-    let mut notes = refusal_notes(&text);
+    let mut notes = refusal_notes(&text, ctx.children_refused.as_deref());
     if let Some(n) = memory_note(&text, error_kind, ctx) {
         notes.push(n);
     }
@@ -355,7 +357,7 @@ fn any_of(text: &str, words: &[&str]) -> bool {
     words.iter().any(|w| text.contains(w))
 }
 
-fn refusal_notes(text: &str) -> Vec<String> {
+fn refusal_notes(text: &str, children_refused: Option<&str>) -> Vec<String> {
     let mut notes = Vec::new();
     let eperm = text.contains(EPERM);
     let eacces = text.contains(EACCES);
@@ -371,14 +373,22 @@ fn refusal_notes(text: &str) -> Vec<String> {
         );
         explained = true;
     }
-    if text.contains("joblib will operate in serial mode")
-        || (refused || text.contains("Function not implemented")) && any_of(text, FORK_WORDS)
-    {
+    let child_failed = text.contains("joblib will operate in serial mode")
+        || (refused || text.contains("Function not implemented")) && any_of(text, FORK_WORDS);
+    if child_failed && let Some(why) = children_refused {
+        notes.push(format!(
+            "the sandbox refused a child process (fork, or a process pool's shared semaphore) \
+             because {why}: multiprocessing, ProcessPoolExecutor and joblib's processes do not \
+             run here (joblib falls back to one process); use threads (ThreadPoolExecutor, \
+             joblib's prefer=\"threads\")"
+        ));
+        explained = true;
+    } else if child_failed {
         notes.push(
-            "the sandbox refused a child process (fork, or a process pool's shared semaphore): \
-             multiprocessing, ProcessPoolExecutor and joblib's processes do not run here \
-             (joblib falls back to one process); use threads (ThreadPoolExecutor, joblib's \
-             prefer=\"threads\")"
+            "the sandbox refuses exec: a session's child processes are forked (multiprocessing's \
+             default start method here, which joblib and ProcessPoolExecutor use); the 'spawn' \
+             and 'forkserver' start methods exec a new interpreter and fail: use \
+             multiprocessing.get_context('fork'), or threads"
                 .to_string(),
         );
         explained = true;
@@ -434,9 +444,10 @@ fn refusal_notes(text: &str) -> Vec<String> {
         );
     } else if eperm {
         notes.push(
-            "\"Operation not permitted\" here is the sandbox's system-call filter, which refuses \
-             network sockets, new processes, epoll, signals to other processes and file mode \
-             changes; code that needs one of them cannot run here as written"
+            "\"Operation not permitted\" here is the sandbox's system-call filter (or Landlock), \
+             which refuses network sockets, starting programs, epoll, signals to other processes \
+             than the session's own and file mode changes; code that needs one of them cannot \
+             run here as written"
                 .to_string(),
         );
     }
@@ -966,6 +977,10 @@ mod tests {
             python_version: Some("3.12.1".into()),
             memory_limit: 1 << 30,
             memory_held: Some(100 << 20),
+            children_refused: Some(
+                "this kernel's Landlock (ABI 4) cannot keep a child's signals inside its session"
+                    .into(),
+            ),
         }
     }
 
@@ -1077,6 +1092,21 @@ mod tests {
         );
         assert!(
             n.contains("refused a child process") && !n.contains("access to"),
+            "{n}"
+        );
+        assert!(n.contains("because this kernel's Landlock (ABI 4)"), "{n}");
+        // Where sessions fork, a pool that fails is one that asked to exec.
+        let mut allowed = ctx();
+        allowed.children_refused = None;
+        let spawn = failed(
+            "PermissionError",
+            "[Errno 1] Operation not permitted",
+            "  File \"/usr/lib/python3.11/multiprocessing/popen_spawn_posix.py\", line 62, in _launch\n",
+            "",
+        );
+        let n = sandbox_notes(&spawn, &allowed).join("\n");
+        assert!(
+            n.contains("refuses exec") && n.contains("get_context('fork')"),
             "{n}"
         );
         // joblib's warning on stderr, in a run that otherwise succeeded.

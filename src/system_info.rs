@@ -122,6 +122,10 @@ pub fn sandbox_summary(
             "threads": sb.thread_cap_layer(tmp),
         },
         "protections": sb.protections(tmp),
+        "child_processes": match sb.children(tmp) {
+            Ok(()) => "allowed: fork (never exec), inside the session's limits, killed with it".to_string(),
+            Err(why) => format!("refused: {why}"),
+        },
         "granted": {
             "read_only": sb.policy.filesystem.allow_read,
             "read_write": sb.policy.filesystem.read_write.iter().chain(&sb.policy.filesystem.allow_write).collect::<Vec<_>>(),

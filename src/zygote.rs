@@ -472,6 +472,15 @@ impl Zygote {
     pub fn kill(&self) {
         // Taken first: once the zygote is gone, the event thread forgets its workers.
         let live: Vec<i32> = lock(&self.shared.exits).keys().copied().collect();
+        // Their children first (SECURITY.md #159): each worker leads the process group its
+        // children cannot leave, and once the zygote is gone no one would reap the workers'
+        // orphans or kill their groups. Not yet reported gone, a worker's pid is its own.
+        for &pid in &live {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
         let mut child = lock(&self.child);
         let _ = child.kill();
         let _ = child.wait();

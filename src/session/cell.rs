@@ -434,6 +434,7 @@ impl<'a> CellRun<'a> {
             )
         {
             worker.signal(Signal::SIGINT);
+            self.manager.kill_children_of(worker.pid());
         }
         ControlFlow::Continue(())
     }
@@ -626,7 +627,7 @@ impl<'a> CellRun<'a> {
         let grace = self.grace();
         match self.phase.on_wake(tokio::time::Instant::now(), grace) {
             WakeAction::Interrupt => {
-                signal_worker(state, Signal::SIGINT);
+                interrupt_worker(self.manager, state);
                 ControlFlow::Continue(())
             }
             WakeAction::Kill { reason } => {
@@ -697,7 +698,7 @@ impl<'a> CellRun<'a> {
             .phase
             .interrupt(RunStatus::Cancelled, now, self.grace())
         {
-            signal_worker(state, Signal::SIGINT);
+            interrupt_worker(self.manager, state);
         }
         ControlFlow::Continue(())
     }
@@ -766,9 +767,12 @@ fn vanished() -> Ending {
     }
 }
 
-fn signal_worker(state: &SessionState, sig: Signal) {
+/// Interrupts the run: SIGINT to the worker (KeyboardInterrupt in the cell), SIGKILL to its
+/// children (a timed-out or cancelled run's processes end with it).
+fn interrupt_worker(manager: &SessionManager, state: &SessionState) {
     if let Some(w) = state.worker.as_ref() {
-        w.signal(sig);
+        w.signal(Signal::SIGINT);
+        manager.kill_children_of(w.pid());
     }
 }
 

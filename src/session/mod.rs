@@ -762,11 +762,14 @@ impl SessionManager {
             }
             None => None,
         };
+        let tmp =
+            crate::sandbox::private_tmp::host_status(self.settings.private_tmp, self.state_dir());
         crate::output::NoteContext {
             python: self.python.as_ref().ok().map(|p| p.executable.clone()),
             python_version: version,
             memory_limit: self.sandbox.memory_bytes,
             memory_held: held,
+            children_refused: self.sandbox.children(&tmp).err(),
         }
     }
 

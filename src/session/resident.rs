@@ -76,6 +76,148 @@ fn held_by(pid: i32) -> Option<(u64, u64)> {
         .map(|bytes| (bytes, threads))
 }
 
+/// The most processes [`descendants`] lists: a session's task cap is far below it.
+const MAX_DESCENDANTS: usize = 4096;
+
+/// Every process of worker `worker`'s session but the worker: its descendants, and the orphans
+/// the zygote adopted (a grandchild whose parent ended) that are still in the worker's process
+/// group, with theirs (SECURITY.md #159). Read by the host only: the pids and groups are the
+/// kernel's, never the worker's word.
+pub(crate) fn session_children(worker: i32, zygote: i32) -> Vec<i32> {
+    let mut found = descendants(worker);
+    for orphan in descendants_to_depth(zygote, 1) {
+        if orphan != worker && found.len() < MAX_DESCENDANTS && group_of(orphan) == Some(worker) {
+            found.push(orphan);
+            found.extend(descendants(orphan));
+        }
+    }
+    found.truncate(MAX_DESCENDANTS);
+    found
+}
+
+/// The fields of `/proc/<pid>/stat` after the command name (which the process chooses, so they
+/// are read after its last `)`): state, parent, process group, ...
+fn stat_fields(pid: i32) -> Option<Vec<String>> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let end = stat.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(&stat[end + 1..]).ok()?;
+    Some(
+        rest.split_ascii_whitespace()
+            .take(3)
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+/// The process group of `pid`.
+fn group_of(pid: i32) -> Option<i32> {
+    stat_fields(pid)?.get(2)?.parse().ok()
+}
+
+/// The state letter of `pid` (`Z` for a zombie).
+fn state_of(pid: i32) -> Option<char> {
+    stat_fields(pid)?.first()?.chars().next()
+}
+
+/// Every live descendant of process `pid` (its children, theirs, ...), found through each
+/// task's `/proc/<pid>/task/<tid>/children`.
+pub(crate) fn descendants(pid: i32) -> Vec<i32> {
+    descendants_to_depth(pid, usize::MAX)
+}
+
+fn descendants_to_depth(pid: i32, depth: usize) -> Vec<i32> {
+    let mut found = Vec::new();
+    let mut queue = vec![(pid, 0)];
+    while let Some((p, level)) = queue.pop() {
+        if level >= depth {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for task in tasks.filter_map(Result::ok) {
+            let Ok(text) = std::fs::read_to_string(task.path().join("children")) else {
+                continue;
+            };
+            for child in text.split_ascii_whitespace().filter_map(|c| c.parse().ok()) {
+                if found.len() >= MAX_DESCENDANTS {
+                    return found;
+                }
+                found.push(child);
+                queue.push((child, level + 1));
+            }
+        }
+    }
+    found
+}
+
+/// SIGKILLs every process of worker `pid`'s session but the worker ([`session_children`]): a
+/// timed-out, cancelled or over-output run's children die with the run (SECURITY.md #159).
+/// Rounds until none is left (a child forking while it is killed; the task cap bounds them).
+/// On a blocking thread.
+pub(crate) fn kill_children_of(pid: i32, zygote: i32) {
+    tokio::task::spawn_blocking(move || {
+        for _ in 0..64 {
+            // A killed child stays a zombie until its parent reaps it: not one to wait for.
+            let children: Vec<i32> = session_children(pid, zygote)
+                .into_iter()
+                .filter(|&c| state_of(c).is_some_and(|s| s != 'Z'))
+                .collect();
+            if children.is_empty() {
+                return;
+            }
+            for child in children {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(child),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    });
+}
+
+/// What a worker's child holds, in bytes: its proportional share of anonymous memory, resident
+/// and swapped (`Pss_Anon` + `SwapPss` of `/proc/<pid>/smaps_rollup`, so pages it shares with
+/// its siblings count once among them), and its page tables. The host can read it even for a
+/// non-dumpable child: the child's memory map was made in the worker's own user namespace,
+/// where the host's uid holds every capability. Where it cannot, the full `RssAnon` counts.
+fn child_holds(pid: i32) -> Option<(u64, u64)> {
+    let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
+    let threads = threads_in(&status).unwrap_or(0);
+    let full = anonymous_bytes_in(&status)?;
+    let Ok(rollup) = std::fs::read(format!("/proc/{pid}/smaps_rollup")) else {
+        return Some((full, threads));
+    };
+    let field = |text: &[u8], name: &[u8]| -> Option<u64> {
+        text.split(|&b| b == b'\n').find_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix(b":")?;
+            let text = std::str::from_utf8(rest).ok()?;
+            text.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
+        })
+    };
+    let Some(pss) = field(&rollup, b"Pss_Anon") else {
+        return Some((full, threads));
+    };
+    let swap = field(&rollup, b"SwapPss").unwrap_or(0);
+    let tables = field(&status, b"VmPTE").unwrap_or(0);
+    Some(((pss + swap + tables) << 10, threads))
+}
+
+/// What worker `pid` and its descendants hold together: the worker's [`held_by`], plus each
+/// child's [`child_holds`] (its share of the pages it shares with the worker counts on both
+/// sides: an upper bound, never an undercount), and their threads.
+fn group_holds(pid: i32, children: &[i32]) -> Option<(u64, u64)> {
+    let (mut bytes, mut threads) = held_by(pid)?;
+    for &child in children {
+        if let Some((b, t)) = child_holds(child) {
+            bytes = bytes.saturating_add(b);
+            threads = threads.saturating_add(t);
+        }
+    }
+    Some((bytes, threads))
+}
+
 /// The `Threads:` count of a `/proc/<pid>/status` text.
 fn threads_in(status: &[u8]) -> Option<u64> {
     status.split(|&b| b == b'\n').find_map(|line| {
@@ -109,6 +251,13 @@ fn allowed_bytes(limit: u64, zygote_anonymous: u64) -> u64 {
 }
 
 impl SessionManager {
+    /// [`kill_children_of`] the worker `pid` of this manager's zygote.
+    pub(super) fn kill_children_of(&self, pid: i32) {
+        if let Some(zygote) = lock(&self.zygote).as_ref() {
+            kill_children_of(pid, zygote.pid());
+        }
+    }
+
     /// One look: reads every live worker that is due (see the module's doc) and kills those
     /// past the limit.
     pub(super) async fn watch_memory(&self) {
@@ -116,16 +265,16 @@ impl SessionManager {
             return;
         };
         let live = zygote.live_workers();
-        let due: Vec<WorkerProcess> = {
+        let due: Vec<(WorkerProcess, bool)> = {
             let mut marks = lock(&self.memory_marks);
             marks.retain(|pid, _| live.iter().any(|w| w.pid() == *pid));
             live.into_iter()
-                .filter(|worker| {
+                .map(|worker| {
                     let pid = worker.pid();
                     // A clock that cannot be read is no reason to skip a live worker.
                     let Some(now) = WorkerMark::now(pid) else {
                         marks.remove(&pid);
-                        return true;
+                        return (worker, true);
                     };
                     let due = marks.get(&pid).is_none_or(|last| {
                         !now.unchanged_since(last) || last.at.elapsed() >= RESYNC_EVERY
@@ -133,11 +282,14 @@ impl SessionManager {
                     if due {
                         marks.insert(pid, now);
                     }
-                    due
+                    // A worker with children is read every tick: their work does not move its
+                    // clock. Which ones have any is found on the blocking thread.
+                    (worker, due)
                 })
                 .collect()
         };
-        if due.is_empty() {
+        let children_possible = self.sandbox.landlock_abi >= 6;
+        if !children_possible && due.iter().all(|(_, d)| !d) {
             return;
         }
         let zygote_pid = zygote.pid();
@@ -145,8 +297,16 @@ impl SessionManager {
             let base = anonymous_bytes(zygote_pid).unwrap_or(0);
             let held: Vec<(WorkerProcess, u64, u64)> = due
                 .into_iter()
-                .filter_map(|worker| {
-                    let (bytes, threads) = held_by(worker.pid())?;
+                .filter_map(|(worker, due)| {
+                    let children = if children_possible {
+                        session_children(worker.pid(), zygote_pid)
+                    } else {
+                        Vec::new()
+                    };
+                    if !due && children.is_empty() {
+                        return None;
+                    }
+                    let (bytes, threads) = group_holds(worker.pid(), &children)?;
                     Some((worker, bytes, threads))
                 })
                 .collect();

@@ -156,25 +156,18 @@ except PermissionError as e:
 
 # What the sandbox does not run yet, and why (measured 2026-12-06 with the pins of
 # scripts/install_test_peers.sh; duckdb and openpyxl run since /etc/mime.types and an empty /proc,
-# SECURITY.md #155 and #157). Strict: the widening that makes one work must remove it here.
+# SECURITY.md #155 and #157; process pools, joblib and scikit-learn's n_jobs since a session may
+# fork its own children, #158-#160). Strict: the widening that makes one work must remove it here.
 _EPOLL = ("polars' async runtime creates an epoll instance and seccomp refuses epoll_create1: "
           "PanicException 'Os { code: 1, kind: PermissionDenied }'")
-_POOL = ("a process pool needs a POSIX semaphore (SemLock in /dev/shm: EACCES from Landlock) "
-         "and fork (EPERM from seccomp)")
-_SERIAL = ("joblib's SemLock probe (/dev/shm) is refused, so it 'will operate in serial mode': "
-           "n_jobs=2 runs in one process")
 NOT_YET = {
     "polars_eager": _EPOLL,
     "polars_lazy": _EPOLL,
     "polars_streaming": _EPOLL,
-    "scikit_learn": _SERIAL,
-    "joblib_processes": _SERIAL,
     "xlsxwriter": ("closing a workbook sets its files' times (os.utime), which seccomp refuses "
                    "(SECURITY.md #46); pandas' to_excel picks xlsxwriter when it is installed"),
     "psutil": ("psutil reads /proc (meminfo, /proc/<pid>/stat): a session's /proc is empty, so "
                "psutil.Process() raises NoSuchProcess"),
-    "multiprocessing_pool": _POOL,
-    "process_pool_executor": _POOL,
 }
 
 # What the note on each of those says (the refusal named, not only "a note").
@@ -184,10 +177,6 @@ NOTE_SAYS = {
     "polars_streaming": "system-call filter",
     "xlsxwriter": "mode, owner or times",
     "psutil": "none of the host's /proc",
-    "scikit_learn": "refused a child process",
-    "joblib_processes": "refused a child process",
-    "multiprocessing_pool": "refused a child process",
-    "process_pool_executor": "refused a child process",
 }
 
 

@@ -132,8 +132,8 @@ def list_dir(path: str) -> str:
 
 @tool
 def spawn() -> str:
-    """Try to start a process."""
-    return _outcome(lambda: os.fork())
+    """Try to start a program."""
+    return _outcome(lambda: os.execv("/bin/true", ["true"]))
 '''
 
 

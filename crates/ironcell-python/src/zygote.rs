@@ -128,12 +128,17 @@ fn init_logging(filter: &str) {
         .try_init();
 }
 
+/// The zygote dies with the host, and adopts every orphan beneath it: a worker's grandchild
+/// whose parent ended comes back to the zygote (not to the machine's init), which reaps it;
+/// it stays in its worker's process group, by which the host finds and kills it
+/// (SECURITY.md #159).
 fn set_parent_death_signal() -> anyhow::Result<()> {
     // SAFETY: prctl with integer arguments only.
     let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
     if rc != 0 {
         return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
     }
+    ironcell_core::sandbox::sys::become_child_subreaper().context("PR_SET_CHILD_SUBREAPER")?;
     Ok(())
 }
 
@@ -920,22 +925,52 @@ fn sfd_borrow(fd: &nix::sys::signalfd::SignalFd) -> std::os::fd::BorrowedFd<'_> 
 /// nix decodes the status into its `Signal` enum and answers EINVAL, after the child is already
 /// reaped, for a worker killed by a real-time signal, which a worker can arrange (SECURITY.md
 /// #118). A status this zygote cannot classify is reported as it is, never treated as an error.
+///
+/// A worker's children die with it (SECURITY.md #159): they are in its process group, which
+/// they cannot leave (`setsid` and `setpgid` are refused), and the group is SIGKILLed while the
+/// ended worker is still a zombie, so its pid, the group's id, cannot have been reused.
 fn report_exited_children(ctl: RawFd) -> anyhow::Result<()> {
     loop {
-        let mut raw = 0;
-        // SAFETY: waitpid(2) with a valid out-pointer to a local integer.
-        let pid = unsafe { libc::waitpid(-1, &mut raw, libc::WNOHANG) };
-        if pid == 0 {
-            return Ok(());
-        }
-        if pid < 0 {
+        // SAFETY: an all-zero siginfo_t is valid; waitid(2) writes into it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid(2) peeking (WNOWAIT) with a valid out-pointer.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_ALL,
+                0,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        if rc < 0 {
             match nix::errno::Errno::last() {
                 nix::errno::Errno::EINTR => continue,
                 nix::errno::Errno::ECHILD => return Ok(()),
                 e => return Err(e.into()),
             }
         }
-        if pid == UNREAPED_PROBE.load(std::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: waitid filled `info` (si_pid is 0 when no child has ended).
+        let ended = unsafe { info.si_pid() };
+        if ended == 0 {
+            return Ok(());
+        }
+        let probe = UNREAPED_PROBE.load(std::sync::atomic::Ordering::Relaxed);
+        if ended != probe {
+            // SAFETY: kill(2) of the process group the unreaped worker leads.
+            unsafe { libc::kill(-ended, libc::SIGKILL) };
+        }
+        let mut raw = 0;
+        // SAFETY: waitpid(2) of that child with a valid out-pointer to a local integer.
+        let pid = unsafe { libc::waitpid(ended, &mut raw, libc::WNOHANG) };
+        if pid <= 0 {
+            match nix::errno::Errno::last() {
+                nix::errno::Errno::EINTR => continue,
+                _ if pid == 0 => continue,
+                nix::errno::Errno::ECHILD => return Ok(()),
+                e => return Err(e.into()),
+            }
+        }
+        if pid == probe {
             continue; // the plot probe, not a worker
         }
         let status = if libc::WIFEXITED(raw) {

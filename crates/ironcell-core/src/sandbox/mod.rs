@@ -76,6 +76,10 @@ pub struct SandboxPlan {
     /// Whether the worker tries a private mount namespace with its session dir over `/tmp`.
     #[serde(default)]
     pub private_tmp: private_tmp::PrivateTmpMode,
+    /// Whether the worker may `fork` children of its own, if its namespace turns out as
+    /// [`Sandbox::children`] requires (see [`children_in_this_worker`]).
+    #[serde(default)]
+    pub children: bool,
 }
 
 /// The host's view of the sandbox: policy, kernel abilities and the operator's choices.
@@ -154,6 +158,34 @@ impl Sandbox {
             CgroupsMode::Auto => cgroup::pids_parent_for_workers(),
             CgroupsMode::Off => None,
         };
+    }
+
+    /// `Ok` when a worker may `fork` children of its own (never `exec`), else why not, with the
+    /// fix (SECURITY.md #158-#160). Children need what confines them as it confines the worker:
+    /// Landlock's signal scope (ABI 6), which keeps their signals and the worker's inside the
+    /// worker's own domain, so `kill` and `tgkill` need no pid rule that would name the parent
+    /// in a child; a private `/dev/shm` (the session directory), so their semaphores and shared
+    /// memory reach no other session and count against the scratch quota; and a task cap that
+    /// counts them (a pids cgroup, or RLIMIT_NPROC in the worker's own user namespace).
+    pub fn children(&self, tmp: &private_tmp::PrivateTmp) -> Result<(), String> {
+        if self.landlock_abi < 6 {
+            return Err(format!(
+                "this kernel's Landlock (ABI {}) cannot keep a child's signals inside its session \
+                 (ABI 6, Linux 6.12+, can)",
+                self.landlock_abi
+            ));
+        }
+        if !tmp.private_dev_shm() {
+            return Err(format!(
+                "sessions have no private /dev/shm ({})",
+                tmp.describe()
+            ));
+        }
+        if self.pids_cgroup_parent.is_none() && (self.root_workers || !tmp.in_own_user_namespace())
+        {
+            return Err("nothing would cap a session's processes".into());
+        }
+        Ok(())
     }
 
     /// Why nothing caps a worker's threads, with the fix, when [`Sandbox::thread_cap_layer`]
@@ -265,6 +297,10 @@ impl Sandbox {
             seccomp: self.seccomp_available,
             pids_cgroup_parent: self.pids_cgroup_parent.clone(),
             private_tmp: self.private_tmp,
+            children: self.landlock_abi >= 6
+                && self.seccomp_available
+                && self.private_tmp == private_tmp::PrivateTmpMode::Auto
+                && (self.pids_cgroup_parent.is_some() || !self.root_workers),
         }
     }
 
@@ -277,6 +313,7 @@ impl Sandbox {
     pub fn protections(&self, tmp: &private_tmp::PrivateTmp) -> Vec<Protection> {
         let abi = self.landlock_abi;
         let ll = |since: i32| (abi >= since).then(|| format!("landlock (ABI {abi})"));
+        let children = self.children(tmp).is_ok();
         let sc = |what: &str| self.seccomp_available.then(|| format!("seccomp ({what})"));
         let rows: Vec<(&'static str, Vec<Option<String>>)> = vec![
             (
@@ -306,9 +343,11 @@ impl Sandbox {
                 "no signals to other processes",
                 vec![
                     ll(6),
-                    sc(
-                        "kill/tgkill only on itself; fcntl F_SETOWN, F_SETSIG, F_SETLEASE, F_NOTIFY and O_ASYNC refused",
-                    ),
+                    sc(if children {
+                        "kill/tgkill left to the signal scope (the session's own processes); fcntl F_SETOWN, F_SETSIG, F_SETLEASE, F_NOTIFY and O_ASYNC refused"
+                    } else {
+                        "kill/tgkill only on itself; fcntl F_SETOWN, F_SETSIG, F_SETLEASE, F_NOTIFY and O_ASYNC refused"
+                    }),
                 ],
             ),
             (
@@ -326,8 +365,16 @@ impl Sandbox {
                 vec![ll(5), sc("ioctl allow-list")],
             ),
             (
-                "no new processes or exec",
-                vec![sc("fork/clone/execve refused")],
+                "no exec; child processes only inside the session",
+                if children {
+                    vec![
+                        sc("execve refused; clone only as fork; pid calls only on the caller"),
+                        ll(6).map(|l| format!("{l} signal scope")),
+                        Some("host: children capped, counted and killed with the session".into()),
+                    ]
+                } else {
+                    vec![sc("fork/clone/execve refused")]
+                },
             ),
             (
                 "no ptrace, bpf, namespaces, mounts, keys, io_uring",
@@ -401,6 +448,17 @@ impl SandboxPlan {
     }
 }
 
+/// Whether this worker may fork children, given the namespace it actually got: the plan allows
+/// it, `/dev/shm` is its session directory, and its tasks are capped with its children's (its
+/// pids cgroup, or RLIMIT_NPROC in its own user namespace). The lockdown adds the last
+/// condition: Landlock applied, with its signal scope.
+pub fn children_in_this_worker(plan: &SandboxPlan, namespace: &private_tmp::PrivateTmp) -> bool {
+    plan.children
+        && namespace.private_dev_shm()
+        && (plan.pids_cgroup_parent.is_some() || namespace.in_own_user_namespace())
+        && plan.filesystem.as_ref().is_some_and(|g| g.abi >= 6)
+}
+
 /// Applies `plan` to the calling process, which must have exactly one thread. Returns the
 /// layers that were skipped (best-effort mode only); in enforce mode any failure is an error.
 pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<String>, String> {
@@ -408,6 +466,7 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
         reason: String::new(),
         allowed: Vec::new(),
         namespace: None,
+        dev_shm: false,
     };
     apply_lockdown_with_compiled_filters(plan, None, &no_namespace)
 }
@@ -477,22 +536,37 @@ pub fn apply_lockdown_with_compiled_filters(
             rlimits::apply_worker_limits(&plan.limits, count).map_err(|e| e.to_string())
         }),
     )?;
-    match &plan.filesystem {
-        Some(grants) => step(
-            "landlock",
-            landlock::install_filesystem_landlock_rules_on_current_thread(grants)
-                .map_err(|e| e.to_string()),
-        )?,
-        None => step("landlock", Err("not available on this kernel".into()))?,
-    }
+    let mut children = children_in_this_worker(plan, namespace);
+    let landlocked = match &plan.filesystem {
+        Some(grants) => {
+            let result = landlock::install_filesystem_landlock_rules_on_current_thread(grants)
+                .map_err(|e| e.to_string());
+            let ok = result.is_ok();
+            step("landlock", result)?;
+            ok
+        }
+        None => {
+            step("landlock", Err("not available on this kernel".into()))?;
+            false
+        }
+    };
+    // Without Landlock's signal scope in force, a child's signals are fenced only by pid rules
+    // (best-effort mode gets here with Landlock missing): no children then.
+    children &= landlocked;
+    let processes = if children {
+        seccomp::Processes::WithChildren
+    } else {
+        seccomp::Processes::Alone {
+            own_pid: std::process::id(),
+        }
+    };
     if plan.seccomp {
         step(
             "seccomp",
             match compiled {
-                Some(c) => {
-                    seccomp::install_programs_on_current_thread(&c.for_pid(std::process::id()))
-                }
-                None => seccomp::install_syscall_filter_on_current_thread(std::process::id()),
+                Some(c) => seccomp::install_programs_on_current_thread(&c.for_processes(processes)),
+                None => seccomp::build_filters(processes)
+                    .and_then(|p| seccomp::install_programs_on_current_thread(&p)),
             }
             .map_err(|e| e.to_string()),
         )?;
@@ -527,6 +601,7 @@ mod tests {
                     reason: String::new(),
                     allowed: Vec::new(),
                     namespace: None,
+                    dev_shm: false,
                 };
                 let code = match apply_lockdown_with_compiled_filters(&plan, Some(&compiled), &none)
                 {

@@ -62,6 +62,11 @@ pub enum PrivateTmp {
     Namespace {
         /// Which namespace: a plain mount namespace (root) or a user + mount namespace.
         how: String,
+        /// Whether the session directory is over `/dev/shm` too, where POSIX semaphores and
+        /// shared memory live (`sem_open`, `shm_open`, multiprocessing's locks and heaps): a
+        /// worker's children then share them with it and with nothing else (SECURITY.md #160).
+        #[serde(default)]
+        dev_shm: bool,
     },
     /// No private mount namespace: `/tmp` is refused; `TMPDIR`/`tempfile` use the session dir.
     Fallback {
@@ -74,6 +79,10 @@ pub enum PrivateTmp {
         /// directories are beneath `/tmp`): `/proc` is still hidden and the thread cap its own.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         namespace: Option<String>,
+        /// In that namespace, whether `/dev/shm` is the session directory (as with
+        /// [`PrivateTmp::Namespace`]: a bind there hides nothing beneath `/tmp`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        dev_shm: bool,
     },
 }
 
@@ -85,7 +94,7 @@ impl PrivateTmp {
     /// Which namespace of its own the worker is in, with or without the bind over `/tmp`.
     pub fn own_namespace(&self) -> Option<&str> {
         match self {
-            PrivateTmp::Namespace { how } => Some(how),
+            PrivateTmp::Namespace { how, .. } => Some(how),
             PrivateTmp::Fallback { namespace, .. } => namespace.as_deref(),
         }
     }
@@ -97,10 +106,19 @@ impl PrivateTmp {
             .is_some_and(|how| how.starts_with(USER_NAMESPACE))
     }
 
+    /// Whether `/dev/shm` is the session directory (see [`PrivateTmp::Namespace`]).
+    pub fn private_dev_shm(&self) -> bool {
+        matches!(
+            self,
+            PrivateTmp::Namespace { dev_shm: true, .. }
+                | PrivateTmp::Fallback { dev_shm: true, .. }
+        )
+    }
+
     /// One line for `doctor`, the log and `system://info`.
     pub fn describe(&self) -> String {
         match self {
-            PrivateTmp::Namespace { how } => format!(
+            PrivateTmp::Namespace { how, .. } => format!(
                 "private per session: the session directory is mounted over /tmp in the worker's own {how}"
             ),
             PrivateTmp::Fallback {
@@ -122,6 +140,7 @@ impl PrivateTmp {
 }
 
 const PATH_TMP: &CStr = c"/tmp";
+const PATH_DEV_SHM: &CStr = c"/dev/shm";
 const PATH_PROC: &CStr = c"/proc";
 const PATH_SYS: &CStr = c"/sys";
 const USER_NAMESPACE: &str = "user and mount namespace (mapping only its own uid and gid)";
@@ -224,7 +243,9 @@ fn write_proc_file(path: &CStr, data: &CStr, step: u8) -> Result<(), StepError> 
 
 /// Steps 1-3 on the calling process, which must have exactly one thread. Returns which kind of
 /// namespace it entered.
-fn enter_namespace_and_mount(p: &Prepared) -> Result<&'static str, StepError> {
+/// Enters the namespace and makes the binds: which namespace, and whether `/dev/shm` is the
+/// session directory too (a host without a `/dev/shm` directory keeps the rest).
+fn enter_namespace_and_mount(p: &Prepared) -> Result<(&'static str, bool), StepError> {
     let mut how = "mount namespace";
     // SAFETY: unshare(2) with flag arguments only.
     let plain = p.is_root && unsafe { libc::unshare(libc::CLONE_NEWNS) } == 0;
@@ -251,14 +272,14 @@ fn enter_namespace_and_mount(p: &Prepared) -> Result<&'static str, StepError> {
     if rc != 0 {
         return Err(StepError::last_os(4));
     }
-    if !p.bind_tmp {
-        return Ok(how);
-    }
     let flags = if p.recursive {
         libc::MS_BIND | libc::MS_REC
     } else {
         libc::MS_BIND
     };
+    if !p.bind_tmp {
+        return Ok((how, bind_over_dev_shm(p, flags)));
+    }
     // SAFETY: mount(2) of a bind; both paths are NUL-terminated and outlive the call.
     let rc = unsafe {
         libc::mount(
@@ -272,7 +293,22 @@ fn enter_namespace_and_mount(p: &Prepared) -> Result<&'static str, StepError> {
     if rc != 0 {
         return Err(StepError::last_os(5));
     }
-    Ok(how)
+    Ok((how, bind_over_dev_shm(p, flags)))
+}
+
+/// The session directory over `/dev/shm` too; `false` where that cannot be (no `/dev/shm`).
+fn bind_over_dev_shm(p: &Prepared, flags: libc::c_ulong) -> bool {
+    // SAFETY: mount(2) of a bind; both paths are NUL-terminated and outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            p.source.as_ptr(),
+            PATH_DEV_SHM.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    rc == 0
 }
 
 /// Why a private `/tmp` cannot be used for a worker with these filesystem grants, if it cannot
@@ -305,14 +341,15 @@ pub fn mount_session_dir_over_tmp(
         .map(|p| p.as_path())
         .filter(|p| *p != session_dir)
         .collect();
-    let fallback = |reason: String, namespace: Option<&str>| PrivateTmp::Fallback {
+    let fallback = |reason: String, namespace: Option<(&str, bool)>| PrivateTmp::Fallback {
         reason,
         allowed: std::iter::once(session_dir)
             .chain(grants.iter().copied())
             .filter(|p| p.starts_with("/tmp"))
             .map(|p| p.display().to_string())
             .collect(),
-        namespace: namespace.map(str::to_string),
+        namespace: namespace.map(|(how, _)| how.to_string()),
+        dev_shm: namespace.is_some_and(|(_, shm)| shm),
     };
     if mode == PrivateTmpMode::Off {
         return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into(), None);
@@ -323,8 +360,11 @@ pub fn mount_session_dir_over_tmp(
         Err(e) => return fallback(format!("unusable session path: {e}"), None),
     };
     match (enter_namespace_and_mount(&prepared), beneath_tmp) {
-        (Ok(how), None) => PrivateTmp::Namespace { how: how.into() },
-        (Ok(how), Some(reason)) => fallback(reason, Some(how)),
+        (Ok((how, dev_shm)), None) => PrivateTmp::Namespace {
+            how: how.into(),
+            dev_shm,
+        },
+        (Ok((how, dev_shm)), Some(reason)) => fallback(reason, Some((how, dev_shm))),
         (Err(e), _) => fallback(e.reason(), None),
     }
 }
@@ -373,27 +413,29 @@ fn mount_empty(path: &CStr) -> Result<(), StepError> {
 /// What workers of this host will get, found once by trying the same steps in a short-lived
 /// child (bind-mounting `/tmp` over itself). For `doctor` and `system://info`.
 pub fn host_status(mode: PrivateTmpMode, state_dir: &Path) -> PrivateTmp {
-    let fallback = |reason: String, namespace: Option<&str>| PrivateTmp::Fallback {
+    let fallback = |reason: String, namespace: Option<(&str, bool)>| PrivateTmp::Fallback {
         reason,
         allowed: Vec::new(),
-        namespace: namespace.map(str::to_string),
+        namespace: namespace.map(|(how, _)| how.to_string()),
+        dev_shm: namespace.is_some_and(|(_, shm)| shm),
     };
     if mode == PrivateTmpMode::Off {
         return fallback("turned off by IRONCELL_PRIVATE_TMP=off".into(), None);
     }
-    static PROBE: OnceLock<Result<&'static str, String>> = OnceLock::new();
+    static PROBE: OnceLock<Result<(&'static str, bool), String>> = OnceLock::new();
     let probed = PROBE.get_or_init(probe_in_child);
     match (probed, paths_beneath_tmp(&state_dir.join("sessions"), &[])) {
-        (Ok(how), None) => PrivateTmp::Namespace {
+        (Ok((how, dev_shm)), None) => PrivateTmp::Namespace {
             how: (*how).to_string(),
+            dev_shm: *dev_shm,
         },
-        (Ok(how), Some(reason)) => fallback(reason, Some(how)),
+        (Ok((how, dev_shm)), Some(reason)) => fallback(reason, Some((*how, *dev_shm))),
         (Err(reason), _) => fallback(reason.clone(), None),
     }
 }
 
 /// Forks a child that runs the namespace steps and reports the outcome through a pipe.
-fn probe_in_child() -> Result<&'static str, String> {
+fn probe_in_child() -> Result<(&'static str, bool), String> {
     let prepared = Prepared::new(Path::new("/tmp"), true, true).map_err(|e| e.to_string())?;
     let (read_end, write_end) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
@@ -409,8 +451,8 @@ fn probe_in_child() -> Result<&'static str, String> {
         let msg: [u8; 6] = match enter_namespace_and_mount(&prepared)
             .and_then(|how| mount_empty(PATH_PROC).map(|()| how))
         {
-            Ok("mount namespace") => [0, 0, 0, 0, 0, 0],
-            Ok(_) => [0, 1, 0, 0, 0, 0],
+            Ok(("mount namespace", shm)) => [0, 0, u8::from(shm), 0, 0, 0],
+            Ok((_, shm)) => [0, 1, u8::from(shm), 0, 0, 0],
             Err(e) => {
                 let b = e.errno.to_le_bytes();
                 [1, e.step, b[0], b[1], b[2], b[3]]
@@ -429,8 +471,8 @@ fn probe_in_child() -> Result<&'static str, String> {
     let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
     read.map_err(|e| format!("the probe child did not report: {e}"))?;
     match msg {
-        [0, 0, ..] => Ok("mount namespace"),
-        [0, _, ..] => Ok(USER_NAMESPACE),
+        [0, 0, shm, ..] => Ok(("mount namespace", shm == 1)),
+        [0, _, shm, ..] => Ok((USER_NAMESPACE, shm == 1)),
         [_, step, a, b, c, d] => Err(StepError {
             step,
             errno: i32::from_le_bytes([a, b, c, d]),

@@ -68,6 +68,37 @@ fn arch() -> Result<TargetArch, SeccompError> {
 
 type Rules = BTreeMap<i64, Vec<SeccompRule>>;
 
+/// Which processes a worker's pid-aware rules let a call name (SECURITY.md #158).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Processes {
+    /// No children (fork refused): calls name the worker by 0 or by its pid, and signals go
+    /// only to that pid. For kernels whose Landlock cannot scope signals (ABI < 6).
+    Alone { own_pid: u32 },
+    /// The worker may `fork` (never `exec`) children of its own. A child keeps the filter, so
+    /// a rule holding the worker's pid would name the *parent* there (a child lowered its
+    /// parent's `RLIMIT_NOFILE` through `prlimit64`): every pid-reading or -acting call names
+    /// only the caller, by 0, and `kill`/`tgkill` take any pid, fenced by Landlock's signal
+    /// scope (ABI 6+), which confines signals to the worker's own domain: itself and its
+    /// children, never another session or the host.
+    WithChildren,
+}
+
+impl Processes {
+    /// The pids a call may name for "the caller": 0, and the worker's pid when it is alone.
+    fn selves(self) -> Vec<u32> {
+        match self {
+            Processes::Alone { own_pid } => vec![0, own_pid],
+            Processes::WithChildren => vec![0],
+        }
+    }
+}
+
+/// glibc's `fork()` (and CPython's `os.fork`): `clone(CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID
+/// | SIGCHLD)`, nothing shared, no namespace. The one process-making clone a worker with
+/// children may make.
+pub const FORK_FLAGS: u64 =
+    (libc::CLONE_CHILD_SETTID | libc::CLONE_CHILD_CLEARTID | libc::SIGCHLD) as u64;
+
 fn always(rules: &mut Rules, syscalls: &[libc::c_long]) {
     for &nr in syscalls {
         rules.insert(nr, Vec::new());
@@ -117,6 +148,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_sched_getparam, libc::SYS_sched_getscheduler,
     libc::SYS_sched_get_priority_max, libc::SYS_sched_get_priority_min, libc::SYS_exit,
     libc::SYS_exit_group, libc::SYS_kill, libc::SYS_tgkill, libc::SYS_clone, libc::SYS_prlimit64,
+    // Waiting for its own children (the kernel lets no process wait for another's).
+    libc::SYS_wait4, libc::SYS_waitid,
     // Identity and system facts (read-only).
     libc::SYS_getpid, libc::SYS_gettid, libc::SYS_getppid, libc::SYS_getuid, libc::SYS_geteuid,
     libc::SYS_getgid, libc::SYS_getegid, libc::SYS_getresuid, libc::SYS_getresgid,
@@ -329,17 +362,17 @@ const PRCTL_ALLOWED: &[u64] = &[
 ];
 
 #[allow(clippy::unnecessary_cast)]
-fn allow_list(own_pid: u32) -> Result<Rules, SeccompError> {
+fn allow_list(processes: Processes) -> Result<Rules, SeccompError> {
     let mut rules = Rules::new();
     // sched_getaffinity of another process (SECURITY.md #140) gets ENOSYS rather than EPERM:
     // glibc's `pthread_getattr_np` asks it for the calling thread by its id, and takes ENOSYS
     // (only) as "no affinity to report", so a worker's other threads still get their
-    // attributes. The worker itself is 0 or its pid.
-    for value in [0, u64::from(own_pid)] {
+    // attributes. The worker itself is 0 or (alone) its pid.
+    for value in processes.selves() {
         when(
             &mut rules,
             libc::SYS_sched_getaffinity,
-            vec![arg32(0, Op::Eq, value)?],
+            vec![arg32(0, Op::Eq, u64::from(value))?],
         )?;
     }
     // futex without its priority-inheritance commands (SECURITY.md #142): LOCK_PI, TRYLOCK_PI
@@ -373,6 +406,28 @@ fn allow_list(own_pid: u32) -> Result<Rules, SeccompError> {
     for &opt in PRCTL_ALLOWED {
         when(&mut rules, libc::SYS_prctl, vec![arg32(0, Op::Eq, opt)?])?;
     }
+    // A worker's child makes itself dumpable (the worker's `pthread_atfork` handler), so the
+    // host can read its `smaps_rollup` and count its share of memory (SECURITY.md #159): its
+    // memory map is the worker's, made in the host's user namespace, where only a dumpable
+    // process's is readable by the same uid. Nothing in the sandbox can read `/proc`, and core
+    // files stay off (RLIMIT_CORE 0).
+    // And a child forked from its parent's main thread asks to die with it (PR_SET_PDEATHSIG,
+    // SIGKILL only): a signal to itself, on its parent's end.
+    if processes == Processes::WithChildren {
+        for (option, value) in [
+            (libc::PR_SET_DUMPABLE, 1),
+            (libc::PR_SET_PDEATHSIG, libc::SIGKILL),
+        ] {
+            when(
+                &mut rules,
+                libc::SYS_prctl,
+                vec![
+                    arg32(0, Op::Eq, option as u64)?,
+                    arg32(1, Op::Eq, value as u64)?,
+                ],
+            )?;
+        }
+    }
     // The refused commands (and F_SETFL with O_ASYNC) pass here so that the refusals filter
     // answers EPERM; any other command gets ENOSYS.
     for &cmd in FCNTL_ALLOWED.iter().chain(FCNTL_REFUSED) {
@@ -393,15 +448,23 @@ fn allow_list(own_pid: u32) -> Result<Rules, SeccompError> {
 }
 
 #[allow(clippy::unnecessary_cast)]
-fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
-    let pid = u64::from(own_pid);
+fn refusals(processes: Processes) -> Result<Rules, SeccompError> {
     let mut rules = Rules::new();
+    // "Not the caller": every condition true for a pid argument none of `selves` matches.
+    let not_self = |index: u8| -> Result<Vec<Cond>, SeccompError> {
+        processes
+            .selves()
+            .into_iter()
+            .map(|pid| arg32(index, Op::Ne, u64::from(pid)))
+            .collect()
+    };
     always(&mut rules, REFUSED);
     always(&mut rules, REFUSED_LEGACY);
-    // clone without CLONE_THREAD is fork(): refused. Threads are allowed, and only threads
-    // that share everything a pthread shares: a thread without CLONE_FILES gets its own copy of
-    // the descriptor table, another 1,024 descriptors (and the sockets and pipes they keep
-    // alive) per thread (red-team pass 18: 6.9 GB of queued socket data under a 256 MiB limit).
+    // clone without CLONE_THREAD is fork(): refused, except glibc's plain fork when the worker
+    // may have children. Threads are allowed, and only threads that share everything a pthread
+    // shares: a thread without CLONE_FILES gets its own copy of the descriptor table, another
+    // 1,024 descriptors (and the sockets and pipes they keep alive) per thread (red-team pass
+    // 18: 6.9 GB of queued socket data under a 256 MiB limit).
     for flag in [
         libc::CLONE_THREAD,
         libc::CLONE_VM,
@@ -410,11 +473,11 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
         libc::CLONE_SIGHAND,
     ] {
         let flag = flag as u64;
-        when(
-            &mut rules,
-            libc::SYS_clone,
-            vec![arg32(0, Op::MaskedEq(flag), 0)?],
-        )?;
+        let mut conds = vec![arg32(0, Op::MaskedEq(flag), 0)?];
+        if processes == Processes::WithChildren {
+            conds.push(arg32(0, Op::Ne, FORK_FLAGS)?);
+        }
+        when(&mut rules, libc::SYS_clone, conds)?;
     }
     // fallocate(2) only punches holes (PUNCH_HOLE|KEEP_SIZE gives blocks back): with
     // FALLOC_FL_KEEP_SIZE (and with ZERO_RANGE, INSERT_RANGE...) ext4 and tmpfs take disk
@@ -444,32 +507,24 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
             )?;
         }
     }
-    // Signals and rlimits only for itself (0 means "self" for prlimit64).
-    when(&mut rules, libc::SYS_kill, vec![arg32(0, Op::Ne, pid)?])?;
-    when(&mut rules, libc::SYS_tgkill, vec![arg32(0, Op::Ne, pid)?])?;
-    when(
-        &mut rules,
-        libc::SYS_prlimit64,
-        vec![arg32(0, Op::Ne, 0)?, arg32(0, Op::Ne, pid)?],
-    )?;
+    // Signals only to itself when alone (with children, Landlock's signal scope fences them:
+    // see [`Processes::WithChildren`]); rlimits only its own (0 means "self" for prlimit64).
+    if let Processes::Alone { own_pid } = processes {
+        let pid = u64::from(own_pid);
+        when(&mut rules, libc::SYS_kill, vec![arg32(0, Op::Ne, pid)?])?;
+        when(&mut rules, libc::SYS_tgkill, vec![arg32(0, Op::Ne, pid)?])?;
+    }
+    when(&mut rules, libc::SYS_prlimit64, not_self(0)?)?;
     // Other processes, read by pid (SECURITY.md #140): each of these answered for any pid on
     // the machine (a worker listed all 117 processes with their sessions, process groups and
-    // CPU time, other sessions' workers among them). Only 0 (the caller) and its own pid pass;
-    // a worker has no child, and its main thread's id is its pid.
+    // CPU time, other sessions' workers among them). Only 0 (the caller) and, alone, its own
+    // pid pass (its main thread's id is its pid).
     for nr in PID_READERS {
-        when(
-            &mut rules,
-            *nr,
-            vec![arg32(0, Op::Ne, 0)?, arg32(0, Op::Ne, pid)?],
-        )?;
+        when(&mut rules, *nr, not_self(0)?)?;
     }
     // getpriority(which, who): a process (PRIO_PROCESS) or process group (PRIO_PGRP; the
     // worker leads its own) by id, or every process of a user (PRIO_USER; 0: the caller's).
-    when(
-        &mut rules,
-        libc::SYS_getpriority,
-        vec![arg32(1, Op::Ne, 0)?, arg32(1, Op::Ne, pid)?],
-    )?;
+    when(&mut rules, libc::SYS_getpriority, not_self(1)?)?;
     when(
         &mut rules,
         libc::SYS_getpriority,
@@ -484,7 +539,7 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     // `time.process_time()` use the static ids.
     for nr in CLOCK_USERS {
         let mut conds = vec![arg32(0, Op::MaskedEq(NEGATIVE), NEGATIVE)?];
-        for clock in own_cpu_clocks(0).into_iter().chain(own_cpu_clocks(own_pid)) {
+        for clock in processes.selves().into_iter().flat_map(own_cpu_clocks) {
             conds.push(arg32(0, Op::Ne, u64::from(clock))?);
         }
         when(&mut rules, *nr, conds)?;
@@ -510,8 +565,9 @@ fn refusals(own_pid: u32) -> Result<Rules, SeccompError> {
     // Shared anonymous mappings (SECURITY.md #129): their pages live in a hidden shmem file
     // that any leftover page of the mapping keeps whole, so `mmap(-1, 1 GiB, MAP_SHARED)`,
     // touched and shrunk to 4 KiB, held 1 GiB that neither RLIMIT_AS nor RLIMIT_DATA counts.
-    // A worker cannot fork, so nothing could share them; the runner makes Python's
-    // `mmap.mmap(-1, n)` private.
+    // The runner makes Python's `mmap.mmap(-1, n)` private; a worker's children share memory
+    // through files in its private `/dev/shm` (its session directory), which the scratch quota
+    // counts.
     let anonymous_type = (libc::MAP_ANONYMOUS | 0x0f) as u64;
     for shared in [libc::MAP_SHARED, libc::MAP_SHARED_VALIDATE] {
         when(
@@ -642,7 +698,12 @@ fn kill_list() -> Rules {
 /// [`stacked_worker_filters`] (a unit test compares them on every system call), laid out by
 /// [`searched_program`].
 pub fn build_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
-    Ok(vec![searched_program(own_pid)?])
+    build_filters(Processes::Alone { own_pid })
+}
+
+/// [`build_worker_filters`] for either kind of worker.
+pub fn build_filters(processes: Processes) -> Result<Vec<BpfProgram>, SeccompError> {
+    Ok(vec![searched_program(processes)?])
 }
 
 /// The answer for a system call number whose verdict does not depend on its arguments, or
@@ -665,11 +726,11 @@ enum ByNumber {
 /// arguments; the few that do (ioctl, fcntl, prctl, clone, kill, tgkill, prlimit64,
 /// socketpair, setsockopt) jump to seccompiler's programs for just those calls, merged by
 /// [`merge_stacked`].
-fn searched_program(own_pid: u32) -> Result<BpfProgram, SeccompError> {
+fn searched_program(processes: Processes) -> Result<BpfProgram, SeccompError> {
     let arch = arch()?;
-    let allowed = allow_list(own_pid)?;
+    let allowed = allow_list(processes)?;
     let unsupported = unsupported()?;
-    let refused = refusals(own_pid)?;
+    let refused = refusals(processes)?;
     let killed = kill_list();
     let conditional: std::collections::BTreeSet<i64> = allowed
         .iter()
@@ -821,15 +882,15 @@ fn emit_search(
 
 /// The four compiled programs, in installation order (allow-list, unsupported, refusals,
 /// kill-list).
-pub fn stacked_worker_filters(own_pid: u32) -> Result<Vec<BpfProgram>, SeccompError> {
+pub fn stacked_worker_filters(processes: Processes) -> Result<Vec<BpfProgram>, SeccompError> {
     let arch = arch()?;
     let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
     let eopnotsupp = SeccompAction::Errno(libc::EOPNOTSUPP as u32);
     let eperm = SeccompAction::Errno(libc::EPERM as u32);
     let filters = [
-        SeccompFilter::new(allow_list(own_pid)?, enosys, SeccompAction::Allow, arch)?,
+        SeccompFilter::new(allow_list(processes)?, enosys, SeccompAction::Allow, arch)?,
         SeccompFilter::new(unsupported()?, SeccompAction::Allow, eopnotsupp, arch)?,
-        SeccompFilter::new(refusals(own_pid)?, SeccompAction::Allow, eperm, arch)?,
+        SeccompFilter::new(refusals(processes)?, SeccompAction::Allow, eperm, arch)?,
         SeccompFilter::new(
             kill_list(),
             SeccompAction::Allow,
@@ -968,6 +1029,9 @@ const PID_PLACEHOLDER: u32 = 0x7e1d_0c3b;
 #[derive(Debug, Clone)]
 pub struct CompiledWorkerFilters {
     programs: Vec<BpfProgram>,
+    /// The program of a worker that may have children ([`Processes::WithChildren`]): it names
+    /// no pid, so it needs no patching.
+    with_children: Vec<BpfProgram>,
     /// (program, instruction, what it compares with) of every comparison with a value that
     /// follows from the worker's own pid.
     pid_sites: Vec<(usize, usize, FromPid)>,
@@ -1032,11 +1096,19 @@ impl CompiledWorkerFilters {
         Ok(CompiledWorkerFilters {
             programs,
             pid_sites,
+            with_children: build_filters(Processes::WithChildren)?,
         })
     }
 
     /// The programs for the process `own_pid`, in installation order; equal to
     /// `build_worker_filters(own_pid)`.
+    pub fn for_processes(&self, processes: Processes) -> Vec<BpfProgram> {
+        match processes {
+            Processes::Alone { own_pid } => self.for_pid(own_pid),
+            Processes::WithChildren => self.with_children.clone(),
+        }
+    }
+
     pub fn for_pid(&self, own_pid: u32) -> Vec<BpfProgram> {
         let mut programs = self.programs.clone();
         for &(p, i, d) in &self.pid_sites {
@@ -1123,9 +1195,19 @@ mod tests {
     #[test]
     #[allow(clippy::unnecessary_cast)]
     fn the_merged_filter_answers_every_call_as_the_four_stacked_do() {
+        merged_equals_stacked(Processes::Alone { own_pid: 4321 });
+    }
+
+    #[test]
+    fn with_children_the_merged_filter_answers_every_call_as_the_four_stacked_do() {
+        merged_equals_stacked(Processes::WithChildren);
+    }
+
+    #[allow(clippy::unnecessary_cast)]
+    fn merged_equals_stacked(processes: Processes) {
         let pid = 4321u32;
-        let four = stacked_worker_filters(pid).unwrap();
-        let merged = build_worker_filters(pid).unwrap();
+        let four = stacked_worker_filters(processes).unwrap();
+        let merged = build_filters(processes).unwrap();
         assert_eq!(merged.len(), 1);
         let merged = &merged[0];
         assert!(
@@ -1167,6 +1249,9 @@ mod tests {
             libc::CLONE_VM as u64,
             PTHREAD_CLONE_FLAGS,
             PTHREAD_CLONE_FLAGS & !(libc::CLONE_FILES as u64),
+            FORK_FLAGS,
+            FORK_FLAGS | libc::CLONE_NEWUSER as u64,
+            libc::SIGCHLD as u64,
             libc::AF_UNIX as u64,
             libc::AF_INET as u64,
             libc::FALLOC_FL_KEEP_SIZE as u64,
@@ -1186,11 +1271,11 @@ mod tests {
         thirds.extend(SOCKOPT_REFUSED.iter().copied());
         thirds.push(libc::SO_KEEPALIVE as u64);
         thirds.extend(OPEN_FLAGS_SEEN);
-        let conditional: Vec<i64> = allow_list(pid)
+        let conditional: Vec<i64> = allow_list(processes)
             .unwrap()
             .into_iter()
             .chain(unsupported().unwrap())
-            .chain(refusals(pid).unwrap())
+            .chain(refusals(processes).unwrap())
             .filter(|(_, rules)| !rules.is_empty())
             .map(|(nr, _)| nr)
             .collect();
@@ -1253,7 +1338,6 @@ mod tests {
             }
         }
         assert!(checked > 100_000, "{checked}");
-        // And the verdicts are the policy's, not merely equal.
         let ok = libc::SECCOMP_RET_ALLOW;
         let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
         let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
@@ -1263,19 +1347,26 @@ mod tests {
             run(merged, nr(libc::SYS_socket), native, [2, 1, 0, 0, 0, 0]),
             eperm
         );
-        assert_eq!(
-            run(
-                merged,
-                nr(libc::SYS_kill),
-                native,
-                [u64::from(pid), 9, 0, 0, 0, 0]
-            ),
+        let kill_one = run(merged, nr(libc::SYS_kill), native, [1, 9, 0, 0, 0, 0]);
+        let kill_self = run(
+            merged,
+            nr(libc::SYS_kill),
+            native,
+            [u64::from(pid), 9, 0, 0, 0, 0],
+        );
+        assert_eq!(kill_self, ok);
+        // Alone: signals only to itself; with children, Landlock's scope is the fence.
+        let fenced = if processes == Processes::WithChildren {
             ok
-        );
-        assert_eq!(
-            run(merged, nr(libc::SYS_kill), native, [1, 9, 0, 0, 0, 0]),
+        } else {
             eperm
-        );
+        };
+        assert_eq!(kill_one, fenced);
+        if processes == Processes::WithChildren {
+            // The rest of its verdicts:
+            // with_children_fork_is_allowed_and_every_pid_rule_names_only_the_caller.
+            return;
+        }
         assert_eq!(
             run(merged, nr(libc::SYS_ptrace), native, [0; 6]),
             libc::SECCOMP_RET_KILL_PROCESS
@@ -1468,8 +1559,132 @@ mod tests {
     ];
 
     #[test]
+    #[allow(clippy::unnecessary_cast)]
+    fn with_children_fork_is_allowed_and_every_pid_rule_names_only_the_caller() {
+        let native = run(
+            &stacked_worker_filters(Processes::WithChildren).unwrap()[0],
+            0,
+            0,
+            [0; 6],
+        );
+        assert_eq!(native, libc::SECCOMP_RET_KILL_PROCESS);
+        let four = stacked_worker_filters(Processes::WithChildren).unwrap();
+        let arch = four[0][1].k;
+        let with = &build_filters(Processes::WithChildren).unwrap()[0];
+        let alone = &build_worker_filters(4321).unwrap()[0];
+        let nr = |n: libc::c_long| n as u32;
+        let ok = libc::SECCOMP_RET_ALLOW;
+        let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
+        let call = |p: &BpfProgram, n: libc::c_long, args: [u64; 6]| run(p, nr(n), arch, args);
+        // glibc's fork, exactly; any other process-making clone is refused; threads as before.
+        assert_eq!(call(with, libc::SYS_clone, [FORK_FLAGS, 0, 0, 0, 0, 0]), ok);
+        assert_eq!(
+            call(alone, libc::SYS_clone, [FORK_FLAGS, 0, 0, 0, 0, 0]),
+            eperm
+        );
+        for other in [
+            FORK_FLAGS | libc::CLONE_NEWUSER as u64,
+            FORK_FLAGS | libc::CLONE_PARENT as u64,
+            FORK_FLAGS | libc::CLONE_VM as u64,
+            (libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD) as u64,
+            libc::SIGCHLD as u64,
+        ] {
+            assert_eq!(
+                call(with, libc::SYS_clone, [other, 0, 0, 0, 0, 0]),
+                eperm,
+                "{other:#x}"
+            );
+        }
+        assert_eq!(
+            call(with, libc::SYS_clone, [PTHREAD_CLONE_FLAGS, 0, 0, 0, 0, 0]),
+            ok
+        );
+        #[cfg(target_arch = "x86_64")]
+        for n in [libc::SYS_fork, libc::SYS_vfork] {
+            assert_eq!(call(with, n, [0; 6]), eperm);
+        }
+        for n in [
+            libc::SYS_execve,
+            libc::SYS_execveat,
+            libc::SYS_setsid,
+            libc::SYS_setpgid,
+        ] {
+            assert_eq!(call(with, n, [0; 6]), eperm, "{n}");
+        }
+        // A rule holding a pid would name the parent in a child: only 0 passes.
+        assert_eq!(call(with, libc::SYS_prlimit64, [0, 7, 0, 0, 0, 0]), ok);
+        assert_eq!(
+            call(with, libc::SYS_prlimit64, [4321, 7, 0, 0, 0, 0]),
+            eperm
+        );
+        assert_eq!(call(alone, libc::SYS_prlimit64, [4321, 7, 0, 0, 0, 0]), ok);
+        for n in PID_READERS {
+            assert_eq!(call(with, *n, [0; 6]), ok, "{n}");
+            assert_eq!(call(with, *n, [4321, 0, 0, 0, 0, 0]), eperm, "{n}");
+        }
+        assert_eq!(
+            call(with, libc::SYS_getpriority, [0, 4321, 0, 0, 0, 0]),
+            eperm
+        );
+        assert_eq!(call(with, libc::SYS_getpriority, [0, 0, 0, 0, 0, 0]), ok);
+        let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
+        assert_eq!(
+            call(with, libc::SYS_sched_getaffinity, [0, 0, 0, 0, 0, 0]),
+            ok
+        );
+        assert_eq!(
+            call(with, libc::SYS_sched_getaffinity, [4321, 0, 0, 0, 0, 0]),
+            enosys
+        );
+        for kind in [0, 1, 2, 4, 5, 6] {
+            let own = u64::from(cpu_clock(0, kind));
+            let named = u64::from(cpu_clock(4321, kind));
+            assert_eq!(
+                call(with, libc::SYS_clock_gettime, [own, 0, 0, 0, 0, 0]),
+                ok
+            );
+            assert_eq!(
+                call(with, libc::SYS_clock_gettime, [named, 0, 0, 0, 0, 0]),
+                eperm
+            );
+        }
+        // Signals: any pid, fenced by Landlock's signal scope; waiting for its children.
+        assert_eq!(call(with, libc::SYS_kill, [4322, 15, 0, 0, 0, 0]), ok);
+        assert_eq!(call(with, libc::SYS_tgkill, [4322, 4322, 15, 0, 0, 0]), ok);
+        assert_eq!(call(alone, libc::SYS_kill, [4322, 15, 0, 0, 0, 0]), eperm);
+        assert_eq!(call(with, libc::SYS_wait4, [u64::MAX, 0, 0, 0, 0, 0]), ok);
+        let dumpable = |p: &BpfProgram, v: u64| {
+            call(
+                p,
+                libc::SYS_prctl,
+                [libc::PR_SET_DUMPABLE as u64, v, 0, 0, 0, 0],
+            )
+        };
+        assert_eq!(dumpable(with, 1), ok);
+        assert_eq!(dumpable(with, 0), enosys);
+        assert_eq!(dumpable(with, 2), enosys);
+        assert_eq!(dumpable(alone, 1), enosys);
+        let deathsig = |v: u64| {
+            call(
+                with,
+                libc::SYS_prctl,
+                [libc::PR_SET_PDEATHSIG as u64, v, 0, 0, 0, 0],
+            )
+        };
+        assert_eq!(deathsig(libc::SIGKILL as u64), ok);
+        assert_eq!(deathsig(libc::SIGUSR1 as u64), enosys);
+        assert_eq!(call(with, libc::SYS_waitid, [0; 6]), ok);
+        // The pid-free program needs no patching.
+        let compiled = CompiledWorkerFilters::compile().unwrap();
+        assert_eq!(
+            compiled.for_processes(Processes::WithChildren),
+            build_filters(Processes::WithChildren).unwrap()
+        );
+    }
+
+    #[test]
     fn a_merge_that_would_change_a_verdict_is_refused() {
-        let four = stacked_worker_filters(1).unwrap();
+        let four = stacked_worker_filters(Processes::Alone { own_pid: 1 }).unwrap();
         // Kill-list installed first, then the ENOSYS allow-list: the kill-list's kills would be
         // answered ENOSYS by a merge; it must refuse.
         let wrong = vec![four[3].clone(), four[0].clone()];
@@ -1506,7 +1721,7 @@ mod tests {
                 "syscall {nr}"
             );
         }
-        let allowed = allow_list(1234).unwrap();
+        let allowed = allow_list(Processes::Alone { own_pid: 1234 }).unwrap();
         for nr in REFUSED.iter().chain(REFUSED_LEGACY) {
             assert!(
                 allowed.contains_key(nr),

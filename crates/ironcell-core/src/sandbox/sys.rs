@@ -105,6 +105,12 @@ pub fn set_no_new_privs() -> io::Result<()> {
     Ok(())
 }
 
+/// `PR_SET_CHILD_SUBREAPER`: a descendant whose parent ends is re-parented to this process
+/// rather than to the machine's init (the zygote: it reaps a worker's orphans).
+pub fn become_child_subreaper() -> io::Result<()> {
+    nix::sys::prctl::set_child_subreaper(true).map_err(io::Error::from)
+}
+
 /// Not dumpable: no core files, and same-uid processes cannot ptrace it or read its memory.
 pub fn set_not_dumpable() -> io::Result<()> {
     // SAFETY: integer arguments only.

@@ -39,6 +39,34 @@ use ironcell_core::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo}
 /// The fd the session socket lives on inside a worker.
 const SESSION_FD: RawFd = 3;
 
+/// In a child the worker forked: dumpable, so the host (same uid) may read its memory counters
+/// in `smaps_rollup` and count its share (SECURITY.md #159); seccomp allows exactly this prctl.
+/// A child forked from its parent's main thread also dies with its parent (`PR_SET_PDEATHSIG`:
+/// the kernel signals on the forking *thread's* end, and a main thread lasts as long as its
+/// process), so it cannot outlive a session whose host was killed outright; children forked
+/// from other threads die with the session's process group (SECURITY.md #159).
+extern "C" fn child_readable_by_the_host() {
+    // SAFETY: prctl(2) with integer arguments only.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
+    if FORKED_FROM_MAIN_THREAD.load(std::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: as above.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    }
+}
+
+/// Set in the parent right before each fork: whether its main thread is forking.
+static FORKED_FROM_MAIN_THREAD: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn note_the_forking_thread() {
+    // SAFETY: getpid(2)/gettid(2) cannot fail.
+    let main = unsafe { libc::gettid() == libc::getpid() };
+    FORKED_FROM_MAIN_THREAD.store(main, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The worker's own pid (its children have others), set when it starts.
+static WORKER_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// Exit status of a worker that could not set itself up.
 const EXIT_SETUP_FAILED: i32 = 70;
 
@@ -111,6 +139,7 @@ pub fn run_worker_process(
     session_fd: OwnedFd,
     zygote: nix::unistd::Pid,
 ) -> ! {
+    WORKER_PID.store(std::process::id(), std::sync::atomic::Ordering::Relaxed);
     let code = match serve_session(py, spec, session_fd, zygote) {
         Ok(()) => 0,
         Err(e) => {
@@ -186,6 +215,11 @@ fn serve_session(
             let tmp = serde_json::to_value(&private_tmp).unwrap_or_default();
             options.set_item("private_tmp", json_to_python(py, &tmp)?)
         })
+        .and_then(|()| {
+            let children =
+                ironcell_core::sandbox::children_in_this_worker(&spec.sandbox, &private_tmp);
+            options.set_item("children", children)
+        })
         .map_err(|e| anyhow!("{e}"))?;
     runner
         .call_method1("prepare_worker", (env, servers, options))
@@ -200,6 +234,17 @@ fn serve_session(
     )
     .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
+    if ironcell_core::sandbox::children_in_this_worker(&spec.sandbox, &private_tmp) {
+        // SAFETY: registers a handler that runs in the child after fork(3), where it makes
+        // one prctl(2) call, which is async-signal-safe.
+        unsafe {
+            libc::pthread_atfork(
+                Some(note_the_forking_thread),
+                None,
+                Some(child_readable_by_the_host),
+            )
+        };
+    }
 
     // Step 6: threads and code only from here on.
     // SAFETY: fd 3 is the session socket; from here this UnixStream owns it.
@@ -277,6 +322,12 @@ fn run_cell(runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
         }
     }
     let outcome = runner.call_method1("run_cell", (code, id));
+    // A child the cell forked never comes back to the worker's loop, which is its parent's
+    // (the runner already ends it at the end of the cell; this is for any other way back).
+    if std::process::id() != WORKER_PID.load(std::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: ends this child at once, without running the parent's destructors.
+        unsafe { libc::_exit(1) };
+    }
     match outcome.and_then(|d| d.cast_into::<PyDict>().map_err(PyErr::from)) {
         Ok(d) => done_from_dict(id, &d),
         Err(e) => FromWorker::Done {

@@ -1,0 +1,219 @@
+"""A session's own child processes (docs/SECURITY.md #158-#160): where the kernel's Landlock can
+scope signals (ABI 6+), `fork` (never `exec`) is allowed, so process pools run as written; every
+child is confined as the worker, inside the session's limits, and dies with the run's timeout or
+cancellation and with the session. Attacked from inside, as root and as `nobody`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import pid_alive, wait_until
+from test_sandbox import USERS, Sandboxed
+
+
+def children_allowed(b: Sandboxed) -> str:
+    info = json.loads(b.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    return info["sandbox"]["child_processes"]
+
+
+@pytest.fixture(scope="module", params=USERS)
+def box(request):
+    b = Sandboxed(request.param)
+    status = children_allowed(b)
+    if not status.startswith("allowed"):
+        b.close()
+        pytest.skip(f"children are refused on this host: {status}")
+    yield b
+    b.close()
+
+
+def value(rec: dict):
+    assert rec["status"] == "ok", rec
+    return ast.literal_eval(rec["result"])
+
+
+def test_process_pools_and_shared_state_run_as_written(box):
+    got = value(box.run(
+        "import multiprocessing as mp, concurrent.futures as cf\n"
+        "def sq(x):\n    return x * x, os.getpid()\n"
+        "with mp.Pool(2) as pool:\n    out = pool.map(sq, range(20))\n"
+        "with cf.ProcessPoolExecutor(2) as ex:\n    ppe = list(ex.map(abs, range(-5, 0)))\n"
+        "counter, arr, lock = mp.Value('i', 0), mp.Array('d', 4), mp.Lock()\n"
+        "def bump(i):\n    with lock:\n        counter.value += 1\n        arr[i] = i * 1.5\n"
+        "ps = [mp.Process(target=bump, args=(i,)) for i in range(4)]\n"
+        "[p.start() for p in ps]; [p.join() for p in ps]\n"
+        "q = mp.Queue(); p = mp.Process(target=q.put, args=('from a child',)); p.start()\n"
+        "msg = q.get(timeout=30); p.join()\n"
+        "(sum(v for v, _ in out), all(pid != os.getpid() for _, pid in out), ppe, counter.value, list(arr), msg,"
+        " [p.exitcode for p in ps], mp.get_start_method())",
+        session="pools", timeout_s=120))
+    assert got == (2470, True, [5, 4, 3, 2, 1], 4, [0.0, 1.5, 3.0, 4.5], "from a child", [0, 0, 0, 0], "fork")
+    # The semaphores and heaps lived in the session's /dev/shm (its directory), now empty of them.
+    assert value(box.run("[n for n in os.listdir('/dev/shm') if n.startswith(('sem.', 'pym-'))]", session="pools")) == []
+
+
+def test_a_child_cannot_act_on_its_parent_another_session_or_the_host(box):
+    other = value(box.run("os.getpid()", session="bystander"))
+    host = box.srv.proc.pid
+    got = value(box.run(
+        "import resource, signal\n"
+        "parent = os.getpid(); before = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    res = {\n"
+        "        'prlimit_parent': outcome(lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE, (16, 16))),\n"
+        "        'getsid_parent': outcome(lambda: os.getsid(parent)),\n"
+        "        'priority_parent': outcome(lambda: os.getpriority(os.PRIO_PROCESS, parent)),\n"
+        f"        'kill_bystander': outcome(lambda: os.kill({other}, signal.SIGKILL)),\n"
+        f"        'kill_host': outcome(lambda: os.kill({host}, 0)),\n"
+        "        'setsid': outcome(os.setsid),\n"
+        "        'setpgid': outcome(lambda: os.setpgid(0, 0)),\n"
+        "        'exec': outcome(lambda: os.execv('/bin/true', ['true'])),\n"
+        "        'own_limits': outcome(lambda: resource.getrlimit(resource.RLIMIT_NOFILE)),\n"
+        "    }\n"
+        "    os.write(w, repr(res).encode()); os._exit(0)\n"
+        "os.close(w); res = eval(os.read(r, 65536)); os.wait()\n"
+        "(res, before == resource.getrlimit(resource.RLIMIT_NOFILE))",
+        session="attacker"))
+    res, limits_kept = got
+    assert limits_kept
+    for name in ("prlimit_parent", "getsid_parent", "priority_parent", "kill_bystander", "kill_host",
+                 "setsid", "setpgid", "exec"):
+        assert res[name] == "PermissionError:1", (name, res)
+    assert res["own_limits"].startswith("ok:")
+    assert pid_alive(other) and value(box.run("'still here'", session="bystander")) == "still here"
+    # SIGKILL to every process it may signal reaches its own session only (Landlock's scope).
+    box.run("import signal\nif os.fork() == 0:\n    os.kill(-1, signal.SIGKILL)\n    os._exit(0)\n"
+            "import time\ntime.sleep(5)", session="kamikaze", timeout_s=30)
+    assert pid_alive(other) and box.srv.proc.poll() is None
+    assert value(box.run("'still here'", session="bystander")) == "still here"
+    # The start methods that would exec a fresh interpreter fork here instead (no exec).
+    got = value(box.run(
+        "import multiprocessing as mp\nctx = mp.get_context('spawn'); p = ctx.Process(target=print); p.start(); p.join()\n"
+        "(p.exitcode, ctx.get_start_method(), mp.get_context('forkserver').get_start_method())", session="attacker"))
+    assert got == (0, "fork", "fork")
+
+
+def test_a_fork_bomb_stops_at_the_session_cap_and_nothing_else_notices(box):
+    info = json.loads(box.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    cap = info["sandbox"]["limits"]["threads"]
+    n, err = value(box.run(
+        "import time\nn, err = 0, None\n"
+        "try:\n"
+        "    while n < 5000:\n"
+        "        if os.fork() == 0:\n            time.sleep(60); os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError as e:\n    err = errno.errorcode[e.errno]\n"
+        "(n, err)", session="bomb", timeout_s=60))
+    assert err == "EAGAIN" and 0 < n <= cap, (n, err)
+    assert value(box.run("'unaffected'", session="bystander2")) == "unaffected"
+    assert subprocess.run(["/bin/true"]).returncode == 0
+    box.run("1", session="bomb", reset=True)
+
+
+def _sleepers(b: Sandboxed, session: str) -> list[int]:
+    """Asleep: a child of the main thread, one of another thread, and a grandchild forked from a
+    thread of a child that then ends (an orphan the zygote adopts; one forked from a main
+    thread would die with its parent)."""
+    return value(b.run(
+        "import time, threading\nr, w = os.pipe()\n"
+        "def forker(out):\n"
+        "    k = os.fork()\n"
+        "    if k == 0:\n"
+        "        def grandchild():\n"
+        "            g = os.fork()\n"
+        "            if g == 0:\n                time.sleep(600); os._exit(0)\n"
+        "            os.write(w, str(g).encode())\n"
+        "        t = threading.Thread(target=grandchild); t.start(); t.join(); os._exit(0)\n"
+        "    out.append(k)\n"
+        "    c = os.fork()\n"
+        "    if c == 0:\n        time.sleep(600); os._exit(0)\n"
+        "    out.append(c)\n"
+        "out = []; t = threading.Thread(target=forker, args=(out,)); t.start(); t.join()\n"
+        "orphan = int(os.read(r, 64)); os.waitpid(out[0], 0)\n"
+        "c = os.fork()\n"
+        "if c == 0:\n    time.sleep(600); os._exit(0)\n"
+        "[c, out[1], orphan]", session=session))
+
+
+def test_children_die_with_a_timeout_a_cancel_a_reset_and_the_session(box):
+    kids = _sleepers(box, "lifetimes")
+    assert all(pid_alive(p) for p in kids), kids
+    rec = box.run("import time\ntime.sleep(60)", session="lifetimes", timeout_s=1)
+    assert rec["status"] == "timeout", rec
+    assert wait_until(lambda: not any(pid_alive(p) for p in kids), timeout=10), kids
+    # The session itself lives on and can fork again.
+    kids = _sleepers(box, "lifetimes")
+    box.run("1", session="lifetimes", reset=True)
+    assert wait_until(lambda: not any(pid_alive(p) for p in kids), timeout=10), kids
+    # Ending the server ends them too.
+    b = Sandboxed(box.user)
+    try:
+        kids = _sleepers(b, "s")
+    finally:
+        b.close()
+    assert wait_until(lambda: not any(pid_alive(p) for p in kids), timeout=10), kids
+
+
+def test_children_count_against_the_session_memory_limit(box):
+    limit = json.loads(box.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])["sandbox"]["limits"]["memory_bytes"]
+    share = int(limit * 0.4)
+    # Each child alone is under the limit; four together are not.
+    rec = box.run(
+        "import time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        f"        a = bytearray({share}); a[::4096] = b'x' * len(a[::4096]); time.sleep(30); os._exit(0)\n"
+        "time.sleep(20)", session="memhog", timeout_s=60)
+    assert rec["status"] == "crashed" and "memory" in rec["error"]["message"], rec
+    # A pool forked from a session holding a third of the limit is fine.
+    got = value(box.run(
+        f"import multiprocessing as mp\nbig = bytearray({limit // 3}); big[::4096] = b'y' * len(big[::4096])\n"
+        "with mp.Pool(2) as p:\n    r = p.map(len, [big[:10]] * 8)\nsum(r)", session="honest", timeout_s=60))
+    assert got == 80
+
+
+def test_dev_shm_is_the_sessions_own(box):
+    assert value(box.run("open('/dev/shm/mine', 'w').write('a'); sorted(os.listdir('/dev/shm'))", session="shm-a")) == ["mine"]
+    assert value(box.run("os.path.exists('/dev/shm/mine'), os.path.exists('mine')", session="shm-b")) == (False, False)
+    assert value(box.run("os.path.exists('mine')", session="shm-a")) is True
+    assert not os.path.exists("/dev/shm/mine")
+
+
+def test_a_child_that_reaches_the_end_of_the_cell_ends_there(box):
+    rec = box.run("import sys\npid = os.fork()\nprint('child' if pid == 0 else 'parent', flush=True)\n"
+                  "if pid:\n    os.waitpid(pid, 0)\n'done'", session="stray")
+    assert rec["status"] == "ok" and rec["result"] == "'done'", rec
+    assert sorted(rec["stdout"].split()) == ["child", "parent"], rec
+    assert value(box.run("'next run'", session="stray")) == "next run"
+    # A child cannot call proxied tools (its requests would share the parent's socket).
+    got = value(box.run(
+        "import mcp\nr, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    try:\n        mcp.list_tools() if hasattr(mcp, 'list_tools') else mcp._request_sync('tools/list', {})\n"
+        "        os.write(w, b'called')\n"
+        "    except Exception as e:\n        os.write(w, str(e).encode())\n"
+        "    os._exit(0)\n"
+        "os.close(w); msg = os.read(r, 4096).decode(); os.wait(); msg", session="stray"))
+    assert "only in the session's main process" in got, got
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_below_landlock_abi_6_children_are_refused_and_the_note_says_why(user):
+    b = Sandboxed(user, abi_max=5)
+    try:
+        assert children_allowed(b).startswith("refused: this kernel's Landlock (ABI 5)")
+        assert b.outcome("os.fork()") == "PermissionError:1"
+        rec = b.run("import multiprocessing as mp\nwith mp.Pool(2) as p:\n    p.map(abs, [1])", timeout_s=60)
+        assert rec["status"] == "error", rec
+        notes = " ".join(rec.get("notices", []))
+        assert "refused a child process" in notes and "ABI 5" in notes, rec
+        # The pid rules there still let the worker name itself.
+        assert b.outcome("os.getsid(os.getpid()) == os.getpid()") == "ok:True"
+    finally:
+        b.close()
