@@ -87,6 +87,21 @@ def test_a_child_cannot_act_on_its_parent_another_session_or_the_host(box):
         assert res[name] == "PermissionError:1", (name, res)
     assert res["own_limits"].startswith("ok:")
     assert pid_alive(other) and value(box.run("'still here'", session="bystander")) == "still here"
+    # A child cannot signal its parent or a sibling; the parent can signal (terminate) them.
+    got = value(box.run(
+        "import signal, time\n"
+        "def child(r):\n"
+        "    k = os.fork()\n"
+        "    if k == 0:\n        time.sleep(30); os._exit(0)\n"
+        "    return k\n"
+        "sib = child(None)\nr, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.write(w, repr((outcome(lambda: os.kill(os.getppid(), 0)), outcome(lambda: os.kill(sib, signal.SIGKILL)))).encode())\n"
+        "    os._exit(0)\n"
+        "seen = eval(os.read(r, 4096)); os.wait()\n"
+        "os.kill(sib, signal.SIGKILL); _, status = os.waitpid(sib, 0)\n"
+        "(seen, os.WIFSIGNALED(status))", session="siblings"))
+    assert got == (("PermissionError:1", "PermissionError:1"), True), got
     # SIGKILL to every process it may signal reaches its own session only (Landlock's scope).
     box.run("import signal\nif os.fork() == 0:\n    os.kill(-1, signal.SIGKILL)\n    os._exit(0)\n"
             "import time\ntime.sleep(5)", session="kamikaze", timeout_s=30)

@@ -413,7 +413,17 @@ fn allow_list(processes: Processes) -> Result<Rules, SeccompError> {
     // files stay off (RLIMIT_CORE 0).
     // And a child forked from its parent's main thread asks to die with it (PR_SET_PDEATHSIG,
     // SIGKILL only): a signal to itself, on its parent's end.
+    // And it puts itself in a Landlock domain of its own, nested in the worker's, scoped for
+    // signals: its parent (and the worker) can still signal it, it cannot signal them or its
+    // siblings (SECURITY.md #158). No rule is added, so no filesystem right can change.
     if processes == Processes::WithChildren {
+        always(
+            &mut rules,
+            &[
+                libc::SYS_landlock_create_ruleset,
+                libc::SYS_landlock_restrict_self,
+            ],
+        );
         for (option, value) in [
             (libc::PR_SET_DUMPABLE, 1),
             (libc::PR_SET_PDEATHSIG, libc::SIGKILL),
@@ -1664,6 +1674,14 @@ mod tests {
         assert_eq!(dumpable(with, 0), enosys);
         assert_eq!(dumpable(with, 2), enosys);
         assert_eq!(dumpable(alone, 1), enosys);
+        for n in [
+            libc::SYS_landlock_create_ruleset,
+            libc::SYS_landlock_restrict_self,
+        ] {
+            assert_eq!(call(with, n, [0; 6]), ok);
+            assert_eq!(call(alone, n, [0; 6]), enosys);
+        }
+        assert_eq!(call(with, libc::SYS_landlock_add_rule, [0; 6]), enosys);
         let deathsig = |v: u64| {
             call(
                 with,

@@ -45,12 +45,46 @@ const SESSION_FD: RawFd = 3;
 /// the kernel signals on the forking *thread's* end, and a main thread lasts as long as its
 /// process), so it cannot outlive a session whose host was killed outright; children forked
 /// from other threads die with the session's process group (SECURITY.md #159).
+///
+/// And it enters a Landlock domain of its own, nested in its parent's and scoped for signals
+/// (no filesystem rule: its view stays its parent's): its parent can still signal it, it can
+/// signal neither its parent nor its siblings (SECURITY.md #158). Past Landlock's 16 layers the
+/// kernel refuses (E2BIG) and the child keeps its parent's domain, still inside the session.
 extern "C" fn child_readable_by_the_host() {
     // SAFETY: prctl(2) with integer arguments only.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
     if FORKED_FROM_MAIN_THREAD.load(std::sync::atomic::Ordering::Relaxed) {
         // SAFETY: as above.
         unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    }
+    /// `struct landlock_ruleset_attr` (ABI 6): handled fs and net accesses, scopes.
+    #[repr(C)]
+    struct RulesetAttr {
+        handled_access_fs: u64,
+        handled_access_net: u64,
+        scoped: u64,
+    }
+    const LANDLOCK_SCOPE_SIGNAL: u64 = 1 << 1;
+    let attr = RulesetAttr {
+        handled_access_fs: 0,
+        handled_access_net: 0,
+        scoped: LANDLOCK_SCOPE_SIGNAL,
+    };
+    // SAFETY: landlock_create_ruleset(2) reads `attr` (valid, its size given); the fd it
+    // returns is only used below and closed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            &attr as *const RulesetAttr,
+            std::mem::size_of::<RulesetAttr>(),
+            0,
+        )
+    };
+    if fd >= 0 {
+        // SAFETY: landlock_restrict_self(2) on the ruleset fd just made (no_new_privs is set).
+        unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd, 0) };
+        // SAFETY: closes the fd made above.
+        unsafe { libc::close(fd as libc::c_int) };
     }
 }
 
