@@ -530,27 +530,7 @@ def _error(exc):
         tb = _short_traceback(exc)
     except BaseException:  # e.g. a RecursionError deep enough to break formatting too
         tb = f"{type(exc).__name__}: {message}\n"
-    if isinstance(exc, ModuleNotFoundError):
-        tb += _missing_module_note(exc)
     return {"type": type(exc).__name__, "message": message, "traceback": tb}
-
-
-# Import names whose package on PyPI is named otherwise.
-_PACKAGE_OF = {"cv2": "opencv-python-headless", "sklearn": "scikit-learn", "yaml": "PyYAML",
-               "PIL": "pillow", "bs4": "beautifulsoup4", "dateutil": "python-dateutil",
-               "skimage": "scikit-image", "attr": "attrs", "docx": "python-docx",
-               "pptx": "python-pptx", "Crypto": "pycryptodome", "jwt": "PyJWT"}
-
-
-def _missing_module_note(exc):
-    """One line under a ModuleNotFoundError: the interpreter in use, and how to get the module."""
-    name = (getattr(exc, "name", None) or "").split(".")[0]
-    if not name or name in sys.builtin_module_names:
-        return ""
-    package = _PACKAGE_OF.get(name, name)
-    return (f"[ironcell] this session runs {sys.executable} (Python {sys.version.split()[0]}), which has no "
-            f"{name!r}: `%pip install {package}` in a cell installs it for this session (the user approves), "
-            "or install it into that interpreter or start ironcell with --python of an environment that has it\n")
 
 
 # `%pip install ...`, `!pip install ...`, `%uv pip install ...`, `!python -m pip install ...`

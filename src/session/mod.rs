@@ -787,6 +787,7 @@ impl SessionManager {
             memory_limit: self.sandbox.memory_bytes,
             memory_held: held,
             children_refused: self.sandbox.children(&tmp).err(),
+            packages: self.settings.packages != crate::packages::PackagesMode::Off,
         }
     }
 
