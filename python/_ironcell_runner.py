@@ -126,6 +126,7 @@ def prepare_worker(env, servers_json="[]", options=None):
     zygote_prepare()  # already done by the zygote; a no-op then
 
     _set_environment(env)
+    mcp._use_packages_dir(env.get("IRONCELL_PACKAGES_DIR"))
     if isinstance(options, str):
         import json
 
@@ -532,6 +533,46 @@ def _error(exc):
     return {"type": type(exc).__name__, "message": message, "traceback": tb}
 
 
+# `%pip install ...`, `!pip install ...`, `%uv pip install ...`, `!python -m pip install ...`
+_PIP_LINE = None
+
+
+def _parse_cell(code):
+    """The cell's syntax tree. A cell that does not parse as Python may hold pip magics
+    (`%pip install NAME`), which become `mcp._pip_magic(...)` calls; a PEP 723 `# /// script`
+    block's dependencies are installed first (both through the host: see `mcp.install`)."""
+    try:
+        tree = ast.parse(code, CELL_FILENAME, "exec")
+    except SyntaxError:
+        rewritten = _rewrite_pip_magics(code)
+        if rewritten is None:
+            raise
+        tree = ast.parse(rewritten, CELL_FILENAME, "exec")
+    if "# /// script" in code:
+        import mcp
+
+        deps = mcp._script_dependencies(code)
+        if deps:
+            mcp.install(deps, _source="script block")
+    return tree
+
+
+def _rewrite_pip_magics(code):
+    global _PIP_LINE
+    if _PIP_LINE is None:
+        import re
+
+        _PIP_LINE = re.compile(r"^([ \t]*)(?:[%!][ \t]*(?:pip3?|uv[ \t]+pip|python3?[ \t]+-m[ \t]+pip))[ \t]+(.*)$")
+    lines = code.split("\n")
+    changed = False
+    for i, line in enumerate(lines):
+        m = _PIP_LINE.match(line)
+        if m:
+            lines[i] = f"{m.group(1)}__import__('mcp')._pip_magic({m.group(2)!r})"
+            changed = True
+    return "\n".join(lines) if changed else None
+
+
 def _repr(value):
     try:
         text = repr(value)
@@ -687,6 +728,9 @@ def bind_session(env, scratch):
     _set_environment(env, replace=False)
     os.chdir(scratch)
     tempfile.tempdir = None
+    import importlib
+
+    importlib.invalidate_caches()  # the host may have linked the session's packages meanwhile
 
 
 def _refuse_host_tmp(reason, allowed=()):
@@ -782,7 +826,7 @@ def run_cell(code, run_id=0):
         _register_source(code)
         _write_plot_pages_ahead(code)
         try:
-            tree = ast.parse(code, CELL_FILENAME, "exec")
+            tree = _parse_cell(code)
         except SyntaxError as exc:
             out["status"] = "error"
             out["error"] = {

@@ -66,6 +66,9 @@ pub struct AuditEntry {
     /// client or a session calling a local tool, a call that ended after its run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cause: Option<Value>,
+    /// A package install (`%pip install`): what was asked, decided and installed, with hashes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packages: Option<Value>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -100,6 +103,7 @@ impl AuditEntry {
             upstream_calls_omitted: 0,
             upstream_lookups_failed: 0,
             cause: None,
+            packages: None,
         };
         match outcome {
             Ok(r) => {
@@ -181,6 +185,7 @@ impl AuditEntry {
             upstream_calls_omitted: 0,
             upstream_lookups_failed: 0,
             cause: Some(serde_json::json!({"continues": "the line before, of the same run"})),
+            packages: None,
         }
     }
 }

@@ -82,6 +82,13 @@ enum Command {
         #[command(subcommand)]
         action: crate::local_tools::SavedToolsAction,
     },
+    /// The store of wheels installed by `%pip install` in sessions: `ironcell packages list`
+    /// shows each with its size and whether a live session uses it; `ironcell packages prune`
+    /// removes those none uses.
+    Packages {
+        #[command(subcommand)]
+        action: crate::packages::PackagesAction,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -138,7 +145,12 @@ pub fn main() -> ExitCode {
     init_logging(&cli.log_level);
     if matches!(
         cli.command,
-        Some(Command::Audit { .. } | Command::Setup(_) | Command::Policy { .. })
+        Some(
+            Command::Audit { .. }
+                | Command::Setup(_)
+                | Command::Policy { .. }
+                | Command::Packages { .. }
+        )
     ) {
         // Printing commands end quietly when their reader does (`ironcell audit | head`),
         // as other command-line tools do, rather than panic on EPIPE. Not `serve`: its
@@ -196,6 +208,17 @@ pub fn main() -> ExitCode {
                         Ok(ExitCode::FAILURE)
                     }
                 }
+            }
+            Some(Command::Packages { action }) => {
+                let dir = cli
+                    .settings
+                    .prepare_state_dir()
+                    .unwrap_or_else(|_| cli.settings.resolved_state_dir());
+                print!(
+                    "{}",
+                    crate::packages::packages_command(&dir, cli.settings.packages_budget, &action)
+                );
+                Ok(ExitCode::SUCCESS)
             }
             Some(Command::Setup(args)) => crate::setup::run(*args, &cli.settings),
             Some(Command::Policy {

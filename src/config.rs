@@ -178,6 +178,36 @@ pub struct Settings {
     )]
     pub approval: crate::proxy::rules::ApprovalMode,
 
+    /// `%pip install` in a cell (and `mcp.install`): `ask` the user each time (unless every
+    /// package matches --packages-allow), or `off` (refused). The host installs wheels only,
+    /// for that session only; the sandbox never gets a network.
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_PACKAGES",
+        value_enum,
+        default_value = "ask",
+        ignore_case = true
+    )]
+    pub packages: crate::packages::PackagesMode,
+
+    /// Packages installed without asking when every one (dependencies included) matches one of
+    /// these patterns (`numpy`, `pandas*`; comma-separated).
+    #[arg(
+        long,
+        global = true,
+        env = "IRONCELL_PACKAGES_ALLOW",
+        value_delimiter = ',',
+        value_name = "PATTERN"
+    )]
+    pub packages_allow: Vec<String>,
+
+    /// Size budget of the package store (`<state dir>/packages`): wheels no live session uses
+    /// are removed to make room; `ironcell packages list|prune` show and free it. Counted apart
+    /// from the sessions' scratch quota.
+    #[arg(long, global = true, env = "IRONCELL_PACKAGES_BUDGET", default_value = "4g", value_parser = parse_size)]
+    pub packages_budget: u64,
+
     /// Free space kept on the disk of the state dir (`256m`; `0` turns the guard off). When free
     /// space falls under it (and again each time it falls a further 64 MiB), the workers that
     /// were running or writing are stopped, which frees what they held (files deleted but kept

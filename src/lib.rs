@@ -32,6 +32,8 @@
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
 //! - [`proxy`]: the user's other MCP servers: config, upstream clients, rules, search.
 //! - [`audit`]: the audit log of runs and proxied calls.
+//! - [`packages`]: `%pip install` in a cell: host-side resolution with pip, wheels checked and
+//!   unpacked into a content-addressed store, linked read-only into the session's worker.
 //! - [`setup`]: `ironcell setup`, which writes or merges MCP client configs, and WSL2 detection.
 //! - [`doctor`]: `ironcell doctor`, which shows the interpreter and each sandbox layer.
 //! - [`system_info`]: what `system://info` reports.
@@ -63,6 +65,7 @@ pub(crate) mod jobs;
 pub(crate) mod local_tools;
 pub(crate) mod memory;
 pub(crate) mod output;
+pub(crate) mod packages;
 pub(crate) mod proxy;
 pub(crate) mod python;
 pub(crate) mod server;

@@ -242,6 +242,8 @@ pub struct NoteContext {
     pub memory_held: Option<u64>,
     /// Why sessions may not fork children here (`Sandbox::children`); `None`: they may.
     pub children_refused: Option<String>,
+    /// Whether `%pip install` may install packages for the session (`--packages` is not off).
+    pub packages: bool,
 }
 
 /// How much of the error and stderr the notes look at (twice this, at the end, where the
@@ -606,10 +608,17 @@ fn module_note(error_kind: Option<&str>, message: &str, ctx: &NoteContext) -> Op
     } else {
         format!("into that environment (`{python} -m pip install {package}`)")
     };
+    let pip = if ctx.packages {
+        format!(
+            "`%pip install {package}` in a cell installs it for this session (the user is asked), or "
+        )
+    } else {
+        String::new()
+    };
     Some(format!(
-        "'{name}' is not installed in this session's interpreter, {python}{version}: the user \
-         can install it {how}, or start ironcell with --python pointing at an environment that \
-         has it; then import it again"
+        "'{name}' is not installed in this session's interpreter, {python}{version}: {pip}the \
+         user can install it {how}, or start ironcell with --python pointing at an environment \
+         that has it; then import it again"
     ))
 }
 
@@ -981,6 +990,7 @@ mod tests {
                 "this kernel's Landlock (ABI 4) cannot keep a child's signals inside its session"
                     .into(),
             ),
+            packages: true,
         }
     }
 
@@ -1181,6 +1191,10 @@ mod tests {
         assert!(n.contains("'sklearn' is not installed in this session's interpreter, /opt/env/bin/python (Python 3.12.1)"), "{n}");
         assert!(
             n.contains("`/opt/env/bin/python -m pip install scikit-learn`"),
+            "{n}"
+        );
+        assert!(
+            n.contains("`%pip install scikit-learn` in a cell installs it for this session"),
             "{n}"
         );
         let n = notes(

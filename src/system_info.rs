@@ -88,6 +88,7 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         "state_dir": state,
         "mcp": sessions.proxy().describe().await,
         "local_tools": local_tools,
+        "packages": sessions.packages().info(),
         "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
         "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
         "spare_workers": spare_workers(sessions),

@@ -1522,3 +1522,97 @@ def save_tool(func, name=None, description=None):
 
 def _delete_tool(name):
     return _request_sync("tools.delete", {"name": name})
+
+
+# ---------------------------------------------------------------------------------------------
+# Packages on demand: `%pip install NAME` in a cell, a PEP 723 `# /// script` block, or
+# `mcp.install([...])`. The host resolves, asks the user, downloads wheels and links them
+# read-only into this worker's package directory; the sandbox never gets a network.
+# ---------------------------------------------------------------------------------------------
+
+__all__ += ["install", "InstallError"]
+
+
+class InstallError(MCPError):
+    """A package install was refused, declined or failed; the message says why and the fix."""
+
+
+def _use_packages_dir(path):
+    """Puts this worker's package directory on `sys.path`, before the interpreter's own
+    site-packages, so a version installed for this session is the one imported."""
+    if not path or path in sys.path:
+        return
+    at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))), len(sys.path))
+    sys.path.insert(at, path)
+
+
+def install(requirements, *, quiet=False, _source="mcp.install"):
+    """Installs packages for this session: `mcp.install(["tabulate", "markdown-it-py==3.0.0"])`.
+
+    The user is asked first (naming every package and version, dependencies included) unless
+    ironcell allows them by pattern. Wheels only, never built; other sessions and the user's
+    interpreter are not changed. Returns the `name==version` of what was installed."""
+    if isinstance(requirements, str):
+        requirements = requirements.split()
+    reqs = [str(r) for r in requirements]
+    try:
+        answer = _request_sync("packages.install", {"requirements": reqs, "source": _source})
+    except MCPError as exc:
+        raise InstallError(str(exc)) from None
+    import importlib
+
+    _use_packages_dir(answer.get("path") or os.environ.get("IRONCELL_PACKAGES_DIR"))
+    importlib.invalidate_caches()
+    done = [f"{p['name']}=={p['version']}" for p in answer.get("installed") or []]
+    if not quiet:
+        if done:
+            print("Installed for this session: " + ", ".join(done))
+        already = [f"{p['name']}=={p['version']}" for p in answer.get("already") or []]
+        if already:
+            print("Already installed in this session: " + ", ".join(already))
+        if not done and not already:
+            print("Nothing to install: already available (in this session or in the interpreter)")
+    return done
+
+
+# Options of `pip install` that change nothing here (ironcell always installs for the session).
+_PIP_HARMLESS = {"-q", "--quiet", "-U", "--upgrade", "--user", "--no-cache-dir", "--progress-bar=off",
+                 "--disable-pip-version-check", "--no-input", "--only-binary=:all:", "-v", "--verbose"}
+
+
+def _pip_magic(line):
+    """`%pip install ...` / `!pip install ...` / `%uv pip install ...` in a cell."""
+    import shlex
+
+    words = shlex.split(line)
+    if words[:1] != ["install"]:
+        raise InstallError(f"only `%pip install NAME ...` works in ironcell (not {line.strip()!r}): "
+                           "the host installs packages for this session; `import NAME` checks one")
+    names = []
+    for w in words[1:]:
+        if w.startswith("-"):
+            if w in _PIP_HARMLESS:
+                continue
+            raise InstallError(f"`pip install {w}` is not available in ironcell: it installs wheels "
+                               "by name from the package index the user configured (`%pip install NAME[==VERSION]`)")
+        names.append(w)
+    return install(names, _source="%pip install")
+
+
+def _script_dependencies(code):
+    """The `dependencies` of an inline script metadata block (PEP 723) in `code`, or None."""
+    import re
+
+    block = re.search(r"(?m)^# /// script$\s(?P<content>(^#(| .*)$\s)+)^# ///$", code)
+    if block is None:
+        return None
+    content = "".join(line[2:] if line.startswith("# ") else line[1:]
+                      for line in block.group("content").splitlines(keepends=True))
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11: the one key we need, read as a list literal
+        import ast
+
+        found = re.search(r"(?ms)^dependencies\s*=\s*(\[.*?\])", content)
+        return list(ast.literal_eval(found.group(1))) if found else []
+    return list(tomllib.loads(content).get("dependencies") or [])

@@ -112,6 +112,8 @@ pub enum BridgeMethod {
     /// `files.changed`: what the change tracker saw this session change since its last
     /// listing (the runner's image search in a large session).
     ChangedFiles,
+    /// `packages.install`: `%pip install` in a cell (`crate::packages`).
+    PackagesInstall,
 }
 
 /// The proxy's own bridge methods.
@@ -145,6 +147,9 @@ impl BridgeMethod {
         }
         if method == CHANGED_FILES_METHOD {
             return Ok(BridgeMethod::ChangedFiles);
+        }
+        if method == crate::packages::INSTALL_METHOD {
+            return Ok(BridgeMethod::PackagesInstall);
         }
         if let Some(op) = method.strip_prefix("tools.") {
             return wire_name(op)
@@ -858,6 +863,41 @@ impl Proxy {
                 ),
             )),
         }
+    }
+
+    /// Puts a question that is not about a proxied call (a package install) to the client of
+    /// `session`'s runs, in its era, one at a time with the session's other questions.
+    /// `Err(None)`: this client cannot ask; `Err(Some(why))`: asking failed.
+    pub async fn ask_user(
+        &self,
+        session: &str,
+        question: Question,
+    ) -> Result<Decision, Option<String>> {
+        let asker = crate::lock(&self.askers)
+            .get(session)
+            .cloned()
+            .ok_or(None)?;
+        let gate = crate::lock(&self.asking)
+            .entry(session.to_string())
+            .or_default()
+            .clone();
+        let _open = gate.lock().await;
+        let answer = match asker {
+            Asker::Elicit(peer) => peer
+                .create_elicitation_with_timeout(question.params(), Some(APPROVAL_TIMEOUT))
+                .await
+                .map_err(|e| e.to_string()),
+            Asker::Relay => self.relay.ask(session, question).await.ok_or_else(|| {
+                format!(
+                    "nobody answered within {} s (the client did not retry the call that asked)",
+                    APPROVAL_TIMEOUT.as_secs()
+                )
+            }),
+        };
+        answer
+            .as_ref()
+            .map(Decision::of)
+            .map_err(|e| Some(e.clone()))
     }
 
     /// Answers one `request` frame from a worker of `session` (known to the host, never taken

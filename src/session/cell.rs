@@ -481,7 +481,8 @@ impl<'a> CellRun<'a> {
             answer_now(worker, id, changed_files_answer(pending), slot);
             return Ok(());
         }
-        let (proxy, memory) = (m.proxy.clone(), m.memory.clone());
+        let (proxy, memory, packages) = (m.proxy.clone(), m.memory.clone(), m.packages.clone());
+        let packages_view = worker.packages_view.clone();
         let local_tools = m.local_tools.get().cloned();
         let session_name = self.session.name.clone();
         let changes = m.changes.clone();
@@ -548,6 +549,11 @@ impl<'a> CellRun<'a> {
                     }
                     Ok(BridgeMethod::Proxy(m)) => {
                         proxy.handle(&session_name, m, &params, Some(&sink)).await
+                    }
+                    Ok(BridgeMethod::PackagesInstall) => {
+                        packages
+                            .install(&session_name, packages_view, &params, &proxy)
+                            .await
                     }
                     Ok(BridgeMethod::ChangedFiles) => {
                         // Names only, from the host's own watches: nothing is opened here.

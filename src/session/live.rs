@@ -68,6 +68,9 @@ pub(super) struct LiveWorker {
     pub image_budget_bytes: u64,
     /// A pre-forked spare's session, sent with its first `run` (see [`frame::Binding`]).
     pub bind: Option<frame::Binding>,
+    /// Its read-only directory of the session's installed packages (`%pip install`), removed
+    /// when the last holder lets go.
+    pub packages_view: Option<Arc<crate::packages::View>>,
     outbox: mpsc::Sender<Outgoing>,
     /// `None` once the zygote's report was taken (or can no longer come).
     exit: Option<oneshot::Receiver<ExitInfo>>,
@@ -124,6 +127,7 @@ impl LiveWorker {
             frames: FramedRead::new(read, reader),
             image_budget_bytes,
             bind: None,
+            packages_view: None,
             outbox,
             exit: Some(exit),
             requests: Arc::new(Semaphore::new(MAX_INFLIGHT_REQUESTS)),

@@ -184,6 +184,8 @@ pub struct SessionManager {
     blocking_requests: Arc<Semaphore>,
     /// `files.changed` requests waiting for the change tracker at once, host-wide.
     tracker_waits: Arc<Semaphore>,
+    /// `%pip install`: the package store, each session's installs, the workers' views.
+    packages: Arc<crate::packages::Packages>,
     /// Local Python tools (`tools.*` requests, and the tools session's read grants); set once
     /// by the server.
     local_tools: std::sync::OnceLock<Arc<crate::local_tools::LocalTools>>,
@@ -291,7 +293,15 @@ impl SessionManager {
         let plot_spare = settings.plot_spare && settings.warm_plots;
         crate::config::report_not_applicable_variables(&settings);
         let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
+        let packages = Arc::new(crate::packages::Packages::new(
+            &state_dir,
+            settings.packages,
+            settings.packages_allow.clone(),
+            settings.packages_budget,
+            python.as_ref().ok().map(|i| i.executable.clone()),
+        ));
         let manager = Arc::new(SessionManager {
+            packages,
             blocking_requests: Arc::new(Semaphore::new(BLOCKING_REQUESTS_AT_ONCE)),
             tracker_waits: Arc::new(Semaphore::new(TRACKER_WAITS_AT_ONCE)),
             settings,
@@ -381,6 +391,11 @@ impl SessionManager {
 
     pub fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    /// `%pip install`: the package store and each session's installs.
+    pub fn packages(&self) -> &crate::packages::Packages {
+        &self.packages
     }
 
     pub fn sandbox(&self) -> &Sandbox {
@@ -545,6 +560,7 @@ impl SessionManager {
         // Every task ends at its next await once cancelled; a blocking walk may take longer.
         let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
         remove_scratch(self.root.clone()).await;
+        self.packages.shut_down();
     }
 
     async fn expire_idle_sessions_periodically(&self) {
@@ -625,6 +641,7 @@ impl SessionManager {
             }
             state.pending_notice = None;
             let removal = self.empty_scratch(&session).await;
+            self.packages.forget(&session.name);
             notices.push(if removal.is_complete() {
                 "session reset: fresh interpreter, empty working directory".into()
             } else {
@@ -770,6 +787,7 @@ impl SessionManager {
             memory_limit: self.sandbox.memory_bytes,
             memory_held: held,
             children_refused: self.sandbox.children(&tmp).err(),
+            packages: self.settings.packages != crate::packages::PackagesMode::Off,
         }
     }
 
@@ -838,6 +856,7 @@ impl SessionManager {
             }
             let had_files = s.scratch.exists();
             self.empty_scratch(&s).await;
+            self.packages.forget(&s.name);
             if had_worker || had_files {
                 st.pending_notice = Some(format!(
                     "this session expired after {} s idle (IRONCELL_SESSION_TTL); variables and files were discarded",

@@ -21,12 +21,20 @@ impl SessionManager {
             }
         };
         let slot = match self.take_spare(session, slot, first_code) {
-            Ok(worker) => return Ok(worker),
+            Ok(worker) => {
+                self.packages
+                    .attach(&session.name, worker.packages_view.as_deref());
+                return Ok(worker);
+            }
             Err(slot) => slot,
         };
         let _starting = self.pool.session_worker_starts();
-        self.spawn_worker_in_slot(Some(&session.name), &session.scratch, slot)
-            .await
+        let worker = self
+            .spawn_worker_in_slot(Some(&session.name), &session.scratch, slot)
+            .await?;
+        self.packages
+            .attach(&session.name, worker.packages_view.as_deref());
+        Ok(worker)
     }
 
     /// Spawns a worker for the session `name` (`None`: a spare of the pool, which learns its
@@ -63,6 +71,19 @@ impl SessionManager {
         } else if name == Some(FONT_CACHE_BUILD_DIR) {
             env.push(("MPLCONFIGDIR".into(), scratch.display().to_string()));
         }
+        // `%pip install`: an empty directory the worker may only read, on its `sys.path`; the
+        // host links the session's packages into it (Landlock grants are fixed at lockdown,
+        // which a spare does before it knows its session).
+        let packages_view = self.packages.new_view().map(Arc::new);
+        if let Some(view) = &packages_view {
+            if let Some(fs) = sandbox.filesystem.as_mut() {
+                fs.read_only.push(view.dir.clone());
+            }
+            env.push((
+                "IRONCELL_PACKAGES_DIR".into(),
+                view.dir.display().to_string(),
+            ));
+        }
         let spec = WorkerSpec {
             session: name.unwrap_or("").to_string(),
             scratch: scratch.to_path_buf(),
@@ -79,6 +100,7 @@ impl SessionManager {
         let forked_ms = spawn_started.elapsed().as_secs_f64() * 1000.0;
         let mut worker = LiveWorker::new(spawned, slot, self.settings.image_budget)
             .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
+        worker.packages_view = packages_view;
         let budget = worker.image_budget_bytes;
         let ready = tokio::time::timeout(WORKER_READY_TIMEOUT, async {
             loop {
