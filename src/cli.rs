@@ -38,7 +38,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve MCP on stdin/stdout (the default). Configure your MCP client to start this.
-    Serve,
+    /// With `--http ADDR:PORT`: serve MCP Streamable HTTP at `/mcp` for a team, each principal
+    /// (bearer token) with sessions of its own.
+    Serve(Box<crate::http::ServeArgs>),
     /// Run Python once in a fresh worker and print the result, e.g. `ironcell exec 'print(6*7)'`.
     /// Reads the code from stdin when CODE is `-`. Exits 1 if the code failed.
     Exec {
@@ -158,7 +160,16 @@ pub fn main() -> ExitCode {
     };
     let outcome = runtime.block_on(async move {
         match cli.command {
-            None | Some(Command::Serve) => serve(cli.settings).await.map(|_| ExitCode::SUCCESS),
+            None => serve(cli.settings).await.map(|_| ExitCode::SUCCESS),
+            Some(Command::Serve(args)) if args.http.is_some() => {
+                crate::http::serve(cli.settings, *args, own_executable()?)
+                    .await
+                    .map(|_| ExitCode::SUCCESS)
+            }
+            Some(Command::Serve(args)) => match crate::http::check_stdio_flags(&args) {
+                Ok(()) => serve(cli.settings).await.map(|_| ExitCode::SUCCESS),
+                Err(e) => Err(e),
+            },
             Some(Command::Exec { code }) => exec(cli.settings, code).await,
             Some(Command::Demo) => crate::demo::run(cli.settings)
                 .await
