@@ -65,6 +65,9 @@ enum Command {
         /// Print the entries as JSON lines instead of a table.
         #[arg(long)]
         json: bool,
+        /// The audit of this principal of `serve --http` (its own file, in its directory).
+        #[arg(long)]
+        principal: Option<String>,
     },
     /// Write (or merge into) the config of your MCP client so it starts ironcell: Claude Code,
     /// Claude Desktop on Linux, Claude Desktop on Windows through WSL2, or print the Docker
@@ -179,12 +182,16 @@ pub fn main() -> ExitCode {
                 session,
                 since,
                 json,
+                principal,
             }) => {
                 // The same directory `serve` writes to, fallback included.
-                let dir = cli
+                let mut dir = cli
                     .settings
                     .prepare_state_dir()
                     .unwrap_or_else(|_| cli.settings.resolved_state_dir());
+                if let Some(p) = principal {
+                    dir = crate::http::principals::principal_dir(&dir, &p);
+                }
                 let log = crate::audit::AuditLog::new(&dir, cli.settings.audit_max_bytes);
                 print!(
                     "{}",

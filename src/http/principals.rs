@@ -219,6 +219,11 @@ fn create_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The directory of `principal`'s world under the state directory `state_dir`.
+pub fn principal_dir(state_dir: &std::path::Path, principal: &str) -> PathBuf {
+    state_dir.join("principals").join(dir_name(principal))
+}
+
 /// A principal's directory name: the safe characters of its name (for operators), then 16 hex
 /// digits of its SHA-256 (so names that differ only in unsafe characters never share one).
 pub fn dir_name(principal: &str) -> String {

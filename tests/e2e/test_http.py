@@ -200,20 +200,32 @@ def post(url: str, body: dict, token: str | None = None, **headers: str) -> http
         h.update({"MCP-Protocol-Version": MODERN, "Mcp-Method": body["method"]})
         if body["method"] == "tools/call":
             h["Mcp-Name"] = body["params"]["name"]
+        elif body["method"].startswith("tasks/"):
+            h["Mcp-Name"] = body["params"]["taskId"]
     h.update(headers)
     if token is not None:
         h["Authorization"] = f"Bearer {token}"
     return httpx.post(url, json=body, headers=h, timeout=30)
 
 
-def modern_call(code: str, rid: int = 1) -> dict:
+def modern(method: str, params: dict, caps: dict | None = None, rid: int = 1) -> dict:
+    """A 2026-07-28 request: the version, client and capabilities in its `_meta`."""
     meta = {
         "io.modelcontextprotocol/protocolVersion": MODERN,
         "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
-        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientCapabilities": caps or {},
     }
-    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
-            "params": {"name": "run_python", "arguments": {"code": code}, "_meta": meta}}
+    return {"jsonrpc": "2.0", "id": rid, "method": method, "params": {**params, "_meta": meta}}
+
+
+def modern_call(code: str, rid: int = 1, caps: dict | None = None, **args: Any) -> dict:
+    return modern("tools/call", {"name": "run_python", "arguments": {"code": code, **args}}, caps, rid)
+
+
+def answer(resp: httpx.Response, rid: int = 1) -> dict:
+    assert resp.status_code == 200, resp.text
+    (msg,) = [m for m in sse_results(resp) if m.get("id") == rid]
+    return msg
 
 
 def sse_results(resp: httpx.Response) -> list[dict]:
@@ -516,6 +528,12 @@ async def test_179_principals_sharing_session_names_never_meet(servers, user):
     assert {e["principal"] for e in srv.audit("alice")} == {"alice"}
     assert {e["principal"] for e in srv.audit("bob")} == {"bob"}
     assert not any("alice" in e.get("code_head", "") for e in srv.audit("bob"))
+    out = subprocess.run([str(IRONCELL), "audit", "--principal", "bob", "--json"], env=server_env(srv.state),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    key = ("time", "principal", "session", "code_sha256", "status")
+    shown = [tuple(json.loads(line)[k] for k in key) for line in out.stdout.splitlines()]
+    assert shown == [tuple(e[k] for k in key) for e in srv.audit("bob")]
 
 
 async def test_179_a_protocol_session_belongs_to_the_principal_that_opened_it(servers):
@@ -538,6 +556,34 @@ async def test_179_a_protocol_session_belongs_to_the_principal_that_opened_it(se
     assert r.status_code == 200
     (answer,) = [m for m in sse_results(r) if m.get("id") == 2]
     assert answer["result"]["structuredContent"]["result"] == "'whose?'"
+
+
+def test_179_tasks_belong_to_the_principal_that_started_them(servers):
+    caps = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    srv = tokens_server(servers, {"alice": "ta", "bob": "tb"}, IRONCELL_WAIT_BUDGET="1s")
+    task = answer(post(srv.url, modern_call("import time\ntime.sleep(3)\n'alice task'", caps=caps, timeout_s=60), "ta"))
+    task = task["result"]
+    assert task["resultType"] == "task", task
+    tid = task["taskId"]
+    # Bob has a task of his own with the same kind of id; alice's is not his to read or cancel.
+    bobs = answer(post(srv.url, modern_call("import time\ntime.sleep(3)", caps=caps, timeout_s=60), "tb"))["result"]
+    assert bobs["resultType"] == "task" and bobs["taskId"] == tid, (bobs, tid)
+    for method in ("tasks/get", "tasks/cancel"):
+        r = answer(post(srv.url, modern(method, {"taskId": "job-999"}, caps), "tb"))
+        assert "no task" in r["error"]["message"], r
+
+    def finished(token: str) -> dict:
+        deadline = time.monotonic() + 60
+        while True:
+            got = answer(post(srv.url, modern("tasks/get", {"taskId": tid}, caps), token))["result"]
+            if got["status"] != "working" or time.monotonic() > deadline:
+                return got
+            time.sleep(0.3)
+
+    got = finished("ta")
+    assert got["status"] == "completed" and got["result"]["structuredContent"]["result"] == "'alice task'", got
+    got = finished("tb")
+    assert got["status"] == "completed" and got["result"]["structuredContent"]["result"] is None, got
 
 
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
