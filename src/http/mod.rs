@@ -348,23 +348,55 @@ fn normalize_origin(o: &str) -> String {
     o.trim().trim_end_matches('/').to_ascii_lowercase()
 }
 
-/// 403 for a request whose `Origin` is not one of `--http-allow-origin`.
+/// 403 for a request whose `Origin` is not one of `--http-allow-origin`; for one that is, the
+/// CORS answers a browser needs (the preflight, and the headers its page may send and read).
 async fn check_origin(State(gate): State<Arc<Gate>>, req: Request, next: Next) -> Response {
-    if let Some(origin) = req.headers().get(header::ORIGIN) {
+    if let Some(origin) = req.headers().get(header::ORIGIN).cloned() {
         let allowed = origin
             .to_str()
             .ok()
             .map(normalize_origin)
             .is_some_and(|o| gate.allowed_origins.contains(&o));
-        if !allowed {
-            tracing::warn!(origin = ?origin, path = %req.uri().path(), "refused a request from a foreign Origin");
-            return (
-                StatusCode::FORBIDDEN,
-                "Forbidden: requests from this Origin are not allowed (the server's operator can \
-                 allow it with --http-allow-origin)\n",
-            )
-                .into_response();
+        if allowed {
+            let preflight = req.method() == Method::OPTIONS;
+            let mut response = if preflight {
+                StatusCode::NO_CONTENT.into_response()
+            } else {
+                next.run(req).await
+            };
+            let h = response.headers_mut();
+            h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
+            h.insert(header::VARY, HeaderValue::from_static("Origin"));
+            h.insert(
+                header::ACCESS_CONTROL_EXPOSE_HEADERS,
+                HeaderValue::from_static("Mcp-Session-Id, WWW-Authenticate"),
+            );
+            if preflight {
+                h.insert(
+                    header::ACCESS_CONTROL_ALLOW_METHODS,
+                    HeaderValue::from_static("GET, POST, DELETE"),
+                );
+                h.insert(
+                    header::ACCESS_CONTROL_ALLOW_HEADERS,
+                    HeaderValue::from_static(
+                        "Authorization, Content-Type, Accept, Last-Event-ID, Mcp-Session-Id, \
+                         MCP-Protocol-Version, Mcp-Method, Mcp-Name",
+                    ),
+                );
+                h.insert(
+                    header::ACCESS_CONTROL_MAX_AGE,
+                    HeaderValue::from_static("600"),
+                );
+            }
+            return response;
         }
+        tracing::warn!(origin = ?origin, path = %req.uri().path(), "refused a request from a foreign Origin");
+        return (
+            StatusCode::FORBIDDEN,
+            "Forbidden: requests from this Origin are not allowed (the server's operator can \
+             allow it with --http-allow-origin)\n",
+        )
+            .into_response();
     }
     next.run(req).await
 }

@@ -29,7 +29,7 @@ import anyio
 import httpx2 as httpx
 import pytest
 
-from conftest import IRONCELL, PREFIX_FOR_USER, Run, server_env, shared_tmp_dir, wait_until
+from conftest import IRONCELL, PREFIX_FOR_USER, Run, pid_alive, server_env, shared_tmp_dir, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -81,6 +81,24 @@ class HttpServer:
     def audit(self, principal: str) -> list[dict]:
         f = self.principal_dirs()[principal] / "audit.jsonl"
         return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+    def descendants(self) -> list[int]:
+        """The pids of every process below the server (zygotes, workers, proxied servers)."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(parent, []).append(int(entry))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            for c in children.get(todo.pop(), []):
+                found.append(c)
+                todo.append(c)
+        return found
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -283,8 +301,13 @@ async def test_both_eras_serve_tools_resources_progress_and_cancellation(servers
 
     with httpx.Client() as h:
         assert h.get(srv.base + "/healthz").status_code == 200
+    # SIGTERM: a clean exit that takes every zygote and worker with it.
+    descendants = srv.descendants()
+    assert len(descendants) >= 2, descendants  # a zygote and the sessions' workers at least
+    assert srv.stop() == 0
+    assert wait_until(lambda: not [p for p in descendants if pid_alive(p)], timeout=10), descendants
     # Every audit line names the principal.
-    assert [e["principal"] for e in srv.audit("alice")] and all(e["principal"] == "alice" for e in srv.audit("alice"))
+    assert srv.audit("alice") and all(e["principal"] == "alice" for e in srv.audit("alice"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +485,14 @@ async def test_178_loopback_without_auth_needs_the_explicit_flag_and_checks_host
     r = post(srv.url, modern_call("1"), Host=f"evil.example:{port}")
     assert r.status_code == 403, r.text
     assert post(srv.url, modern_call("1"), Origin="http://evil.example").status_code == 403
-    assert post(srv.url, modern_call("1"), Origin="http://localhost:6274").status_code == 200
+    r = post(srv.url, modern_call("1"), Origin="http://localhost:6274")
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:6274"
+    # The browser's preflight for the allowed origin, and none for another.
+    pre = {"Origin": "http://localhost:6274", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type, mcp-session-id"}
+    r = httpx.options(srv.url, headers=pre)
+    assert r.status_code == 204 and "Mcp-Session-Id" in r.headers["access-control-allow-headers"], r.headers
+    assert httpx.options(srv.url, headers={**pre, "Origin": "http://evil.example"}).status_code == 403
 
 
 # ---------------------------------------------------------------------------------------------
