@@ -97,8 +97,8 @@ pub struct ServeArgs {
     #[arg(long, env = "IRONCELL_PRINCIPAL_MAX_RUNS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub principal_max_runs: u32,
 
-    /// Principals with sessions at once (each has its own zygote and spares). Past it, the
-    /// longest-idle principal without sessions is closed, or the request refused.
+    /// Principals with a world at once (each has its own zygote and spares). Past it, the
+    /// longest-idle principal without a live session is closed, or the request refused.
     #[arg(long, env = "IRONCELL_MAX_PRINCIPALS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub max_principals: u32,
 }

@@ -95,7 +95,7 @@ impl Worlds {
         if let Some(idle) = closed {
             let Some(oldest) = idle.into_iter().min_by_key(|w| *lock(&w.last_used)) else {
                 return Err(format!(
-                    "{} principals have sessions on this server, the most at once \
+                    "{} principals have live sessions on this server, the most at once \
                      (IRONCELL_MAX_PRINCIPALS); try again when one is idle",
                     self.max_principals
                 ));
@@ -151,14 +151,17 @@ impl Worlds {
         }))
     }
 
-    /// Worlds with no session, unused for at least `idle_for`.
+    /// Worlds without a live session (their workers ended: expired after the session TTL, or
+    /// gone), unused for at least `idle_for`.
     fn idle_worlds(
         &self,
         map: &HashMap<Principal, Arc<World>>,
         idle_for: Duration,
     ) -> Vec<Arc<World>> {
         map.values()
-            .filter(|w| w.sessions.session_count() == 0 && lock(&w.last_used).elapsed() >= idle_for)
+            .filter(|w| {
+                w.sessions.live_worker_count() == 0 && lock(&w.last_used).elapsed() >= idle_for
+            })
             .cloned()
             .collect()
     }
@@ -180,8 +183,8 @@ impl Worlds {
         }
     }
 
-    /// Closes worlds that have had no session for the session TTL (their zygote and spares are
-    /// memory nobody uses); a principal's next request starts a fresh one.
+    /// Closes worlds that have had no live session and no request for the session TTL (their
+    /// zygote and spares are memory nobody uses); a principal's next request starts a fresh one.
     pub async fn reap_idle_periodically(self: Arc<Self>) {
         let mut tick = tokio::time::interval(REAP_EVERY);
         loop {

@@ -674,6 +674,20 @@ async def test_180_per_principal_limits_on_runs_and_live_sessions(servers):
         assert info
 
 
+async def test_180_principals_at_once_are_capped_and_an_idle_one_makes_room(servers):
+    srv = tokens_server(servers, {"alice": "ta", "bob": "tb"}, IRONCELL_MAX_PRINCIPALS="1",
+                        IRONCELL_SESSION_TTL="2s")
+    async with client(srv.url, "ta") as a, client(srv.url, "tb") as b:
+        assert value(await run(a, "1")) == 1
+        with pytest.raises(Exception, match="IRONCELL_MAX_PRINCIPALS"):
+            await run(b, "2")
+        # Alice's session expires (its worker ends): her world gives way to bob's.
+        await anyio.sleep(4)
+        assert value(await run(b, "2")) == 2
+        with pytest.raises(Exception, match="IRONCELL_MAX_PRINCIPALS"):
+            await run(a, "3")
+
+
 # ---------------------------------------------------------------------------------------------
 # Load: 20 principals x 10 sessions over HTTP, both eras, nothing lost or crossed
 # ---------------------------------------------------------------------------------------------
