@@ -674,6 +674,27 @@ async def test_180_per_principal_limits_on_runs_and_live_sessions(servers):
         assert info
 
 
+def test_180_a_principal_holds_at_most_256_protocol_sessions(servers):
+    srv = tokens_server(servers, {"alice": "ta", "bob": "tb"})
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": LEGACY, "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}
+    with httpx.Client(timeout=30) as h:
+        hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        ids = []
+        for _ in range(256):
+            r = h.post(srv.url, json=init, headers={**hdr, "Authorization": "Bearer ta"})
+            assert r.status_code == 200, r.text
+            ids.append(r.headers["mcp-session-id"])
+        r = h.post(srv.url, json=init, headers={**hdr, "Authorization": "Bearer ta"})
+        assert r.status_code == 429 and "DELETE" in r.text, r.text
+        # Bob is not held up; alice closing one makes room for one.
+        assert h.post(srv.url, json=init, headers={**hdr, "Authorization": "Bearer tb"}).status_code == 200
+        r = h.delete(srv.url, headers={"Authorization": "Bearer ta", "Mcp-Session-Id": ids[0],
+                                       "MCP-Protocol-Version": LEGACY})
+        assert r.status_code in (200, 202, 204), r.text
+        assert h.post(srv.url, json=init, headers={**hdr, "Authorization": "Bearer ta"}).status_code == 200
+
+
 async def test_180_principals_at_once_are_capped_and_an_idle_one_makes_room(servers):
     srv = tokens_server(servers, {"alice": "ta", "bob": "tb"}, IRONCELL_MAX_PRINCIPALS="1",
                         IRONCELL_SESSION_TTL="2s")
