@@ -384,6 +384,16 @@ pub fn parse_jwks(bytes: &[u8]) -> Result<Vec<Key>, String> {
     for (i, jwk) in set.keys.iter().enumerate() {
         let kid = jwk.common.key_id.clone();
         let name = kid.clone().unwrap_or_else(|| format!("#{i}"));
+        if matches!(
+            jwk.common.public_key_use,
+            Some(
+                jsonwebtoken::jwk::PublicKeyUse::Encryption
+                    | jsonwebtoken::jwk::PublicKeyUse::Other(_)
+            )
+        ) {
+            tracing::warn!("JWKS key {name}: not a signature key (use), skipped");
+            continue;
+        }
         let family: &'static [Algorithm] = match &jwk.algorithm {
             AlgorithmParameters::RSA(_) => RSA_ALGS,
             AlgorithmParameters::EllipticCurve(p) => match p.curve {
