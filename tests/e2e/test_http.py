@@ -670,8 +670,6 @@ async def test_180_per_principal_limits_on_runs_and_live_sessions(servers):
             assert value(await run(a, f"v = {i}\nv", session=f"s{i}")) == i
         r = await run(b, "1", session="b0")
         assert r["session_state"] == "kept", r
-        info = json.loads((await b.read_resource("system://info")).contents[0].text)
-        assert info
 
 
 def test_180_a_principal_holds_at_most_256_protocol_sessions(servers):
@@ -759,4 +757,3 @@ async def test_load_20_principals_by_10_sessions_lose_and_cross_nothing(servers)
         lines = srv.audit(name)
         assert len(lines) == 2 * SESSIONS and {e["principal"] for e in lines} == {name}
     print(f"{PRINCIPALS * SESSIONS * 2} runs of {PRINCIPALS} principals x {SESSIONS} sessions in {elapsed:.1f} s")
-    assert os.path.exists(srv.state)
