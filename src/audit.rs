@@ -44,6 +44,9 @@ const MAX_REFUSED_CHARS: usize = 2000;
 pub struct AuditEntry {
     /// RFC 3339, UTC.
     pub time: String,
+    /// Whose session it is, under `serve --http` (the token's principal).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub principal: Option<String>,
     pub session: String,
     pub code_sha256: String,
     pub code_head: String,
@@ -88,6 +91,7 @@ impl AuditEntry {
             .collect();
         let mut e = AuditEntry {
             time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            principal: None,
             session: session.to_string(),
             code_sha256: sha2::Sha256::digest(code.as_bytes())
                 .iter()
@@ -173,6 +177,7 @@ impl AuditEntry {
     fn continuation(&self) -> AuditEntry {
         AuditEntry {
             time: self.time.clone(),
+            principal: self.principal.clone(),
             session: self.session.clone(),
             code_sha256: self.code_sha256.clone(),
             code_head: String::new(),
@@ -230,6 +235,8 @@ pub struct AuditLog {
     /// The file lines are appended to, kept open between runs (a line then costs one
     /// `stat` and one `write`), with its inode.
     open: Mutex<Option<(std::fs::File, u64)>>,
+    /// The principal every line is stamped with, under `serve --http`.
+    principal: std::sync::OnceLock<String>,
 }
 
 impl AuditLog {
@@ -238,7 +245,13 @@ impl AuditLog {
             dir: state_dir.to_path_buf(),
             max_bytes: max_bytes.max(4096),
             open: Mutex::new(None),
+            principal: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Stamps every line appended from now on with `principal`.
+    pub fn set_principal(&self, principal: &str) {
+        let _ = self.principal.set(principal.to_string());
     }
 
     pub fn path(&self) -> PathBuf {
@@ -249,6 +262,17 @@ impl AuditLog {
     /// logged, never fatal: a run's result does not depend on its audit line. Quick enough for
     /// the async runtime: a line goes to a file kept open, in the host's own state directory.
     pub fn append(&self, entry: &AuditEntry) {
+        let stamped;
+        let entry = match self.principal.get() {
+            Some(p) if entry.principal.is_none() => {
+                stamped = AuditEntry {
+                    principal: Some(p.clone()),
+                    ..entry.clone()
+                };
+                &stamped
+            }
+            _ => entry,
+        };
         let mut open = crate::lock(&self.open);
         for line in entry.lines() {
             if let Err(e) = self.append_line(&mut open, &(line + "\n")) {

@@ -38,7 +38,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve MCP on stdin/stdout (the default). Configure your MCP client to start this.
-    Serve,
+    /// With `--http ADDR:PORT`: serve MCP Streamable HTTP at `/mcp` for a team, each principal
+    /// (bearer token) with sessions of its own.
+    Serve(Box<crate::http::ServeArgs>),
     /// Run Python once in a fresh worker and print the result, e.g. `ironcell exec 'print(6*7)'`.
     /// Reads the code from stdin when CODE is `-`. Exits 1 if the code failed.
     Exec {
@@ -63,6 +65,9 @@ enum Command {
         /// Print the entries as JSON lines instead of a table.
         #[arg(long)]
         json: bool,
+        /// The audit of this principal of `serve --http` (its own file, in its directory).
+        #[arg(long)]
+        principal: Option<String>,
     },
     /// Write (or merge into) the config of your MCP client so it starts ironcell: Claude Code,
     /// Claude Desktop on Linux, Claude Desktop on Windows through WSL2, or print the Docker
@@ -170,7 +175,16 @@ pub fn main() -> ExitCode {
     };
     let outcome = runtime.block_on(async move {
         match cli.command {
-            None | Some(Command::Serve) => serve(cli.settings).await.map(|_| ExitCode::SUCCESS),
+            None => serve(cli.settings).await.map(|_| ExitCode::SUCCESS),
+            Some(Command::Serve(args)) if args.http.is_some() => {
+                crate::http::serve(cli.settings, *args, own_executable()?)
+                    .await
+                    .map(|_| ExitCode::SUCCESS)
+            }
+            Some(Command::Serve(args)) => match crate::http::check_stdio_flags(&args) {
+                Ok(()) => serve(cli.settings).await.map(|_| ExitCode::SUCCESS),
+                Err(e) => Err(e),
+            },
             Some(Command::Exec { code }) => exec(cli.settings, code).await,
             Some(Command::Demo) => crate::demo::run(cli.settings)
                 .await
@@ -180,12 +194,16 @@ pub fn main() -> ExitCode {
                 session,
                 since,
                 json,
+                principal,
             }) => {
                 // The same directory `serve` writes to, fallback included.
-                let dir = cli
+                let mut dir = cli
                     .settings
                     .prepare_state_dir()
                     .unwrap_or_else(|_| cli.settings.resolved_state_dir());
+                if let Some(p) = principal {
+                    dir = crate::http::principals::principal_dir(&dir, &p);
+                }
                 let log = crate::audit::AuditLog::new(&dir, cli.settings.audit_max_bytes);
                 print!(
                     "{}",

@@ -78,8 +78,14 @@ impl Jobs {
         }
     }
 
-    /// Starts `req` in its own task and registers it as a job.
-    pub fn start(&self, sessions: Arc<SessionManager>, mut req: RunRequest) -> Arc<Job> {
+    /// Starts `req` in its own task and registers it as a job. `hold` (a principal's run slot,
+    /// under `serve --http`) is kept until the run ends.
+    pub fn start(
+        &self,
+        sessions: Arc<SessionManager>,
+        mut req: RunRequest,
+        hold: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Arc<Job> {
         self.expire();
         let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed) + 1);
         let (progress_tx, progress_rx) = watch::channel(Progress::default());
@@ -105,6 +111,7 @@ impl Jobs {
             .map(|log| (log, req.session.clone(), req.code.clone()));
         tokio::spawn(async move {
             let result = sessions.run(req, cancel).await.map_err(|e| e.to_string());
+            drop(hold);
             if let Some((log, session, code)) = audit {
                 let entry = AuditEntry::new(&session, &code, &result);
                 log.append(&entry);

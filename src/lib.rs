@@ -22,6 +22,8 @@
 //!   host's handle on it: spawn requests, exits, readiness.
 //! - [`server`]: the rmcp `ServerHandler`: the tools and the `system://info` resource.
 //! - [`stdio`]: the stdio transport: bounded lines, an answer for every malformed one.
+//! - [`http`]: `serve --http`: Streamable HTTP at `/mcp`, bearer-token authentication, and a
+//!   world of sessions per principal.
 //! - [`session`]: the session table, timeouts, cancellation, caps, spare workers (the pool), the
 //!   per-cell run loop, the scratch quota and the shared font cache.
 //! - [`output`]: output collection (head, tail, spill file), the run record and its renderings.
@@ -61,6 +63,7 @@ pub(crate) mod doctor;
 pub(crate) mod files;
 pub(crate) use ironcell_core::{frame, sandbox};
 pub(crate) mod host_fs;
+pub(crate) mod http;
 pub(crate) mod jobs;
 pub(crate) mod local_tools;
 pub(crate) mod memory;

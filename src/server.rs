@@ -48,6 +48,8 @@ pub struct IroncellServer {
     tools: Arc<Vec<Tool>>,
     /// `@tool` functions from `--tools` files and `save_tool` (none unless in use).
     local_tools: Arc<crate::local_tools::LocalTools>,
+    /// Runs at once, when limited (a principal's share under `serve --http`).
+    run_slots: Option<(Arc<tokio::sync::Semaphore>, u32)>,
 }
 
 impl IroncellServer {
@@ -65,7 +67,14 @@ impl IroncellServer {
             jobs: Arc::new(Jobs::with_audit(audit)),
             tools,
             local_tools,
+            run_slots: None,
         }
+    }
+
+    /// At most `runs` of this server's runs at once; one more is refused, not queued.
+    pub fn with_run_limit(mut self, runs: u32) -> Self {
+        self.run_slots = Some((Arc::new(tokio::sync::Semaphore::new(runs as usize)), runs));
+        self
     }
 
     /// Waits for `job` up to `limit`, sending progress notifications if the client asked for
@@ -176,11 +185,25 @@ impl IroncellServer {
             ))
             .into();
         }
+        let hold = match &self.run_slots {
+            None => None,
+            Some((slots, limit)) => match slots.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    return error_result(format!(
+                        "{limit} runs of yours are going already, the most at once \
+                         (IRONCELL_PRINCIPAL_MAX_RUNS); wait for one to end ({JOB_TOOL_NAME}), \
+                         or cancel one"
+                    ))
+                    .into();
+                }
+            },
+        };
         // Approval questions for this session's proxied calls go to this client, in its era.
         self.sessions
             .proxy()
             .set_asker(&run.session, asker_for(context));
-        let job = self.jobs.start(self.sessions.clone(), run);
+        let job = self.jobs.start(self.sessions.clone(), run, hold);
         self.answer_for_job(&job, request, context).await
     }
 
@@ -564,6 +587,23 @@ fn result_content(
     content
 }
 
+/// What `initialize` and `server/discover` answer: the capabilities (`tools.listChanged` when
+/// the tool list can change) and the server's name and instructions.
+pub fn server_config(tool_list_changes: bool) -> ServerConfig {
+    let capabilities = ServerCapabilities::builder().enable_tools();
+    let capabilities = if tool_list_changes {
+        capabilities.enable_tool_list_changed()
+    } else {
+        capabilities
+    };
+    ServerConfig::new(capabilities.enable_resources().enable_tasks().build())
+        .with_server_info(Implementation::new("ironcell", env!("CARGO_PKG_VERSION")))
+        .with_instructions(
+            "ironcell runs Python in kernel-sandboxed sessions via the run_python tool. \
+             Read system://info for the interpreter, limits and sandbox in force.",
+        )
+}
+
 fn error_result(message: impl Into<String>) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(format!(
         "error: {}",
@@ -573,19 +613,8 @@ fn error_result(message: impl Into<String>) -> CallToolResult {
 
 impl ServerHandler for IroncellServer {
     fn get_info(&self) -> ServerConfig {
-        let capabilities = ServerCapabilities::builder().enable_tools();
         // Only servers whose tool list can change say so (local tools in use).
-        let capabilities = if self.local_tools.advertises_list_changed() {
-            capabilities.enable_tool_list_changed()
-        } else {
-            capabilities
-        };
-        ServerConfig::new(capabilities.enable_resources().enable_tasks().build())
-            .with_server_info(Implementation::new("ironcell", env!("CARGO_PKG_VERSION")))
-            .with_instructions(
-                "ironcell runs Python in kernel-sandboxed sessions via the run_python tool. \
-                 Read system://info for the interpreter, limits and sandbox in force.",
-            )
+        server_config(self.local_tools.advertises_list_changed())
     }
 
     /// Both eras: 2026-07-28 (`server/discover`, per-request `_meta`, no handshake) and the
