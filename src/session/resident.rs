@@ -288,7 +288,11 @@ impl SessionManager {
                 })
                 .collect()
         };
-        let children_possible = self.sandbox.landlock_abi >= 6;
+        // Workers have children only where the sandbox lets them fork: elsewhere no walk (a
+        // thread storm's thousands of tasks would each be read every tick).
+        let tmp =
+            crate::sandbox::private_tmp::host_status(self.settings.private_tmp, self.state_dir());
+        let children_possible = self.sandbox.children(&tmp).is_ok();
         if !children_possible && due.iter().all(|(_, d)| !d) {
             return;
         }
