@@ -656,32 +656,7 @@ _current_run = [0]
 def _watch_figure_saves():
     """Marks matplotlib figures the code saved to a file itself, so a figure saved and left
     open comes back once (as the saved file), not twice."""
-    import importlib.abc
-
-    if "matplotlib.figure" in sys.modules:
-        _mark_saved_figures(sys.modules["matplotlib.figure"])
-        return
-
-    class PatchOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "matplotlib.figure":
-                return None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None and spec.loader is not None:
-                    load = spec.loader.exec_module
-
-                    def exec_module(module, _load=load):
-                        _load(module)
-                        _mark_saved_figures(module)
-
-                    spec.loader.exec_module = exec_module
-                    return spec
-            return None
-
-    sys.meta_path.insert(0, PatchOnImport())
+    _patch_after_import("matplotlib.figure", _mark_saved_figures)
 
 
 def _mark_saved_figures(figure_module):

@@ -77,7 +77,7 @@ def test_a_child_cannot_act_on_its_parent_another_session_or_the_host(box):
         "        'own_limits': outcome(lambda: resource.getrlimit(resource.RLIMIT_NOFILE)),\n"
         "    }\n"
         "    os.write(w, repr(res).encode()); os._exit(0)\n"
-        "os.close(w); res = eval(os.read(r, 65536)); os.wait()\n"
+        "os.close(w); res = __import__('ast').literal_eval(os.read(r, 65536).decode()); os.wait()\n"
         "(res, before == resource.getrlimit(resource.RLIMIT_NOFILE))",
         session="attacker"))
     res, limits_kept = got
@@ -98,7 +98,7 @@ def test_a_child_cannot_act_on_its_parent_another_session_or_the_host(box):
         "if os.fork() == 0:\n"
         "    os.write(w, repr((outcome(lambda: os.kill(os.getppid(), 0)), outcome(lambda: os.kill(sib, signal.SIGKILL)))).encode())\n"
         "    os._exit(0)\n"
-        "seen = eval(os.read(r, 4096)); os.wait()\n"
+        "seen = __import__('ast').literal_eval(os.read(r, 4096).decode()); os.wait()\n"
         "os.kill(sib, signal.SIGKILL); _, status = os.waitpid(sib, 0)\n"
         "(seen, os.WIFSIGNALED(status))", session="siblings"))
     assert got == (("PermissionError:1", "PermissionError:1"), True), got

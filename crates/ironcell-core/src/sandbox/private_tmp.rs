@@ -277,32 +277,20 @@ fn enter_namespace_and_mount(p: &Prepared) -> Result<(&'static str, bool), StepE
     } else {
         libc::MS_BIND
     };
-    if !p.bind_tmp {
-        return Ok((how, bind_over_dev_shm(p, flags)));
-    }
-    // SAFETY: mount(2) of a bind; both paths are NUL-terminated and outlive the call.
-    let rc = unsafe {
-        libc::mount(
-            p.source.as_ptr(),
-            PATH_TMP.as_ptr(),
-            std::ptr::null(),
-            flags,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
+    if p.bind_tmp && !bind(&p.source, PATH_TMP, flags) {
         return Err(StepError::last_os(5));
     }
-    Ok((how, bind_over_dev_shm(p, flags)))
+    // `false` where there is no `/dev/shm` to bind over.
+    Ok((how, bind(&p.source, PATH_DEV_SHM, flags)))
 }
 
-/// The session directory over `/dev/shm` too; `false` where that cannot be (no `/dev/shm`).
-fn bind_over_dev_shm(p: &Prepared, flags: libc::c_ulong) -> bool {
+/// `mount(source, target, MS_BIND | ..)`; whether it succeeded (errno says why not).
+fn bind(source: &CStr, target: &CStr, flags: libc::c_ulong) -> bool {
     // SAFETY: mount(2) of a bind; both paths are NUL-terminated and outlive the call.
     let rc = unsafe {
         libc::mount(
-            p.source.as_ptr(),
-            PATH_DEV_SHM.as_ptr(),
+            source.as_ptr(),
+            target.as_ptr(),
             std::ptr::null(),
             flags,
             std::ptr::null(),
