@@ -135,7 +135,7 @@ impl AuditEntry {
     pub fn call_alone(
         session: &str,
         run: Option<u64>,
-        call: &crate::proxy::CallSummary,
+        call: &ironcell_core::bridge::CallSummary,
     ) -> AuditEntry {
         let mut e = AuditEntry::new(session, "", &Err(String::new()));
         e.code_sha256 = String::new();

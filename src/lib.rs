@@ -33,6 +33,8 @@
 //!   in a sandboxed tools session.
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
 //! - [`proxy`]: the user's other MCP servers: config, upstream clients, rules, search.
+//! - [`router`]: where a worker's bridge requests go (parsed once into
+//!   [`ironcell_core::bridge::Request`]): the proxy, memory, local tools, change tracking.
 //! - [`audit`]: the audit log of runs and proxied calls.
 //! - [`packages`]: `%pip install` in a cell: host-side resolution with pip, wheels checked and
 //!   unpacked into a content-addressed store, linked read-only into the session's worker.
@@ -71,6 +73,8 @@ pub(crate) mod output;
 pub(crate) mod packages;
 pub(crate) mod proxy;
 pub(crate) mod python;
+pub(crate) mod router;
+pub(crate) mod run;
 pub(crate) mod server;
 pub(crate) mod session;
 pub(crate) mod setup;

@@ -30,8 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::lock;
 use crate::output::{RunRecord, RunStatus};
-use crate::proxy::ErrorKind;
-use crate::session::{RunRequest, SessionManager};
+use crate::run::RunRequest;
+use ironcell_core::bridge::{BridgeError, ErrorKind, ToolsRequest};
 
 /// The reserved session whose worker loads and runs the tools of the `--tools` files.
 pub const TOOLS_SESSION: &str = "ironcell.tools";
@@ -214,7 +214,7 @@ fn admit(catalog: &mut Catalog, tool: LocalTool) {
 
 /// The local tools of this server.
 pub struct LocalTools {
-    sessions: Weak<SessionManager>,
+    sessions: Weak<dyn ToolSessions>,
     /// The `--tools` files and folders, resolved to real paths.
     paths: Vec<PathBuf>,
     /// `--tools` entries that cannot be used, with why.
@@ -347,7 +347,7 @@ fn owner_of(dir: &Path, name: &str) -> Option<String> {
 impl LocalTools {
     /// Sets up the local tools of `sessions` (from its settings) and starts loading them in the
     /// background when there are any.
-    pub fn start(sessions: &Arc<SessionManager>) -> Arc<LocalTools> {
+    pub fn start<S: ToolSessions + 'static>(sessions: &Arc<S>) -> Arc<LocalTools> {
         let settings = sessions.settings();
         let state_dir = sessions.state_dir().to_path_buf();
         let saved_dir = state_dir.join("tools");
@@ -357,8 +357,9 @@ impl LocalTools {
         }
         let has_saved = saved_tool_files(&saved_dir).next().is_some();
         let in_use = !settings.tools.is_empty() || has_saved;
+        let weak: Weak<dyn ToolSessions> = Arc::downgrade(sessions) as Weak<S>;
         let tools = Arc::new(LocalTools {
-            sessions: Arc::downgrade(sessions),
+            sessions: weak,
             paths,
             path_errors,
             saved_dir,
@@ -791,9 +792,8 @@ impl LocalTools {
                 },
                 cancel,
             )
-            .await
-            .map_err(|e| e.to_string());
-        if let Some(log) = sessions.proxy().audit() {
+            .await;
+        if let Some(log) = sessions.audit() {
             // The generated cell holds the call's arguments: the line names the function only.
             let mut entry =
                 crate::audit::AuditEntry::new(session, &format!("mcp.{function}(…)"), &outcome);
@@ -938,39 +938,26 @@ impl LocalTools {
     pub async fn handle(
         &self,
         from: &str,
-        op: ToolsOp,
-        params: &Value,
+        request: ToolsRequest,
         cancel: CancellationToken,
-    ) -> Value {
-        match self.handle_op(from, op, params, cancel).await {
-            Ok(result) => json!({ "result": result }),
-            Err((kind, message)) => crate::proxy::error_payload(kind, &message),
-        }
-    }
-
-    async fn handle_op(
-        &self,
-        from: &str,
-        op: ToolsOp,
-        params: &Value,
-        cancel: CancellationToken,
-    ) -> Result<Value, (ErrorKind, String)> {
+    ) -> Result<Value, BridgeError> {
         let from_tools = is_reserved_session(from);
-        match op {
-            ToolsOp::Result | ToolsOp::Catalog => {
+        match request {
+            ToolsRequest::Answer { token, answer, .. } => {
                 if !from_tools {
-                    return Err((
+                    return Err(BridgeError::new(
                         ErrorKind::BadRequest,
                         "only the tools session answers".into(),
                     ));
                 }
-                self.accept_answer(from, params).map(|()| Value::Null)
+                self.accept_answer(from, &token, answer)
+                    .map(|()| Value::Null)
             }
-            ToolsOp::List | ToolsOp::Call if from_tools => Err((
+            ToolsRequest::List | ToolsRequest::Call { .. } if from_tools => Err(BridgeError::new(
                 ErrorKind::BadRequest,
                 "inside a tool, call other tools as plain functions".into(),
             )),
-            ToolsOp::List => {
+            ToolsRequest::List => {
                 let catalog = if self.listed.load(Ordering::SeqCst) {
                     self.ensure_catalog_unless(&cancel).await.ok_or_else(gone)?
                 } else {
@@ -997,14 +984,12 @@ impl LocalTools {
                     .collect();
                 Ok(json!({"tools": tools, "errors": catalog.errors}))
             }
-            ToolsOp::Call => {
-                let name = params.get("name").and_then(Value::as_str).unwrap_or("");
-                let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
+            ToolsRequest::Call { name, arguments } => {
                 if !arguments.is_object() {
-                    return Err((ErrorKind::BadRequest, "the arguments must be a dict".into()));
+                    return Err(BridgeError::new(ErrorKind::BadRequest, "the arguments must be a dict".into()));
                 }
                 let found = if self.listed.load(Ordering::SeqCst) {
-                    self.find_tool_unless(name, &cancel)
+                    self.find_tool_unless(&name, &cancel)
                         .await
                         .ok_or_else(gone)?
                 } else {
@@ -1020,46 +1005,46 @@ impl LocalTools {
                             names.join(", ")
                         };
                         let message = format!("no local tool {name:?}; tools: {names}");
-                        return Err((ErrorKind::UnknownTool, message));
+                        return Err(BridgeError::new(ErrorKind::UnknownTool, message));
                     }
                 };
                 let (record, envelope) = self
                     .invoke(&tool, arguments, cancel, &format!("session {from:?}"))
                     .await
-                    .map_err(|why| (ErrorKind::Unavailable, why))?;
+                    .map_err(|why| BridgeError::new(ErrorKind::Unavailable, why))?;
                 let Some(env) = envelope else {
-                    return Err((ErrorKind::Unavailable, record.render(self.output_mode)));
+                    return Err(BridgeError::new(ErrorKind::Unavailable, record.render(self.output_mode)));
                 };
                 if env.get("ok") == Some(&Value::Bool(true)) {
                     return Ok(env.get("value").cloned().unwrap_or(Value::Null));
                 }
                 let message = env.get("message").and_then(Value::as_str).unwrap_or("");
                 match env.get("kind").and_then(Value::as_str) {
-                    Some("validation") => Err((
+                    Some("validation") => Err(BridgeError::new(
                         ErrorKind::BadRequest,
                         format!("invalid arguments for {name}: {message}"),
                     )),
                     Some("raised") => {
                         let kind = env.get("type").and_then(Value::as_str).unwrap_or("Error");
                         let tb = env.get("traceback").and_then(Value::as_str).unwrap_or("");
-                        Err((
+                        Err(BridgeError::new(
                             ErrorKind::Refused,
                             format!("{name} raised {kind}: {message}\n{tb}"),
                         ))
                     }
-                    _ => Err((ErrorKind::Unavailable, message.to_string())),
+                    _ => Err(BridgeError::new(ErrorKind::Unavailable, message.to_string())),
                 }
             }
-            ToolsOp::Save | ToolsOp::Delete if from_tools => Err((
+            ToolsRequest::Save { .. } | ToolsRequest::Delete { .. } if from_tools => Err(BridgeError::new(
                 ErrorKind::BadRequest,
                 "a tool cannot save or delete tools (its save would reload the tools, which runs it \
                  again); do it from a run_python session"
                     .into(),
             )),
-            ToolsOp::Save => {
+            ToolsRequest::Save { name, source } => {
                 // The user's tools keep their names: a saved tool of the same name would never
                 // be listed. Asked of the files' tools (waiting for a load of them in progress).
-                let name = params.get("name").and_then(Value::as_str).unwrap_or("");
+                let shown = name.as_deref().unwrap_or("");
                 if !self.paths.is_empty()
                     && self
                         .files_part_unless(&cancel)
@@ -1067,22 +1052,22 @@ impl LocalTools {
                         .ok_or_else(gone)?
                         .tools
                         .iter()
-                        .any(|t| t.name == name)
+                        .any(|t| *t.name == *shown)
                 {
-                    return Err((
+                    return Err(BridgeError::new(
                         ErrorKind::BadRequest,
                         format!(
-                            "a tool named {name:?} comes from the tools files; choose another name"
+                            "a tool named {shown:?} comes from the tools files; choose another name"
                         ),
                     ));
                 }
-                let message = self.save(from, params)?;
+                let message = self.save(from, name, source)?;
                 Ok(json!({ "message": message }))
             }
-            ToolsOp::Delete => {
-                let name = params.get("name").and_then(Value::as_str).unwrap_or("");
+            ToolsRequest::Delete { name } => {
+                let name = name.as_str();
                 if !valid_tool_name(name) {
-                    return Err((ErrorKind::BadRequest, format!("no saved tool {name:?}")));
+                    return Err(BridgeError::new(ErrorKind::BadRequest, format!("no saved tool {name:?}")));
                 }
                 let _saving = lock(&SAVING);
                 if self.saved_dir.join(format!("{name}.py")).is_file() {
@@ -1094,31 +1079,30 @@ impl LocalTools {
                         self.list_changed();
                         Ok(json!({"message": format!("Tool {name:?} deleted.")}))
                     }
-                    Err(_) => Err((ErrorKind::BadRequest, format!("no saved tool {name:?}"))),
+                    Err(_) => Err(BridgeError::new(ErrorKind::BadRequest, format!("no saved tool {name:?}"))),
                 }
             }
         }
     }
 
     /// Takes an answer of the tools session `from` for a token the host is waiting for from it.
-    fn accept_answer(&self, from: &str, params: &Value) -> Result<(), (ErrorKind, String)> {
-        let token = params.get("token").and_then(Value::as_str).unwrap_or("");
-        let size = params.to_string().len();
+    fn accept_answer(&self, from: &str, token: &str, answer: Value) -> Result<(), BridgeError> {
+        let size = answer.to_string().len();
         let mut inbox = lock(&self.inbox);
         let Some((session, slot)) = inbox.get_mut(token) else {
-            return Err((
+            return Err(BridgeError::new(
                 ErrorKind::BadRequest,
                 "no answer is expected under that token".into(),
             ));
         };
         if session != from {
-            return Err((
+            return Err(BridgeError::new(
                 ErrorKind::BadRequest,
                 "no answer is expected from this session under that token".into(),
             ));
         }
         if slot.is_some() {
-            return Err((
+            return Err(BridgeError::new(
                 ErrorKind::BadRequest,
                 "that token was already answered".into(),
             ));
@@ -1131,20 +1115,20 @@ impl LocalTools {
             *slot = Some(
                 json!({"envelope": {"ok": false, "kind": "raised", "type": "ValueError", "message": note, "traceback": ""}, "tools": [], "errors": [{"file": "", "reason": note}]}),
             );
-            return Err((ErrorKind::BadRequest, note));
+            return Err(BridgeError::new(ErrorKind::BadRequest, note));
         }
-        *slot = Some(params.clone());
+        *slot = Some(answer);
         Ok(())
     }
 
     /// Refuses a session's `what` (replace, delete) of a saved tool another session saved.
-    fn check_owner(&self, from: &str, name: &str, what: &str) -> Result<(), (ErrorKind, String)> {
+    fn check_owner(&self, from: &str, name: &str, what: &str) -> Result<(), BridgeError> {
         let owner = owner_of(&self.saved_dir, name);
         if owner.as_deref() == Some(from) {
             return Ok(());
         }
         let file = self.saved_dir.join(format!("{name}.py"));
-        Err((
+        Err(BridgeError::new(
             ErrorKind::Refused,
             format!(
                 "the saved tool {name:?} belongs to {}; a session may only {what} the tools it saved. Choose another name, or ask the user to remove it (`ironcell saved-tools delete {name}`, or delete {} on the host)",
@@ -1159,22 +1143,22 @@ impl LocalTools {
 
     /// Writes a saved tool (`<state dir>/tools/<name>.py`) owned by session `from`, and
     /// announces the new list.
-    fn save(&self, from: &str, params: &Value) -> Result<String, (ErrorKind, String)> {
-        let bad = |m: String| (ErrorKind::BadRequest, m);
-        let name = params
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("a tool name must be a string".into()))?;
+    fn save(
+        &self,
+        from: &str,
+        name: Option<String>,
+        source: Option<String>,
+    ) -> Result<String, BridgeError> {
+        let bad = |m: String| BridgeError::new(ErrorKind::BadRequest, m);
+        let name = name.ok_or_else(|| bad("a tool name must be a string".into()))?;
+        let name = name.as_str();
         if !valid_tool_name(name) {
             return Err(bad(format!(
                 "invalid tool name {name:?}: use a Python identifier of at most 64 ASCII letters, digits and '_', other than {}",
                 RESERVED_NAMES.join(" and ")
             )));
         }
-        let source = params
-            .get("source")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("the tool's source must be a string".into()))?;
+        let source = source.ok_or_else(|| bad("the tool's source must be a string".into()))?;
         if source.len() > MAX_SAVED_TOOL_BYTES {
             return Err(bad(format!(
                 "the tool's source is {} bytes; the limit is {MAX_SAVED_TOOL_BYTES}",
@@ -1194,7 +1178,7 @@ impl LocalTools {
             )));
         }
         let failed = |e: std::io::Error| {
-            (
+            BridgeError::new(
                 ErrorKind::Unavailable,
                 format!("saving the tool failed: {e}"),
             )
@@ -1249,22 +1233,24 @@ impl LocalTools {
     }
 }
 
-/// A `tools.<op>` bridge request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ToolsOp {
-    /// The tools session answers a call the host made (only it may).
-    Result,
-    /// The tools session answers with the catalog it loaded (only it may).
-    Catalog,
-    /// The tools a session can call.
-    List,
-    /// A call of one tool.
-    Call,
-    /// `save_tool`.
-    Save,
-    /// Deletes a saved tool.
-    Delete,
+/// What the local tools need of the sessions their cells run in (the session manager): the
+/// tools never reach into sessions otherwise.
+pub trait ToolSessions: Send + Sync {
+    fn settings(&self) -> &crate::config::Settings;
+    fn state_dir(&self) -> &Path;
+    /// Connects the tools (done once, by [`LocalTools::start`]).
+    fn set_local_tools(&self, tools: Arc<LocalTools>);
+    fn local_tools(&self) -> Option<Arc<LocalTools>>;
+    /// Runs a cell; the error is why it was refused before any code ran.
+    fn run(
+        &self,
+        request: RunRequest,
+        cancel: CancellationToken,
+    ) -> futures::future::BoxFuture<'_, Result<RunRecord, String>>;
+    /// Stops the session's worker if it is idle.
+    fn stop_idle_worker<'a>(&'a self, session: &'a str) -> futures::future::BoxFuture<'a, ()>;
+    /// The audit log, once the server has set it.
+    fn audit(&self) -> Option<Arc<crate::audit::AuditLog>>;
 }
 
 /// Answers a `tools.<op>` bridge request of the worker of session `from` (an error where no
@@ -1273,24 +1259,22 @@ pub enum ToolsOp {
 pub fn handle_request(
     tools: Option<Arc<LocalTools>>,
     from: String,
-    op: ToolsOp,
-    params: Value,
+    request: ToolsRequest,
     cancel: CancellationToken,
-) -> futures::future::BoxFuture<'static, Value> {
+) -> futures::future::BoxFuture<'static, Result<Value, BridgeError>> {
     Box::pin(async move {
         match tools {
-            Some(t) => t.handle(&from, op, &params, cancel).await,
-            None => crate::proxy::error_payload(
-                ErrorKind::Unavailable,
+            Some(t) => t.handle(&from, request, cancel).await,
+            None => Err(BridgeError::unavailable(
                 "local tools are only available under `ironcell serve`",
-            ),
+            )),
         }
     })
 }
 
 /// The error of a request whose worker went while it waited (nobody reads it).
-fn gone() -> (ErrorKind, String) {
-    (ErrorKind::Unavailable, "the caller is gone".into())
+fn gone() -> BridgeError {
+    BridgeError::new(ErrorKind::Unavailable, "the caller is gone".into())
 }
 
 fn session_failure(why: &str) -> LoadError {
@@ -1550,7 +1534,7 @@ mod tests {
         std::fs::create_dir_all(&files).unwrap();
         std::fs::create_dir_all(&saved).unwrap();
         let tools = LocalTools {
-            sessions: Weak::new(),
+            sessions: Weak::<crate::session::SessionManager>::new(),
             paths: vec![files.clone()],
             path_errors: Vec::new(),
             saved_dir: saved.clone(),
@@ -1587,20 +1571,20 @@ mod tests {
         let answer = json!({"token": "t1", "tools": []});
         assert!(
             tools
-                .accept_answer(&saved_session("alpha"), &answer)
+                .accept_answer(&saved_session("alpha"), "t1", answer.clone())
                 .is_err()
         );
-        assert!(tools.accept_answer(TOOLS_SESSION, &answer).is_ok());
+        assert!(tools.accept_answer(TOOLS_SESSION, "t1", answer).is_ok());
         lock(&tools.inbox).insert("t2".into(), (saved_session("alpha"), None));
         let answer = json!({"token": "t2", "tools": []});
         assert!(
             tools
-                .accept_answer(&saved_session("beta"), &answer)
+                .accept_answer(&saved_session("beta"), "t2", answer.clone())
                 .is_err()
         );
         assert!(
             tools
-                .accept_answer(&saved_session("alpha"), &answer)
+                .accept_answer(&saved_session("alpha"), "t2", answer)
                 .is_ok()
         );
         std::fs::remove_dir_all(&dir).unwrap();

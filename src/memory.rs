@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::proxy::ErrorKind;
+use ironcell_core::bridge::{BridgeError, MemoryRequest};
 use serde_json::{Value, json};
 
 /// Longest key, in bytes of UTF-8.
@@ -48,34 +48,15 @@ struct ListedEntry {
     updated_at: Value,
 }
 
-/// A `memory.<op>` bridge request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemoryOp {
-    Save,
-    Load,
-    Delete,
-    List,
-}
-
 /// A refused request: becomes `ValueError` (bad key/value) or `MCPError` in Python.
-struct Refusal {
-    kind: ErrorKind,
-    message: String,
-}
+type Refusal = BridgeError;
 
 fn bad(message: String) -> Refusal {
-    Refusal {
-        kind: ErrorKind::BadRequest,
-        message,
-    }
+    BridgeError::bad_request(message)
 }
 
 fn io_failure(what: &str, e: std::io::Error) -> Refusal {
-    Refusal {
-        kind: ErrorKind::Unavailable,
-        message: format!("memory store: {what}: {e}"),
-    }
+    BridgeError::unavailable(format!("memory store: {what}: {e}"))
 }
 
 impl MemoryStore {
@@ -86,25 +67,21 @@ impl MemoryStore {
         }
     }
 
-    /// Answers one `memory.<op>` request: the payload of the `response` frame.
-    pub fn handle(&self, op: MemoryOp, params: &Value) -> Value {
-        let outcome = match op {
-            MemoryOp::Save => self.save(params),
-            MemoryOp::Load => self.load(params),
-            MemoryOp::Delete => self.delete(params),
-            MemoryOp::List => self.list(),
-        };
-        match outcome {
-            Ok(result) => json!({ "result": result }),
-            Err(r) => crate::proxy::error_payload(r.kind, &r.message),
+    /// Answers one `memory.<op>` request.
+    pub fn handle(&self, request: MemoryRequest) -> Result<Value, BridgeError> {
+        match request {
+            MemoryRequest::Save {
+                key,
+                value,
+                metadata,
+            } => self.save(key, value, metadata),
+            MemoryRequest::Load { key } => self.load(key),
+            MemoryRequest::Delete { key } => self.delete(key),
+            MemoryRequest::List => self.list(),
         }
     }
 
-    fn path_for(&self, params: &Value) -> Result<(String, PathBuf), Refusal> {
-        let key = match params.get("key") {
-            Some(Value::String(k)) => k.clone(),
-            _ => return Err(bad("a memory key must be a string".into())),
-        };
+    fn path_for(&self, key: String) -> Result<(String, PathBuf), Refusal> {
         if key.is_empty() || key.len() > MAX_KEY_BYTES {
             return Err(bad(format!(
                 "a memory key must be 1 to {MAX_KEY_BYTES} bytes long (got {})",
@@ -157,13 +134,12 @@ impl MemoryStore {
         serde_json::from_str(&text).ok()
     }
 
-    fn save(&self, params: &Value) -> Result<Value, Refusal> {
-        let (key, path) = self.path_for(params)?;
-        let value = params.get("value").cloned().unwrap_or(Value::Null);
-        let metadata = match params.get("metadata") {
-            None | Some(Value::Null) => json!({}),
-            Some(m @ Value::Object(_)) => m.clone(),
-            Some(_) => return Err(bad("memory metadata must be a dict".into())),
+    fn save(&self, key: String, value: Value, metadata: Value) -> Result<Value, Refusal> {
+        let (key, path) = self.path_for(key)?;
+        let metadata = match metadata {
+            Value::Null => json!({}),
+            m @ Value::Object(_) => m,
+            _ => return Err(bad("memory metadata must be a dict".into())),
         };
         let metadata_bytes = serde_json::to_vec(&metadata).map_or(0, |v| v.len());
         if metadata_bytes > MAX_METADATA_BYTES {
@@ -212,8 +188,8 @@ impl MemoryStore {
         Ok(json!({"key": key, "created_at": created, "updated_at": now}))
     }
 
-    fn load(&self, params: &Value) -> Result<Value, Refusal> {
-        let (_, path) = self.path_for(params)?;
+    fn load(&self, key: String) -> Result<Value, Refusal> {
+        let (_, path) = self.path_for(key)?;
         let _guard = crate::lock(&self.lock);
         Ok(match Self::read_entry(&path) {
             Some(entry) => json!({"found": true, "entry": entry}),
@@ -221,8 +197,8 @@ impl MemoryStore {
         })
     }
 
-    fn delete(&self, params: &Value) -> Result<Value, Refusal> {
-        let (_, path) = self.path_for(params)?;
+    fn delete(&self, key: String) -> Result<Value, Refusal> {
+        let (_, path) = self.path_for(key)?;
         let _guard = crate::lock(&self.lock);
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(json!({"deleted": true})),
@@ -265,6 +241,15 @@ impl MemoryStore {
 mod tests {
     use super::*;
 
+    /// The payload a worker gets for `method` and `params`, parsed as the host parses them.
+    fn ask(s: &MemoryStore, method: &str, params: Value) -> Value {
+        use ironcell_core::bridge::{Request, answer_payload};
+        answer_payload(Request::parse(method, params).and_then(|r| match r {
+            Request::Memory(m) => s.handle(m),
+            other => panic!("not a memory request: {other:?}"),
+        }))
+    }
+
     fn store(name: &str) -> MemoryStore {
         let d = std::env::temp_dir().join(format!("ironcell-mem-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
@@ -275,27 +260,31 @@ mod tests {
     fn values_round_trip_and_keys_never_become_paths() {
         let s = store("rt");
         for key in ["../../etc/passwd", "a/b", "ключ", ".."] {
-            let r = s.handle(MemoryOp::Save, &json!({"key": key, "value": {"n": [1, 2]}}));
+            let r = ask(
+                &s,
+                "memory.save",
+                json!({"key": key, "value": {"n": [1, 2]}}),
+            );
             assert!(r.get("result").is_some(), "{r}");
-            let r = s.handle(MemoryOp::Load, &json!({"key": key}));
+            let r = ask(&s, "memory.load", json!({"key": key}));
             assert_eq!(r["result"]["entry"]["value"], json!({"n": [1, 2]}), "{r}");
         }
         for (p, _) in s.entries() {
             assert_eq!(p.parent(), Some(s.dir.as_path()));
         }
         assert_eq!(
-            s.handle(MemoryOp::List, &json!({}))["result"]
+            ask(&s, "memory.list", json!({}))["result"]
                 .as_array()
                 .unwrap()
                 .len(),
             4
         );
         assert_eq!(
-            s.handle(MemoryOp::Delete, &json!({"key": "a/b"}))["result"]["deleted"],
+            ask(&s, "memory.delete", json!({"key": "a/b"}))["result"]["deleted"],
             true
         );
         assert_eq!(
-            s.handle(MemoryOp::Load, &json!({"key": "a/b"}))["result"]["found"],
+            ask(&s, "memory.load", json!({"key": "a/b"}))["result"]["found"],
             false
         );
     }
@@ -304,17 +293,19 @@ mod tests {
     fn metadata_is_capped_and_a_list_carries_only_small_metadata() {
         let s = store("meta");
         let big = json!({"a": vec![0; MAX_METADATA_BYTES]});
-        let r = s.handle(
-            MemoryOp::Save,
-            &json!({"key": "k", "value": 1, "metadata": big}),
+        let r = ask(
+            &s,
+            "memory.save",
+            json!({"key": "k", "value": 1, "metadata": big}),
         );
         assert!(
             r["error"]["message"].as_str().unwrap().contains("metadata"),
             "{r}"
         );
-        let r = s.handle(
-            MemoryOp::Save,
-            &json!({"key": "k", "value": [1, 2], "metadata": {"tag": "x"}}),
+        let r = ask(
+            &s,
+            "memory.save",
+            json!({"key": "k", "value": [1, 2], "metadata": {"tag": "x"}}),
         );
         assert!(r.get("result").is_some(), "{r}");
         // An entry written before the cap (or by hand) with 1 MB of metadata: listed without it,
@@ -322,7 +313,7 @@ mod tests {
         let legacy = json!({"key": "old", "value": 0, "metadata": {"a": vec![0; 500_000]},
                             "created_at": 1.0, "updated_at": 1.0});
         std::fs::write(s.dir.join("6f6c64.json"), legacy.to_string()).unwrap();
-        let list = s.handle(MemoryOp::List, &json!({}));
+        let list = ask(&s, "memory.list", json!({}));
         let items = list["result"].as_array().unwrap();
         assert_eq!(items.len(), 2, "{list}");
         assert_eq!(items[0]["key"], "k");
@@ -335,7 +326,7 @@ mod tests {
             "the list stays small: {}",
             list.to_string().len()
         );
-        let r = s.handle(MemoryOp::Load, &json!({"key": "old"}));
+        let r = ask(&s, "memory.load", json!({"key": "old"}));
         assert_eq!(
             r["result"]["entry"]["metadata"]["a"]
                 .as_array()
@@ -349,11 +340,11 @@ mod tests {
     fn bad_keys_and_oversized_values_are_refused() {
         let s = store("bad");
         for key in [json!(""), json!("x".repeat(101)), json!("a\nb"), json!(3)] {
-            let r = s.handle(MemoryOp::Save, &json!({"key": key, "value": 1}));
+            let r = ask(&s, "memory.save", json!({"key": key, "value": 1}));
             assert_eq!(r["error"]["kind"], "bad_request", "{r}");
         }
         let big = "x".repeat(MAX_ENTRY_BYTES);
-        let r = s.handle(MemoryOp::Save, &json!({"key": "big", "value": big}));
+        let r = ask(&s, "memory.save", json!({"key": "big", "value": big}));
         assert!(
             r["error"]["message"].as_str().unwrap().contains("limit"),
             "{r}"

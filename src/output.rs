@@ -88,7 +88,7 @@ pub struct RunRecord {
     pub stderr_truncated: Option<Truncation>,
     /// Calls the code made to proxied MCP servers.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub upstream_calls: Vec<crate::proxy::CallSummary>,
+    pub upstream_calls: Vec<ironcell_core::bridge::CallSummary>,
     /// Proxied calls past the first [`crate::proxy::MAX_CALL_SUMMARIES`] of the run: counted, not
     /// recorded one by one.
     #[serde(skip_serializing_if = "is_zero")]

@@ -681,12 +681,13 @@ mcp_servers = _Servers()
 
 
 def _configure(servers):
-    """Called by the worker at start with [{"name", "description", "error"?}] of the configured
-    servers (`error` for one whose configuration is broken or whose start failed)."""
+    """Called by the worker at start with [{"name", "description", "error"?, "config_broken"?}]
+    of the configured servers (`error` for one that cannot be used, `config_broken` when that is
+    because its configuration is broken)."""
     runtime._servers = list(servers)
     mcp_servers.clear()
     for s in servers:
-        broken = s.get("error") if str(s.get("error") or "").startswith("its configuration") else None
+        broken = s.get("error") if s.get("config_broken") else None
         mcp_servers[s["name"]] = ServerProxy(s["name"], s.get("description"), broken)
 
 

@@ -18,15 +18,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ironcell_core::bridge::{BridgeError, ErrorKind};
 use serde_json::{Value, json};
 
+use crate::proxy::Proxy;
 use crate::proxy::approval::{Decision, Question, escaped_text};
-use crate::proxy::{ErrorKind, Proxy, error_payload};
 
 pub use store::{Store, View};
 
-/// The bridge method a worker sends.
-pub const INSTALL_METHOD: &str = "packages.install";
 /// Most requirements in one request, and the longest one.
 const MAX_REQUIREMENTS: usize = 32;
 const MAX_REQUIREMENT_CHARS: usize = 200;
@@ -155,7 +154,7 @@ impl Packages {
         view: Option<Arc<View>>,
         params: &Value,
         proxy: &Proxy,
-    ) -> Value {
+    ) -> Result<Value, BridgeError> {
         let started = Instant::now();
         let mut record = json!({});
         let outcome = self
@@ -175,10 +174,7 @@ impl Packages {
             e.packages = Some(record);
             log.append(&e);
         }
-        match outcome {
-            Ok(answer) => json!({ "result": answer }),
-            Err((kind, message)) => error_payload(kind, &message),
-        }
+        outcome.map_err(|(kind, message)| BridgeError::new(kind, message))
     }
 
     async fn install_checked(

@@ -18,7 +18,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ironcell_core::bridge::{BridgeError, ErrorKind, ProxyRequest};
 use serde_json::{Value, json};
+
+pub use ironcell_core::bridge::{CallOutcome, CallSummary};
 
 use self::approval::{APPROVAL_TIMEOUT, Asker, Decision, Question, Relay};
 use self::config::{ConfigProblem, LoadedConfig, SkippedServer};
@@ -27,153 +30,6 @@ use self::upstream::Upstream;
 
 /// Largest proxied result handed to a worker (a frame must stay well under the frame limit).
 pub const MAX_RESULT_BYTES: usize = 32 * 1024 * 1024;
-
-/// The `kind` of a bridge request's error payload (`{"error": {"kind", "message"}}`), which the
-/// in-sandbox `mcp` module turns into its exception class. Used by the proxy, the memory store
-/// and the local tools alike.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorKind {
-    /// No configured server of that name: `ServerNotFoundError`.
-    UnknownServer,
-    /// The server has no tool of that name: `ToolNotFoundError`.
-    UnknownTool,
-    /// The server (or the store) could not be reached or failed: `ServerUnavailableError`.
-    Unavailable,
-    /// The request itself was wrong: a `ValueError`.
-    BadRequest,
-    /// The configuration's rules hide the tool: `ToolError`.
-    Denied,
-    /// The user did not approve the call: `ToolError`.
-    Declined,
-    /// The call needed approval that could not be asked for: `ToolError`.
-    Refused,
-}
-
-/// Why a proxied request failed; `kind` becomes the Python exception class.
-#[derive(Debug, Clone)]
-pub struct ProxyError {
-    pub kind: ErrorKind,
-    pub message: String,
-}
-
-impl ProxyError {
-    pub fn unavailable(message: String) -> Self {
-        ProxyError {
-            kind: ErrorKind::Unavailable,
-            message,
-        }
-    }
-    pub fn unknown_tool(message: String) -> Self {
-        ProxyError {
-            kind: ErrorKind::UnknownTool,
-            message,
-        }
-    }
-    fn bad_request(message: String) -> Self {
-        ProxyError {
-            kind: ErrorKind::BadRequest,
-            message,
-        }
-    }
-    /// The configuration's rules hide the tool, or the user declined: raised as `ToolError`.
-    fn refused(kind: ErrorKind, message: String) -> Self {
-        ProxyError { kind, message }
-    }
-}
-
-/// How one proxied call ended, as the run record and the audit log show it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CallOutcome {
-    Ok,
-    /// The tool answered `isError`.
-    ToolError,
-    /// Transport, unknown tool, unavailable server, …
-    Failed,
-    /// The configuration's rules.
-    Denied,
-    /// The user said no.
-    Declined,
-    /// Approval was needed and could not be had.
-    Refused,
-    /// The call ended without an answer: its worker went away (or the host stopped waiting)
-    /// while it was in flight. It may have run upstream.
-    Abandoned,
-}
-
-/// What a worker's bridge request asks for: its `method` field (`memory.<op>`, `tools.<op>`,
-/// or one of the proxy's), read once where the host dispatches it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BridgeMethod {
-    Memory(crate::memory::MemoryOp),
-    Tools(crate::local_tools::ToolsOp),
-    Proxy(ProxyMethod),
-    /// `files.changed`: what the change tracker saw this session change since its last
-    /// listing (the runner's image search in a large session).
-    ChangedFiles,
-    /// `packages.install`: `%pip install` in a cell (`crate::packages`).
-    PackagesInstall,
-}
-
-/// The proxy's own bridge methods.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ProxyMethod {
-    /// The configured servers and their state.
-    Servers,
-    /// One server's tools.
-    Tools,
-    /// Tools matching a query, across servers.
-    Search,
-    /// A call of one server's tool.
-    Call,
-}
-
-/// The wire name of [`BridgeMethod::ChangedFiles`].
-pub const CHANGED_FILES_METHOD: &str = "files.changed";
-
-impl BridgeMethod {
-    /// Reads a request's method name (wire names as the `mcp` module sends them); an unknown one
-    /// is the error payload to answer with.
-    pub fn parse(method: &str) -> Result<BridgeMethod, Value> {
-        let unknown = |what: &str, name: &str| {
-            error_payload(ErrorKind::BadRequest, &format!("unknown {what} {name:?}"))
-        };
-        if let Some(op) = method.strip_prefix("memory.") {
-            return wire_name(op)
-                .map(BridgeMethod::Memory)
-                .ok_or_else(|| unknown("memory operation", op));
-        }
-        if method == CHANGED_FILES_METHOD {
-            return Ok(BridgeMethod::ChangedFiles);
-        }
-        if method == crate::packages::INSTALL_METHOD {
-            return Ok(BridgeMethod::PackagesInstall);
-        }
-        if let Some(op) = method.strip_prefix("tools.") {
-            return wire_name(op)
-                .map(BridgeMethod::Tools)
-                .ok_or_else(|| unknown("tools operation", op));
-        }
-        wire_name(method)
-            .map(BridgeMethod::Proxy)
-            .ok_or_else(|| unknown("bridge method", method))
-    }
-}
-
-/// The unit variant of `T` whose serde name is `name`, if any.
-fn wire_name<T: serde::de::DeserializeOwned>(name: &str) -> Option<T> {
-    use serde::de::IntoDeserializer;
-    let name: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =
-        name.into_deserializer();
-    T::deserialize(name).ok()
-}
-
-/// A bridge request's error answer: `{"error": {"kind", "message"}}`.
-pub fn error_payload(kind: ErrorKind, message: &str) -> Value {
-    json!({"error": {"kind": kind, "message": message}})
-}
 
 /// Most proxied calls of one run recorded one by one (`upstream_calls`); the rest are counted.
 pub const MAX_CALL_SUMMARIES: usize = 1000;
@@ -187,25 +43,6 @@ const MAX_NAME_BYTES: usize = 1024;
 const MAX_SUMMARY_KEYS: usize = 32;
 /// Largest argument values kept in a call's summary (as JSON) where `auditArguments` is on.
 const MAX_AUDITED_ARGUMENT_BYTES: usize = 4096;
-
-/// One proxied call, for the run record (`upstream_calls`) and the audit log. Everything in it
-/// comes from the worker's request, so each field is capped.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct CallSummary {
-    pub server: String,
-    pub tool: String,
-    pub ok: bool,
-    pub outcome: CallOutcome,
-    pub duration_ms: f64,
-    /// The names of the arguments; their values only where the server's `auditArguments` is on.
-    pub argument_keys: Vec<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub arguments: Option<Value>,
-    /// The call never got past its look-up (no such server or tool, a malformed request): the
-    /// audit counts these instead of listing them, so a flood of them cannot fill it.
-    #[serde(skip)]
-    pub lookup_failed: bool,
-}
 
 /// Where the summaries of one run's proxied calls go: the run's channel while the run lasts
 /// (its record and audit line list them), and the audit log, as a line of its own, for a call
@@ -415,7 +252,8 @@ impl Proxy {
     }
 
     /// Names and descriptions, for workers (no commands, no env), with `error` for each server
-    /// that is configured but unusable: a broken entry, a failed start, or one that cannot run here (`skipped`).
+    /// that is configured but unusable: a broken entry, a failed start, or one that cannot run
+    /// here (`skipped`).
     pub fn server_summaries(&self) -> Vec<Value> {
         let failures = crate::lock(&self.failures).clone();
         let mut out: Vec<Value> = self
@@ -429,15 +267,19 @@ impl Proxy {
                 s
             })
             .collect();
+        // `config_broken`: the `mcp` module's proxy for it fails at once, naming the fix.
         for (name, why) in &self.broken {
-            out.push(json!({"name": name, "description": null, "error": why}));
+            out.push(
+                json!({"name": name, "description": null, "error": why, "config_broken": true}),
+            );
         }
         for s in &self.skipped {
             out.push(json!({"name": s.name, "description": null, "error": s.reason}));
         }
         for (source, why) in self.unreadable_sources() {
             out.push(
-                json!({"name": source, "description": "an MCP server configuration", "error": why}),
+                json!({"name": source, "description": "an MCP server configuration",
+                             "error": why, "config_broken": true}),
             );
         }
         out
@@ -503,7 +345,7 @@ impl Proxy {
     }
 
     /// The server's tool catalog, remembering whether it could be had.
-    async fn catalog(&self, server: &str) -> Result<Arc<upstream::ToolCatalog>, ProxyError> {
+    async fn catalog(&self, server: &str) -> Result<Arc<upstream::ToolCatalog>, BridgeError> {
         let upstream = self.upstream(server)?;
         self.note_failure(server, upstream.tools().await)
     }
@@ -512,8 +354,8 @@ impl Proxy {
     fn note_failure<T>(
         &self,
         server: &str,
-        result: Result<T, ProxyError>,
-    ) -> Result<T, ProxyError> {
+        result: Result<T, BridgeError>,
+    ) -> Result<T, BridgeError> {
         let mut failures = crate::lock(&self.failures);
         match &result {
             Ok(_) => {
@@ -560,26 +402,28 @@ impl Proxy {
         })
     }
 
-    fn upstream(&self, name: &str) -> Result<&Arc<Upstream>, ProxyError> {
+    fn upstream(&self, name: &str) -> Result<&Arc<Upstream>, BridgeError> {
         if let Some(why) = self.broken.get(name) {
-            return Err(ProxyError::unavailable(format!(
+            return Err(BridgeError::unavailable(format!(
                 "MCP server {name:?} is unavailable: {why}"
             )));
         }
-        self.upstreams.get(name).ok_or_else(|| ProxyError {
-            kind: ErrorKind::UnknownServer,
-            message: format!(
-                "no MCP server {name:?}; configured: {}",
-                if self.upstreams.is_empty() {
-                    "(none; see MCP_BRIDGE_CONFIG)".to_string()
-                } else {
-                    self.upstreams
-                        .keys()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                }
-            ),
+        self.upstreams.get(name).ok_or_else(|| {
+            BridgeError::new(
+                ErrorKind::UnknownServer,
+                format!(
+                    "no MCP server {name:?}; configured: {}",
+                    if self.upstreams.is_empty() {
+                        "(none; see MCP_BRIDGE_CONFIG)".to_string()
+                    } else {
+                        self.upstreams
+                            .keys()
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    }
+                ),
+            )
         })
     }
 
@@ -597,7 +441,7 @@ impl Proxy {
 
     /// The tools code may see: what the server lists, minus what the rules deny. Each keeps
     /// its annotations (`readOnlyHint`, `destructiveHint`, …) so code can read them too.
-    pub async fn tools_json(&self, server: &str) -> Result<Value, ProxyError> {
+    pub async fn tools_json(&self, server: &str) -> Result<Value, BridgeError> {
         let upstream = self.upstream(server)?;
         let catalog = self.catalog(server).await?;
         let visible: Vec<&rmcp::model::Tool> = catalog
@@ -605,14 +449,14 @@ impl Proxy {
             .iter()
             .filter(|t| !upstream.config.rules.hides(server, t))
             .collect();
-        serde_json::to_value(&visible).map_err(|e| ProxyError::unavailable(e.to_string()))
+        serde_json::to_value(&visible).map_err(|e| BridgeError::unavailable(e.to_string()))
     }
 
     /// One tool as code may see it, or the error a call of it would get: unknown, or hidden
     /// by a rule (named). What `mcp_<server>.<tool>` asks for a name its list lacks.
-    pub async fn tool_json(&self, server: &str, tool: &str) -> Result<Value, ProxyError> {
+    pub async fn tool_json(&self, server: &str, tool: &str) -> Result<Value, BridgeError> {
         let (_, resolved, _) = self.resolve_visible(server, tool).await?;
-        serde_json::to_value(&resolved.entry).map_err(|e| ProxyError::unavailable(e.to_string()))
+        serde_json::to_value(&resolved.entry).map_err(|e| BridgeError::unavailable(e.to_string()))
     }
 
     /// `tool` of `server` as code may reach it, and why its call needs approval if it does (a
@@ -622,10 +466,10 @@ impl Proxy {
         &self,
         server: &str,
         tool: &str,
-    ) -> Result<(&Upstream, upstream::Resolved, Option<String>), ProxyError> {
+    ) -> Result<(&Upstream, upstream::Resolved, Option<String>), BridgeError> {
         let upstream = self.upstream(server)?;
         let denied = |why: &str| {
-            ProxyError::refused(
+            BridgeError::new(
                 ErrorKind::Denied,
                 format!("{why} (in {}); code cannot call it", upstream.config.source),
             )
@@ -685,11 +529,9 @@ impl Proxy {
         server: &str,
         tool: &str,
         arguments: Value,
-    ) -> Result<Value, ProxyError> {
+    ) -> Result<Value, BridgeError> {
         let Value::Object(args) = arguments else {
-            return Err(ProxyError::bad_request(
-                "tool arguments must be a dict".into(),
-            ));
+            return Err(BridgeError::bad_request("tool arguments must be a dict"));
         };
         let (upstream, resolved, approval) = self.resolve_visible(server, tool).await?;
         let args = match approval {
@@ -713,7 +555,7 @@ impl Proxy {
         let result = upstream.call(resolved, args, self.call_timeout).await?;
         let size = serde_json::to_string(&result).map(|s| s.len()).unwrap_or(0);
         if size > MAX_RESULT_BYTES {
-            return Err(ProxyError::unavailable(format!(
+            return Err(BridgeError::unavailable(format!(
                 "{server}.{tool} returned {size} bytes; the limit for a proxied result is {MAX_RESULT_BYTES}"
             )));
         }
@@ -788,7 +630,7 @@ impl Proxy {
 
     /// Asks the user whether the call may run, as the approval setting says. The question goes
     /// to the client of the run's session, in that client's era, one at a time per session.
-    async fn approve(&self, asked: &Asked<'_>, why: &str, source: &str) -> Result<(), ProxyError> {
+    async fn approve(&self, asked: &Asked<'_>, why: &str, source: &str) -> Result<(), BridgeError> {
         let (session, server, tool) = (asked.session, asked.server, asked.tool);
         let how_to_allow = format!(
             "To allow it without asking, set \"confirm\": false for server {server:?} in {source} (and do not list it under \"confirm\"), or start ironcell with --approval allow (IRONCELL_APPROVAL=allow)"
@@ -796,7 +638,7 @@ impl Proxy {
         match self.approval {
             ApprovalMode::Allow => return Ok(()),
             ApprovalMode::Deny => {
-                return Err(ProxyError::refused(
+                return Err(BridgeError::new(
                     ErrorKind::Refused,
                     format!(
                         "{server}.{tool} needs approval ({why}), and ironcell runs with --approval deny. {how_to_allow}"
@@ -807,7 +649,7 @@ impl Proxy {
         }
         let asker = crate::lock(&self.askers).get(session).cloned();
         let Some(asker) = asker else {
-            return Err(ProxyError::refused(
+            return Err(BridgeError::new(
                 ErrorKind::Refused,
                 format!(
                     "{server}.{tool} needs your approval ({why}), but this MCP client cannot ask you (it does not support elicitation). {how_to_allow}"
@@ -816,7 +658,7 @@ impl Proxy {
         };
         let question =
             Question::for_call(server, tool, asked.args, asked.declared, why).map_err(|e| {
-                ProxyError::refused(
+                BridgeError::new(
                     ErrorKind::Refused,
                     format!(
                         "{server}.{tool} needs your approval ({why}), and cannot be asked: {e}"
@@ -830,7 +672,7 @@ impl Proxy {
             .clone();
         let _open = gate.lock().await;
         if let Some(why) = self.declined_before(asked, &digest) {
-            return Err(ProxyError::refused(ErrorKind::Declined, why));
+            return Err(BridgeError::new(ErrorKind::Declined, why));
         }
         let answer = match asker {
             Asker::Elicit(peer) => peer
@@ -846,7 +688,7 @@ impl Proxy {
         };
         let declined = |how: &str| {
             self.note_decline(asked, digest.clone());
-            Err(ProxyError::refused(
+            Err(BridgeError::new(
                 ErrorKind::Declined,
                 format!("declined: the user {how} the call of {server}.{tool}"),
             ))
@@ -856,7 +698,7 @@ impl Proxy {
             Ok(Decision::NotApproved) => declined("did not approve"),
             Ok(Decision::Declined) => declined("declined"),
             Ok(Decision::Cancelled) => declined("cancelled"),
-            Err(e) => Err(ProxyError::refused(
+            Err(e) => Err(BridgeError::new(
                 ErrorKind::Refused,
                 format!(
                     "{server}.{tool} needs your approval ({why}), and asking failed: {e}. {how_to_allow}"
@@ -900,111 +742,93 @@ impl Proxy {
             .map_err(|e| Some(e.clone()))
     }
 
-    /// Answers one `request` frame from a worker of `session` (known to the host, never taken
-    /// from the frame). A tool call's summary goes to `sink` (the run's record) or, when the
-    /// run is over, to the audit log, once, however the call ends.
+    /// Answers one request from a worker of `session` (known to the host, never taken from the
+    /// frame). A tool call's summary goes to `sink` (the run's record) or, when the run is over,
+    /// to the audit log, once, however the call ends.
     pub async fn handle(
         &self,
         session: &str,
-        method: ProxyMethod,
-        params: &Value,
+        request: ProxyRequest,
         sink: Option<&CallSink>,
-    ) -> Value {
-        let s = |k: &str| {
-            params
-                .get(k)
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string()
-        };
-        let outcome = match method {
-            ProxyMethod::Servers => Ok(json!(self.server_summaries())),
-            ProxyMethod::Tools => match (
-                names_fit(params),
-                params.get("tool").and_then(Value::as_str),
-            ) {
-                (Err(e), _) => Err(e),
-                (Ok(()), Some(tool)) => self.tool_json(&s("server"), tool).await,
-                (Ok(()), None) => self.tools_json(&s("server")).await,
-            },
-            ProxyMethod::Search => {
-                let limit = params
-                    .get("limit")
-                    .and_then(Value::as_u64)
-                    .unwrap_or(5)
-                    .clamp(1, 100) as usize;
-                let query = s("query");
-                match search::check_query(&query) {
-                    Ok(()) => Ok(self.search(&query, limit).await),
-                    Err(message) => Err(ProxyError::bad_request(message)),
+    ) -> Result<Value, BridgeError> {
+        match request {
+            ProxyRequest::Servers => Ok(json!(self.server_summaries())),
+            ProxyRequest::Tools { server, tool } => {
+                names_fit(&server, tool.as_deref().unwrap_or(""))?;
+                match tool {
+                    Some(tool) => self.tool_json(&server, &tool).await,
+                    None => self.tools_json(&server).await,
                 }
             }
-            ProxyMethod::Call => {
-                let (server, tool) = (s("server"), s("tool"));
-                let args = params
-                    .get("arguments")
-                    .cloned()
-                    .unwrap_or_else(|| json!({}));
-                let argument_keys = match &args {
-                    Value::Object(m) => m
-                        .keys()
-                        .take(MAX_SUMMARY_KEYS)
-                        .map(|k| crate::clip_chars(k, MAX_SUMMARY_NAME_CHARS))
-                        .collect(),
-                    _ => Vec::new(),
-                };
-                let audit_values = self
-                    .upstreams
-                    .get(&server)
-                    .is_some_and(|u| u.config.rules.audit_arguments);
-                let arguments = audit_values.then(|| audited_arguments(&args));
-                let mut recording = Recording {
-                    proxy: self,
-                    session,
-                    sink,
-                    started: std::time::Instant::now(),
-                    summary: Some(CallSummary {
-                        server: crate::clip_chars(&server, MAX_SUMMARY_NAME_CHARS),
-                        tool: crate::clip_chars(&tool, MAX_SUMMARY_NAME_CHARS),
-                        ok: false,
-                        outcome: CallOutcome::Abandoned,
-                        duration_ms: 0.0,
-                        argument_keys,
-                        arguments,
-                        lookup_failed: false,
-                    }),
-                };
-                let r = match names_fit(params) {
-                    Ok(()) => {
-                        self.call(session, sink.map(|s| s.run), &server, &tool, args)
-                            .await
-                    }
-                    Err(e) => Err(e),
-                };
-                let outcome = match &r {
-                    Ok(v) if v.get("isError") == Some(&Value::Bool(true)) => CallOutcome::ToolError,
-                    Ok(_) => CallOutcome::Ok,
-                    Err(e) => match e.kind {
-                        ErrorKind::Denied => CallOutcome::Denied,
-                        ErrorKind::Declined => CallOutcome::Declined,
-                        ErrorKind::Refused => CallOutcome::Refused,
-                        _ => CallOutcome::Failed,
-                    },
-                };
-                let lookup_failed = r.as_ref().err().is_some_and(|e| {
-                    matches!(
-                        e.kind,
-                        ErrorKind::UnknownServer | ErrorKind::UnknownTool | ErrorKind::BadRequest
-                    )
-                });
-                recording.finish(outcome, lookup_failed);
-                r
+            ProxyRequest::Search { query, limit } => {
+                let limit = limit.unwrap_or(5).clamp(1, 100) as usize;
+                search::check_query(&query).map_err(BridgeError::bad_request)?;
+                Ok(self.search(&query, limit).await)
             }
-        };
-        match outcome {
-            Ok(result) => json!({"result": result}),
-            Err(e) => error_payload(e.kind, &e.message),
+            ProxyRequest::Call {
+                server,
+                tool,
+                arguments,
+            } => {
+                self.handle_call(session, sink, server, tool, arguments)
+                    .await
+            }
         }
+    }
+
+    /// A worker's call of a proxied tool, recorded however it ends.
+    async fn handle_call(
+        &self,
+        session: &str,
+        sink: Option<&CallSink>,
+        server: String,
+        tool: String,
+        args: Value,
+    ) -> Result<Value, BridgeError> {
+        let argument_keys = match &args {
+            Value::Object(m) => m
+                .keys()
+                .take(MAX_SUMMARY_KEYS)
+                .map(|k| crate::clip_chars(k, MAX_SUMMARY_NAME_CHARS))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let audit_values = self
+            .upstreams
+            .get(&server)
+            .is_some_and(|u| u.config.rules.audit_arguments);
+        let arguments = audit_values.then(|| audited_arguments(&args));
+        let mut recording = Recording {
+            proxy: self,
+            session,
+            sink,
+            started: std::time::Instant::now(),
+            summary: Some(CallSummary {
+                server: crate::clip_chars(&server, MAX_SUMMARY_NAME_CHARS),
+                tool: crate::clip_chars(&tool, MAX_SUMMARY_NAME_CHARS),
+                ok: false,
+                outcome: CallOutcome::Abandoned,
+                duration_ms: 0.0,
+                argument_keys,
+                arguments,
+                lookup_failed: false,
+            }),
+        };
+        let r = match names_fit(&server, &tool) {
+            Ok(()) => {
+                self.call(session, sink.map(|s| s.run), &server, &tool, args)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        let lookup_failed = r.as_ref().err().is_some_and(|e| {
+            matches!(
+                e.kind,
+                ErrorKind::UnknownServer | ErrorKind::UnknownTool | ErrorKind::BadRequest
+            )
+        });
+        recording.finish(CallOutcome::of(&r), lookup_failed);
+        r
     }
 
     pub async fn shutdown(&self) {
@@ -1034,14 +858,10 @@ fn declared_arguments(tool: &rmcp::model::Tool) -> Option<Vec<String>> {
 
 /// Server and tool names longer than [`MAX_NAME_BYTES`] are refused before anything looks them
 /// up or repeats them in an error.
-fn names_fit(params: &Value) -> Result<(), ProxyError> {
-    for k in ["server", "tool"] {
-        if params
-            .get(k)
-            .and_then(Value::as_str)
-            .is_some_and(|v| v.len() > MAX_NAME_BYTES)
-        {
-            return Err(ProxyError::bad_request(format!(
+fn names_fit(server: &str, tool: &str) -> Result<(), BridgeError> {
+    for (k, v) in [("server", server), ("tool", tool)] {
+        if v.len() > MAX_NAME_BYTES {
+            return Err(BridgeError::bad_request(format!(
                 "a {k} name is at most {MAX_NAME_BYTES} bytes"
             )));
         }
@@ -1052,48 +872,6 @@ fn names_fit(params: &Value) -> Result<(), ProxyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local_tools::ToolsOp;
-    use crate::memory::MemoryOp;
-
-    #[test]
-    fn bridge_methods_are_read_by_their_wire_names() {
-        let cases = [
-            ("servers", BridgeMethod::Proxy(ProxyMethod::Servers)),
-            ("tools", BridgeMethod::Proxy(ProxyMethod::Tools)),
-            ("search", BridgeMethod::Proxy(ProxyMethod::Search)),
-            ("call", BridgeMethod::Proxy(ProxyMethod::Call)),
-            ("memory.save", BridgeMethod::Memory(MemoryOp::Save)),
-            ("memory.load", BridgeMethod::Memory(MemoryOp::Load)),
-            ("memory.delete", BridgeMethod::Memory(MemoryOp::Delete)),
-            ("memory.list", BridgeMethod::Memory(MemoryOp::List)),
-            ("tools.result", BridgeMethod::Tools(ToolsOp::Result)),
-            ("tools.catalog", BridgeMethod::Tools(ToolsOp::Catalog)),
-            ("tools.list", BridgeMethod::Tools(ToolsOp::List)),
-            ("tools.call", BridgeMethod::Tools(ToolsOp::Call)),
-            ("tools.save", BridgeMethod::Tools(ToolsOp::Save)),
-            ("tools.delete", BridgeMethod::Tools(ToolsOp::Delete)),
-        ];
-        for (wire, method) in cases {
-            assert_eq!(BridgeMethod::parse(wire), Ok(method), "{wire}");
-        }
-    }
-
-    #[test]
-    fn an_unknown_bridge_method_is_a_bad_request_that_names_it() {
-        let cases = [
-            ("memory.wipe", "unknown memory operation \"wipe\""),
-            ("tools.run", "unknown tools operation \"run\""),
-            ("memory", "unknown bridge method \"memory\""),
-            ("Servers", "unknown bridge method \"Servers\""),
-        ];
-        for (wire, message) in cases {
-            let payload = BridgeMethod::parse(wire).unwrap_err();
-            assert_eq!(
-                payload,
-                json!({"error": {"kind": "bad_request", "message": message}})
-            );
-        }
-    }
 
     /// The worker chooses a call's server, tool and argument names: a call that fails its
     /// look-up is counted for its run, not listed, and its error does not echo the name.
@@ -1115,22 +893,25 @@ mod tests {
         let arguments: serde_json::Map<String, Value> = (0..1000)
             .map(|i| (format!("{}{i}", "k".repeat(500)), json!("v".repeat(1000))))
             .collect();
-        let params = json!({"server": "S".repeat(1_000_000), "tool": "t".repeat(10_000),
-                            "arguments": arguments});
-        let payload = proxy
-            .handle("s", ProxyMethod::Call, &params, Some(&sink))
-            .await;
-        assert_eq!(payload["error"]["kind"], "bad_request", "{payload}");
-        let message = payload["error"]["message"].as_str().unwrap_or_default();
+        let request = ProxyRequest::Call {
+            server: "S".repeat(1_000_000),
+            tool: "t".repeat(10_000),
+            arguments: Value::Object(arguments),
+        };
+        let e = proxy.handle("s", request, Some(&sink)).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::BadRequest, "{e}");
+        let message = e.message;
         assert!(
             message.len() < 100,
             "the name is not echoed: {message:.200}"
         );
-        let params = json!({"server": "nope", "tool": "t", "arguments": {}});
-        let payload = proxy
-            .handle("s", ProxyMethod::Call, &params, Some(&sink))
-            .await;
-        assert_eq!(payload["error"]["kind"], "unknown_server", "{payload}");
+        let request = ProxyRequest::Call {
+            server: "nope".into(),
+            tool: "t".into(),
+            arguments: json!({}),
+        };
+        let e = proxy.handle("s", request, Some(&sink)).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::UnknownServer, "{e}");
         assert!(rx.try_recv().is_err(), "failed look-ups are not listed");
         assert_eq!(
             sink.lookups_failed
@@ -1217,27 +998,5 @@ mod tests {
             )),
             "{note}"
         );
-    }
-
-    /// Every kind the host sends is one the in-sandbox `mcp` module maps to an exception class.
-    #[test]
-    fn every_error_kind_has_its_python_exception() {
-        let module = include_str!("../../python/mcp/__init__.py");
-        let kinds = [
-            ErrorKind::UnknownServer,
-            ErrorKind::UnknownTool,
-            ErrorKind::Unavailable,
-            ErrorKind::BadRequest,
-            ErrorKind::Denied,
-            ErrorKind::Declined,
-            ErrorKind::Refused,
-        ];
-        for kind in kinds {
-            let wire = serde_json::to_string(&kind).unwrap();
-            assert!(
-                module.contains(&format!("{wire}: ")),
-                "{wire} is not in _ERRORS"
-            );
-        }
     }
 }

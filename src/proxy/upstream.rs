@@ -33,8 +33,8 @@ use rmcp::service::{
 use rmcp::transport::TokioChildProcess;
 use rmcp::{ClientHandler, RoleClient};
 
-use super::ProxyError;
 use super::config::ServerConfig;
+use ironcell_core::bridge::BridgeError;
 
 /// Host variables a server child inherits (what the MCP SDKs' stdio clients pass), before the
 /// entry's own `env` is added. Nothing else of ironcell's environment reaches it.
@@ -352,7 +352,7 @@ struct ToolState {
     cache: std::sync::Mutex<ToolCache>,
 }
 
-type Listing = Shared<BoxFuture<'static, Result<Arc<ToolCatalog>, ProxyError>>>;
+type Listing = Shared<BoxFuture<'static, Result<Arc<ToolCatalog>, BridgeError>>>;
 
 #[derive(Default)]
 struct ToolCache {
@@ -495,11 +495,11 @@ async fn list_tools(
     peer: Peer<RoleClient>,
     state: Weak<ToolState>,
     changes_at: u64,
-) -> Result<Arc<ToolCatalog>, ProxyError> {
+) -> Result<Arc<ToolCatalog>, BridgeError> {
     let listed = peer.list_all_tools_with_cache_hint().await;
     // Weak: the state holds this future while it is in flight; the connection may be gone.
     let state = state.upgrade().ok_or_else(|| {
-        ProxyError::unavailable(format!(
+        BridgeError::unavailable(format!(
             "server {name:?} stopped while its tools were listed"
         ))
     })?;
@@ -512,7 +512,7 @@ async fn list_tools(
         cache.fetching = None;
     }
     let listed = listed.map_err(|e| {
-        ProxyError::unavailable(format!("listing the tools of {name:?} failed: {e}"))
+        BridgeError::unavailable(format!("listing the tools of {name:?} failed: {e}"))
     })?;
     let expires = listed
         .ttl_ms
@@ -570,7 +570,7 @@ impl Upstream {
 
     /// Starts the server if it is not running (or has died), and returns a handle for calls.
     /// The lock is held only to look (and, once, across a start): calls run without it.
-    async fn live(&self) -> Result<Live, ProxyError> {
+    async fn live(&self) -> Result<Live, BridgeError> {
         let mut conn = self.conn.lock().await;
         if let Some(c) = conn.as_ref() {
             if !c.is_closed() {
@@ -584,7 +584,7 @@ impl Upstream {
         Ok(live)
     }
 
-    async fn start(&self) -> Result<Connection, ProxyError> {
+    async fn start(&self) -> Result<Connection, BridgeError> {
         let c = &self.config;
         let mut cmd = tokio::process::Command::new(&c.command);
         cmd.args(&c.args).env_clear().kill_on_drop(true);
@@ -610,7 +610,7 @@ impl Upstream {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| {
-                ProxyError::unavailable(format!(
+                BridgeError::unavailable(format!(
                     "cannot start server {:?} ({}): {e}",
                     c.name, c.command
                 ))
@@ -643,7 +643,7 @@ impl Upstream {
                 if let Some(reader) = reader {
                     let _ = tokio::time::timeout(Duration::from_secs(1), reader).await;
                 }
-                return Err(ProxyError::unavailable(format!(
+                return Err(BridgeError::unavailable(format!(
                     "server {:?} {why}; {}",
                     c.name,
                     self.stderr_tail.describe()
@@ -680,7 +680,7 @@ impl Upstream {
     }
 
     /// The server's tools, from the cache when it is fresh (see [`Need::Fresh`]).
-    pub async fn tools(&self) -> Result<Arc<ToolCatalog>, ProxyError> {
+    pub async fn tools(&self) -> Result<Arc<ToolCatalog>, BridgeError> {
         let live = self.live().await?;
         match live.tools.cached(Need::Fresh) {
             Some(t) => Ok(t),
@@ -693,7 +693,7 @@ impl Upstream {
     /// looked up in a new one (the tools may have changed without notice) unless the list is
     /// still fresh, before it is called unknown. At most one `tools/list` per call, shared
     /// with every concurrent caller.
-    pub async fn resolve(&self, tool: &str) -> Result<Resolved, ProxyError> {
+    pub async fn resolve(&self, tool: &str) -> Result<Resolved, BridgeError> {
         let live = self.live().await?;
         let catalog = match live.tools.cached(Need::Call) {
             Some(c) if c.tool(tool).is_some() || live.tools.is_fresh(&c) => c,
@@ -707,7 +707,7 @@ impl Upstream {
                 .filter(|t| !self.config.rules.hides(self.name(), t))
                 .map(|t| t.name.as_ref())
                 .collect();
-            return Err(ProxyError::unknown_tool(format!(
+            return Err(BridgeError::unknown_tool(format!(
                 "server {:?} has no tool {tool:?}; it has: {}",
                 self.name(),
                 names.join(", ")
@@ -747,13 +747,13 @@ impl Upstream {
         resolved: Resolved,
         arguments: serde_json::Map<String, serde_json::Value>,
         timeout: Duration,
-    ) -> Result<serde_json::Value, ProxyError> {
+    ) -> Result<serde_json::Value, BridgeError> {
         let Resolved { live, entry } = resolved;
         let tool: &str = &entry.name;
         let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
         match tokio::time::timeout(timeout, live.peer.call_tool(params)).await {
             Ok(Ok(result)) => serde_json::to_value(result)
-                .map_err(|e| ProxyError::unavailable(format!("unreadable result: {e}"))),
+                .map_err(|e| BridgeError::unavailable(format!("unreadable result: {e}"))),
             Ok(Err(e)) => {
                 let exited = matches!(e, rmcp::service::ServiceError::TransportClosed)
                     || self
@@ -765,7 +765,7 @@ impl Upstream {
                 if exited {
                     // Forget the dead connection so the next use starts the server again.
                     self.stop().await;
-                    Err(ProxyError::unavailable(format!(
+                    Err(BridgeError::unavailable(format!(
                         "server {:?} exited during the call to {tool:?} ({e}); it restarts on next use; {}",
                         self.name(),
                         self.stderr_tail.describe()
@@ -776,7 +776,7 @@ impl Upstream {
                         // tool): the list this call went by may be out of date.
                         live.tools.changed();
                     }
-                    Err(ProxyError::unavailable(format!(
+                    Err(BridgeError::unavailable(format!(
                         "calling {tool:?} on {:?} failed: {e}",
                         self.name()
                     )))
@@ -795,14 +795,14 @@ impl Upstream {
                         },
                     ));
                 if matches!(tokio::time::timeout(PING_TIMEOUT, ping).await, Ok(Ok(_))) {
-                    return Err(ProxyError::unavailable(format!(
+                    return Err(BridgeError::unavailable(format!(
                         "server {:?} did not answer {tool:?} within {} s; the call was cancelled (the server was sent notifications/cancelled, and keeps running for its other callers)",
                         self.name(),
                         timeout.as_secs_f64()
                     )));
                 }
                 self.stop().await;
-                Err(ProxyError::unavailable(format!(
+                Err(BridgeError::unavailable(format!(
                     "server {:?} did not answer {tool:?} within {} s, nor a ping within {} s; it was restarted",
                     self.name(),
                     timeout.as_secs_f64(),

@@ -20,12 +20,12 @@
 
 use std::ops::ControlFlow;
 
+use ironcell_core::bridge::{BridgeError, Request, answer_payload};
+
 use super::quota::removal_outcome;
 use super::*;
+use crate::router::{Answer, Caller, Requests};
 
-/// At most this many changed names go back to a worker asking which files its run changed
-/// (`files.changed`); past it the worker searches its directory itself.
-const CHANGED_FILES_HINT_LIMIT: usize = 2_000;
 /// The least an output frame counts toward the output limit, in bytes (the worker's pump sends
 /// what the pipe holds, so a program's frames are this small only while it prints slowly).
 const OUTPUT_FRAME_CHARGE: u64 = 64;
@@ -439,8 +439,8 @@ impl<'a> CellRun<'a> {
         ControlFlow::Continue(())
     }
 
-    /// A bridge request: answered by a task of its own (it may outlive this cell), within the
-    /// worker's cap on open requests.
+    /// A bridge request: parsed here, once, and handed to the router; answered by a task of
+    /// its own (it may outlive this cell), within the worker's cap on open requests.
     fn start_request(
         &self,
         worker: &LiveWorker,
@@ -464,149 +464,60 @@ impl<'a> CellRun<'a> {
                 frame::MAX_OPEN_REQUEST_VALUES
             );
             drop(params);
-            let payload =
-                crate::proxy::error_payload(crate::proxy::ErrorKind::BadRequest, &message);
-            answer_now(worker, id, payload, slot);
+            answer_now(
+                worker,
+                id,
+                BridgeError::bad_request(message).payload(),
+                slot,
+            );
             return Ok(());
         };
-        let m = self.manager;
-        // The worker's image search asks this after every run in a session of many
-        // directories: answered here from the tracker's events when they are at hand, without
-        // a task of its own (a spawn and a wake-up less on the run's path).
-        if method == crate::proxy::CHANGED_FILES_METHOD
-            && let Ok(pending) = m
-                .changes
-                .try_pending(&self.session.name, CHANGED_FILES_HINT_LIMIT)
-        {
-            answer_now(worker, id, changed_files_answer(pending), slot);
+        let request = match Request::parse(&method, params) {
+            Ok(request) => request,
+            Err(e) => {
+                answer_now(worker, id, e.payload(), slot);
+                return Ok(());
+            }
+        };
+        let router = self.manager.router.clone();
+        if let Some(answer) = router.answer_now(&self.session.name, &request) {
+            answer_now(worker, id, answer_payload(answer), slot);
             return Ok(());
         }
-        let (proxy, memory, packages) = (m.proxy.clone(), m.memory.clone(), m.packages.clone());
-        let packages_view = worker.packages_view.clone();
-        let local_tools = m.local_tools.get().cloned();
-        let session_name = self.session.name.clone();
-        let changes = m.changes.clone();
-        let sink = crate::proxy::CallSink {
-            run: self.run_no,
-            summaries: self.summaries_tx.clone(),
-            lookups_failed: self.lookups_failed.clone(),
-            omitted: self.summaries_omitted.clone(),
+        let caller = Caller {
+            session: self.session.name.clone(),
+            sink: crate::proxy::CallSink {
+                run: self.run_no,
+                summaries: self.summaries_tx.clone(),
+                lookups_failed: self.lookups_failed.clone(),
+                omitted: self.summaries_omitted.clone(),
+            },
+            gone: worker.gone(),
+            tools_turn: worker.tools_turn(),
+            blocking_turn: worker.blocking_turn(),
+            room: Box::new(room),
+            packages_view: worker.packages_view.clone(),
         };
         let answers = worker.answers();
-        let gone = worker.gone();
-        let tools_turn = worker.tools_turn();
-        let blocking_turn = worker.blocking_turn();
-        let blocking_io = m.blocking_requests.clone();
-        let tracker_waits = m.tracker_waits.clone();
-        let parsed = crate::proxy::BridgeMethod::parse(&method);
-        let tools_request = matches!(parsed, Ok(crate::proxy::BridgeMethod::Tools(_)));
+        let answered = router.answer(caller, request);
         tokio::spawn(async move {
-            use crate::proxy::BridgeMethod;
-            let mut room = Some(room); // until answered (or the worker is gone)
-            let work = async {
-                let mut answer_turn = None;
-                let payload = match parsed {
-                    // The host does the file I/O, off the async runtime.
-                    Ok(BridgeMethod::Memory(op)) => {
-                        let Some(turns) = blocking_turns(&blocking_turn, &blocking_io, &gone).await
-                        else {
-                            return;
-                        };
-                        let (mine, io) = turns;
-                        answer_turn = Some(mine);
-                        let room = room.take();
-                        tokio::task::spawn_blocking(move || {
-                            // Counted in the worker's budget until the parameters are freed.
-                            let _held = (io, room);
-                            memory.handle(op, &params)
-                        })
-                        .await
-                        .unwrap_or_else(|e| {
-                            crate::proxy::error_payload(
-                                crate::proxy::ErrorKind::Unavailable,
-                                &e.to_string(),
-                            )
-                        })
-                    }
-                    Ok(BridgeMethod::Tools(op)) => {
-                        use crate::local_tools::ToolsOp;
-                        // Answers from the tools sessions never wait (the runs they answer do).
-                        let _turn = match op {
-                            ToolsOp::Result | ToolsOp::Catalog => None,
-                            _ => tokio::select! {
-                                turn = tools_turn.acquire_owned() => turn.ok(),
-                                () = gone.cancelled() => return,
-                            },
-                        };
-                        let answer = crate::local_tools::handle_request(
-                            local_tools,
-                            session_name,
-                            op,
-                            params,
-                            gone.clone(),
-                        );
-                        answer.await
-                    }
-                    Ok(BridgeMethod::Proxy(m)) => {
-                        proxy.handle(&session_name, m, &params, Some(&sink)).await
-                    }
-                    Ok(BridgeMethod::PackagesInstall) => {
-                        packages
-                            .install(&session_name, packages_view, &params, &proxy)
-                            .await
-                    }
-                    Ok(BridgeMethod::ChangedFiles) => {
-                        // Names only, from the host's own watches: nothing is opened here.
-                        let limit = CHANGED_FILES_HINT_LIMIT;
-                        let pending = match changes.try_pending(&session_name, limit) {
-                            Ok(pending) => pending,
-                            // Another session's listing holds the tracker: wait off the runtime.
-                            Err(()) => {
-                                let Some(turns) =
-                                    blocking_turns(&blocking_turn, &tracker_waits, &gone).await
-                                else {
-                                    return;
-                                };
-                                let (mine, io) = turns;
-                                answer_turn = Some(mine);
-                                tokio::task::spawn_blocking(move || {
-                                    let _io = io;
-                                    changes.pending(&session_name, limit)
-                                })
-                                .await
-                                .ok()
-                                .flatten()
-                            }
-                        };
-                        changed_files_answer(pending)
-                    }
-                    Err(unknown) => unknown,
-                };
-                match frame::json_body(&ToWorker::Response { id, payload }) {
-                    Ok(body) => {
-                        // The writer task's queue, not the socket: this never waits on the worker
-                        // reading (a full queue waits here, in this task, not in the cell's loop).
-                        let _ = answers
-                            .send(Outgoing {
-                                body,
-                                _slot: Some(slot),
-                                _turn: answer_turn,
-                            })
-                            .await;
-                    }
-                    Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
-                }
+            let Some(Answer { result, turn }) = answered.await else {
+                return;
             };
-            // The worker gone, its request's work (and its parameters) goes too. A local tool's
-            // run is not dropped midway (its session would be left mid-cell): it is cancelled
-            // through `gone`, as a client's cancel would, and ends by itself.
-            if tools_request {
-                work.await;
-            } else {
-                tokio::select! {
-                    () = gone.cancelled() => {}
-                    () = work => {}
+            let payload = answer_payload(result);
+            match frame::json_body(&ToWorker::Response { id, payload }) {
+                Ok(body) => {
+                    // The writer task's queue, not the socket: this never waits on the worker
+                    // reading (a full queue waits here, in this task, not in the cell's loop).
+                    let _ = answers
+                        .send(Outgoing {
+                            body,
+                            _slot: Some(slot),
+                            _turn: turn,
+                        })
+                        .await;
                 }
+                Err(e) => tracing::warn!(error = %e, "encoding an answer failed"),
             }
         });
         Ok(())
@@ -935,30 +846,6 @@ impl CellOutcome {
     }
 }
 
-/// A bridge request's turns for work on a blocking thread (which cannot be dropped once it has
-/// started): the worker's own, held until the answer is written to the socket, so a worker that
-/// stops reading holds one such answer on the host; and one of the host's turns for that kind of
-/// work ([`super::BLOCKING_REQUESTS_AT_ONCE`] for memory, [`super::TRACKER_WAITS_AT_ONCE`] for
-/// tracker waits). `None` when the worker went while the request waited: the
-/// waiting happens here, where it ends with the worker (parameters and all), never in the
-/// blocking pool, whose threads the quota watch, the free-disk guard and file reads need.
-async fn blocking_turns(
-    worker_turn: &Arc<tokio::sync::Semaphore>,
-    host_turns: &Arc<tokio::sync::Semaphore>,
-    gone: &tokio_util::sync::CancellationToken,
-) -> Option<(
-    tokio::sync::OwnedSemaphorePermit,
-    tokio::sync::OwnedSemaphorePermit,
-)> {
-    tokio::select! {
-        turns = async {
-            let mine = worker_turn.clone().acquire_owned().await.ok()?;
-            Some((mine, host_turns.clone().acquire_owned().await.ok()?))
-        } => turns,
-        () = gone.cancelled() => None,
-    }
-}
-
 /// Queues the answer to request `id` at once, without a task unless the worker stopped reading
 /// (then a task waits for room, never the caller). `slot` is freed when the answer is written.
 fn answer_now(
@@ -1000,15 +887,6 @@ fn json_value_count(v: &serde_json::Value) -> usize {
         }
         serde_json::Value::String(s) => 1 + s.len() / 32,
         _ => 1,
-    }
-}
-
-/// The answer to `files.changed`: names only, from the host's own watches (nothing is opened),
-/// or "not complete" when the tracker cannot vouch for them (the worker then scans itself).
-fn changed_files_answer(pending: Option<(Vec<String>, Vec<String>)>) -> serde_json::Value {
-    match pending {
-        Some((files, dirs)) => serde_json::json!({"complete": true, "files": files, "dirs": dirs}),
-        None => serde_json::json!({"complete": false}),
     }
 }
 

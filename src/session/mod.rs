@@ -24,6 +24,8 @@ use crate::frame::{self, CellStatus, FromWorker, PyErrorInfo, ToWorker, Violatio
 use crate::host_fs::{self, Usage};
 use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
 use crate::proxy::{CallSummary, Proxy};
+use crate::router::Router;
+pub use crate::run::{Progress, RunRequest};
 use crate::sandbox::Sandbox;
 use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
 use std::os::fd::AsFd;
@@ -47,11 +49,6 @@ const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How often idle sessions with a live worker are measured against the scratch quota (a thread
 /// the code left running keeps writing after its run returned).
 const IDLE_QUOTA_CHECK_EVERY: Duration = Duration::from_secs(2);
-/// Memory requests the host serves on blocking threads at once (the store has one lock anyway).
-const BLOCKING_REQUESTS_AT_ONCE: usize = 2;
-/// `files.changed` requests waiting on a blocking thread for the change tracker at once: its own
-/// count, so sessions whose listings keep the tracker busy never hold up others' memory requests.
-const TRACKER_WAITS_AT_ONCE: usize = 1;
 /// How often the quota watch looks for sessions due a measurement.
 const QUOTA_WATCH_TICK: Duration = Duration::from_millis(100);
 /// A session's next measurement waits at least this many times as long as its last one took, so
@@ -82,31 +79,8 @@ pub enum RunRefusal {
     Cancelled,
 }
 
-/// What a running cell has done so far: sent as progress notifications and shown by job polls.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct Progress {
-    pub elapsed_s: f64,
-    pub stdout_bytes: u64,
-    pub stderr_bytes: u64,
-    /// The newest lines of output.
-    pub recent_output: String,
-}
-
 /// How often a running cell reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
-
-/// One `run_python` call, validated by the server.
-#[derive(Debug, Clone)]
-pub struct RunRequest {
-    pub code: String,
-    pub session: String,
-    pub timeout: Option<Duration>,
-    pub reset: bool,
-    /// Proxied servers to start before the code runs (they start on first use anyway).
-    pub servers: Vec<String>,
-    /// Where to report progress while the cell runs, if anyone listens.
-    pub progress: Option<tokio::sync::watch::Sender<Progress>>,
-}
 
 struct SessionState {
     worker: Option<LiveWorker>,
@@ -178,17 +152,11 @@ pub struct SessionManager {
     settings: Settings,
     sandbox: Sandbox,
     proxy: Arc<Proxy>,
-    /// `save_memory`/`load_memory` from Python (`memory.*` bridge requests).
-    memory: Arc<crate::memory::MemoryStore>,
-    /// Memory requests doing blocking work at once, host-wide (see `cell.rs`'s `blocking_turns`).
-    blocking_requests: Arc<Semaphore>,
-    /// `files.changed` requests waiting for the change tracker at once, host-wide.
-    tracker_waits: Arc<Semaphore>,
+    /// Where workers' bridge requests go (the proxy, memory, local tools, change tracking,
+    /// package installs).
+    router: Arc<Router>,
     /// `%pip install`: the package store, each session's installs, the workers' views.
     packages: Arc<crate::packages::Packages>,
-    /// Local Python tools (`tools.*` requests, and the tools session's read grants); set once
-    /// by the server.
-    local_tools: std::sync::OnceLock<Arc<crate::local_tools::LocalTools>>,
     /// The interpreter chosen at start (or why none could be): every zygote runs it.
     python: Result<crate::python::Interpreter, crate::python::PythonError>,
     zygote: Mutex<Option<Arc<Zygote>>>,
@@ -292,7 +260,7 @@ impl SessionManager {
         let pool_size = settings.pool_size as usize;
         let plot_spare = settings.plot_spare && settings.warm_plots;
         crate::config::report_not_applicable_variables(&settings);
-        let memory = Arc::new(crate::memory::MemoryStore::new(&state_dir));
+        let changes = Arc::new(crate::files::ChangeTracker::new());
         let packages = Arc::new(crate::packages::Packages::new(
             &state_dir,
             settings.packages,
@@ -300,15 +268,18 @@ impl SessionManager {
             settings.packages_budget,
             python.as_ref().ok().map(|i| i.executable.clone()),
         ));
+        let router = Arc::new(Router::new(
+            proxy.clone(),
+            Arc::new(crate::memory::MemoryStore::new(&state_dir)),
+            packages.clone(),
+            changes.clone(),
+        ));
         let manager = Arc::new(SessionManager {
             packages,
-            blocking_requests: Arc::new(Semaphore::new(BLOCKING_REQUESTS_AT_ONCE)),
-            tracker_waits: Arc::new(Semaphore::new(TRACKER_WAITS_AT_ONCE)),
             settings,
             sandbox,
             proxy,
-            memory,
-            local_tools: std::sync::OnceLock::new(),
+            router,
             python,
             zygote: Mutex::new(zygote),
             sessions: Mutex::new(HashMap::new()),
@@ -319,7 +290,7 @@ impl SessionManager {
             disk_stops: tokio::sync::watch::Sender::new((0, String::new())),
             disk_watch: Mutex::new(quota::DiskWatch::Unread),
             disk_stops_done: Mutex::new(quota::DiskStops::default()),
-            changes: Arc::new(crate::files::ChangeTracker::new()),
+            changes,
             font_cache: Mutex::new(None),
             font_cache_building: std::sync::atomic::AtomicBool::new(false),
             font_cache_settled: tokio::sync::watch::Sender::new(false),
@@ -407,13 +378,8 @@ impl SessionManager {
         self.root.parent().unwrap_or(&self.root)
     }
 
-    /// Connects the local Python tools (done once, by the server).
-    pub fn set_local_tools(&self, tools: Arc<crate::local_tools::LocalTools>) {
-        let _ = self.local_tools.set(tools);
-    }
-
     pub fn local_tools(&self) -> Option<Arc<crate::local_tools::LocalTools>> {
-        self.local_tools.get().cloned()
+        self.router.local_tools().cloned()
     }
 
     pub fn proxy(&self) -> &Arc<Proxy> {
@@ -908,6 +874,45 @@ fn set_private(dir: &Path) {
     });
     if let Err(e) = result {
         tracing::warn!(dir = %dir.display(), error = %e, "cannot make the directory private");
+    }
+}
+
+/// The local tools run their cells in sessions of this manager.
+impl crate::local_tools::ToolSessions for SessionManager {
+    fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    fn state_dir(&self) -> &Path {
+        SessionManager::state_dir(self)
+    }
+
+    fn set_local_tools(&self, tools: Arc<crate::local_tools::LocalTools>) {
+        self.router.set_local_tools(tools);
+    }
+
+    fn local_tools(&self) -> Option<Arc<crate::local_tools::LocalTools>> {
+        self.router.local_tools().cloned()
+    }
+
+    fn run(
+        &self,
+        request: RunRequest,
+        cancel: CancellationToken,
+    ) -> futures::future::BoxFuture<'_, Result<RunRecord, String>> {
+        Box::pin(async move {
+            SessionManager::run(self, request, cancel)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn stop_idle_worker<'a>(&'a self, session: &'a str) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(SessionManager::stop_idle_worker(self, session))
+    }
+
+    fn audit(&self) -> Option<Arc<crate::audit::AuditLog>> {
+        self.proxy.audit().cloned()
     }
 }
 

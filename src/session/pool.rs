@@ -193,7 +193,7 @@ impl SessionManager {
         if self.pool.size == 0 || session.name.starts_with('@') {
             return Err(slot);
         }
-        if let Some(tools) = self.local_tools.get()
+        if let Some(tools) = self.router.local_tools()
             && !tools.read_grants_for(&session.name).is_empty()
         {
             return Err(slot);

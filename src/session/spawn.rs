@@ -57,7 +57,7 @@ impl SessionManager {
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
         let mut sandbox = self.sandbox.plan_for(scratch, &python.python_paths);
         if let (Some(tools), Some(fs), Some(name)) =
-            (self.local_tools.get(), sandbox.filesystem.as_mut(), name)
+            (self.router.local_tools(), sandbox.filesystem.as_mut(), name)
         {
             fs.read_only.extend(tools.read_grants_for(name));
         }

@@ -2,7 +2,8 @@
 //! the sandbox a worker applies to itself.
 //!
 //! - [`control`]: host ↔ zygote messages and the [`control::WorkerSpec`] a worker is forked with.
-//! - [`frame`]: host ↔ worker framing and messages on a session socket.
+//! - [`frame`]: host ↔ worker framing and messages on a session socket; [`bridge`]: what a
+//!   worker's `mcp` module may ask the host in a `request` frame, and how the host says no.
 //! - [`arenas`] and [`hugepages`]: the zygote's heap laid out so a fork copies fewer page-table
 //!   entries; [`prefault`]: a worker's first plot takes its copy-on-write faults ahead, in bulk.
 //! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, the private `/tmp`, and the lockdown
@@ -12,6 +13,7 @@
 //! module the zygote loads into the user's interpreter.
 
 pub mod arenas;
+pub mod bridge;
 pub mod control;
 pub mod frame;
 pub mod hugepages;

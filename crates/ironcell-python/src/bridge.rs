@@ -18,6 +18,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyConnectionError, PyValueError};
 use pyo3::prelude::*;
 
+use ironcell_core::bridge::BridgeError;
 use ironcell_core::frame::{self, FromWorker, KIND_JSON, MAX_INFLIGHT_REQUESTS};
 
 enum Waiter {
@@ -111,9 +112,7 @@ pub fn resolve(id: u64, payload: String) {
 }
 
 fn resolve_with_error(id: u64, message: &str) {
-    let payload =
-        serde_json::json!({"error": {"kind": "unavailable", "message": message}}).to_string();
-    resolve(id, payload);
+    resolve(id, BridgeError::unavailable(message).payload().to_string());
 }
 
 /// Fails every waiting request (the host went away).
@@ -125,8 +124,7 @@ pub fn fail_all(reason: &str) {
         p.queued.clear();
         p.waiters.drain().collect()
     };
-    let payload =
-        serde_json::json!({"error": {"kind": "unavailable", "message": reason}}).to_string();
+    let payload = BridgeError::unavailable(reason).payload().to_string();
     for (_, w) in waiters {
         match w {
             Waiter::Blocking(tx) => {
