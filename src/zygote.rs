@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -293,30 +293,10 @@ impl Zygote {
             .stdout(Stdio::from(out))
             .stderr(Stdio::piped())
             .current_dir("/");
-        // SAFETY: between fork and exec only async-signal-safe calls (fcntl, dup2, prctl).
-        unsafe {
-            cmd.pre_exec(move || {
-                // Move the fds out of the way first (any may already sit on 3, 4 or 5), then
-                // onto 3, 4 and 5; dup2 leaves the copies without FD_CLOEXEC, so they survive
-                // exec.
-                let ctl = libc::fcntl(zygote_raw, libc::F_DUPFD_CLOEXEC, 10);
-                let ext = libc::fcntl(extension_raw, libc::F_DUPFD_CLOEXEC, 10);
-                let boot = libc::fcntl(boot_raw, libc::F_DUPFD_CLOEXEC, 10);
-                if ctl < 0
-                    || ext < 0
-                    || boot < 0
-                    || libc::dup2(ctl, CONTROL_FD) < 0
-                    || libc::dup2(ext, EXTENSION_FD) < 0
-                    || libc::dup2(boot, BOOT_FD) < 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        let fds = [zygote_raw, extension_raw, boot_raw];
+        // SAFETY: between fork and exec the closure makes only async-signal-safe calls
+        // (fcntl, dup2, prctl) and allocates nothing.
+        unsafe { cmd.pre_exec(move || place_zygote_fds(fds)) };
         let mut child = cmd
             .spawn()
             .with_context(|| format!("starting the zygote ({})", python.executable.display()))?;
@@ -627,6 +607,31 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     drop(fd);
 }
 
+/// In the zygote's child between fork and exec (async-signal-safe calls only): moves the
+/// control socket, the extension and the boot script out of the way first (any may already sit
+/// on 3, 4 or 5), then onto 3, 4 and 5 (dup2 leaves the copies without FD_CLOEXEC, so they
+/// survive exec), and asks for SIGKILL when the host dies.
+fn place_zygote_fds(fds: [RawFd; 3]) -> std::io::Result<()> {
+    let targets = [CONTROL_FD, EXTENSION_FD, BOOT_FD];
+    let mut moved = [-1; 3];
+    for (m, fd) in moved.iter_mut().zip(fds) {
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor this process holds open.
+        *m = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
+        if *m < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    for (fd, target) in moved.into_iter().zip(targets) {
+        // SAFETY: dup2 of a descriptor this process holds onto a fixed number it hands to the
+        // interpreter it is about to exec.
+        if unsafe { libc::dup2(fd, target) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -679,23 +684,25 @@ mod tests {
         assert!(file.write_all(b"x").is_err());
         assert!(file.set_len(1).is_err());
         assert!(file.set_len(100).is_err());
-        // SAFETY: fcntl and mmap on an fd we own; the mapping is unmapped if it was made.
-        unsafe {
-            assert_ne!(libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, 0), 0);
-            let map = libc::mmap(
+        // SAFETY: fcntl on an fd we own.
+        let sealed = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, 0) };
+        assert_ne!(sealed, 0);
+        // SAFETY: a fresh mapping of an fd we own; it must fail (nothing to unmap).
+        let map = unsafe {
+            libc::mmap(
                 std::ptr::null_mut(),
                 12,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
                 0,
-            );
-            assert_eq!(
-                map,
-                libc::MAP_FAILED,
-                "a shared writable mapping of a sealed memfd"
-            );
-        }
+            )
+        };
+        assert_eq!(
+            map,
+            libc::MAP_FAILED,
+            "a shared writable mapping of a sealed memfd"
+        );
         // Through /proc as well: a fresh open for writing gets no write access either.
         let again = std::fs::OpenOptions::new()
             .write(true)

@@ -597,15 +597,14 @@ impl Upstream {
         if let Some(dir) = &c.cwd {
             cmd.current_dir(dir);
         }
-        // SAFETY: prctl is async-signal-safe; the child dies with ironcell.
+        // SAFETY: between fork and exec the closure makes one async-signal-safe call (prctl);
+        // the child dies with ironcell.
         unsafe {
             cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
                 Ok(())
-            });
-        }
+            })
+        };
         let (transport, stderr) = TokioChildProcess::builder(cmd)
             .stderr(Stdio::piped())
             .spawn()

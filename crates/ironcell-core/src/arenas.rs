@@ -180,24 +180,24 @@ fn map_chunk(below: Option<usize>) -> Option<usize> {
     {
         return Some(below);
     }
-    // SAFETY: a fresh anonymous mapping, then unmapping its parts outside the aligned chunk.
-    unsafe {
-        let p = map(std::ptr::null_mut(), 2 * CHUNK, 0);
-        if p == libc::MAP_FAILED {
-            return None;
-        }
-        let start = p as usize;
-        let base = start.next_multiple_of(CHUNK);
-        if base > start {
-            libc::munmap(p, base - start);
-        }
-        let tail = start + 2 * CHUNK - (base + CHUNK);
-        if tail > 0 {
-            libc::munmap((base + CHUNK) as *mut c_void, tail);
-        }
-        no_huge_pages(base, CHUNK);
-        Some(base)
+    // SAFETY: a fresh anonymous mapping, placed where the kernel chooses.
+    let p = unsafe { map(std::ptr::null_mut(), 2 * CHUNK, 0) };
+    if p == libc::MAP_FAILED {
+        return None;
     }
+    let start = p as usize;
+    let base = start.next_multiple_of(CHUNK);
+    if base > start {
+        // SAFETY: the part of that fresh mapping below the aligned chunk; nothing uses it.
+        unsafe { libc::munmap(p, base - start) };
+    }
+    let tail = start + 2 * CHUNK - (base + CHUNK);
+    if tail > 0 {
+        // SAFETY: the part of that fresh mapping above the aligned chunk; nothing uses it.
+        unsafe { libc::munmap((base + CHUNK) as *mut c_void, tail) };
+    }
+    no_huge_pages(base, CHUNK);
+    Some(base)
 }
 
 /// What [`map_at`] did.
@@ -287,14 +287,14 @@ mod tests {
         assert!(mapped(a, MIB) && !mapped(b, MIB));
         let again = chunks.alloc(MIB).unwrap().as_ptr() as usize;
         assert_eq!(again, b);
-        // SAFETY: as above.
-        assert_eq!(unsafe { *(again as *const u8).add(MIB - 1) }, 0);
+        let last = (again + MIB - 1) as *const u8;
+        // SAFETY: the last byte of the MIB-byte arena `again`, mapped and ours.
+        assert_eq!(unsafe { *last }, 0);
         // Freeing both arenas of a chunk unmaps it.
-        // SAFETY: arenas from `chunks`, not used afterwards.
-        unsafe {
-            assert!(chunks.free(a as *mut c_void, MIB));
-            assert!(chunks.free(again as *mut c_void, MIB));
-        }
+        // SAFETY: an arena from `chunks`, not used afterwards.
+        assert!(unsafe { chunks.free(a as *mut c_void, MIB) });
+        // SAFETY: as above.
+        assert!(unsafe { chunks.free(again as *mut c_void, MIB) });
         assert!(!mapped(a, CHUNK));
         assert_eq!(chunks.stats(), (4, 1));
         // SAFETY: as above.
@@ -308,23 +308,21 @@ mod tests {
         // Free address space for two chunks, given back just before: another test's thread may
         // map there in between, so a few tries.
         let placed = (0..5).find_map(|_| {
-            // SAFETY: a fresh mapping, unmapped at once.
-            let top = unsafe {
-                let p = map(std::ptr::null_mut(), 3 * CHUNK, 0);
-                assert_ne!(p, libc::MAP_FAILED);
-                libc::munmap(p, 3 * CHUNK);
-                (p as usize + 3 * CHUNK) / CHUNK * CHUNK
-            };
+            // SAFETY: a fresh mapping where the kernel chooses.
+            let p = unsafe { map(std::ptr::null_mut(), 3 * CHUNK, 0) };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: that mapping, unused.
+            unsafe { libc::munmap(p, 3 * CHUNK) };
+            let top = (p as usize + 3 * CHUNK) / CHUNK * CHUNK;
             let upper = map_chunk(Some(top)).unwrap();
             let lower = map_chunk(Some(upper)).unwrap();
             if (upper, lower) == (top - CHUNK, top - 2 * CHUNK) {
                 return Some((lower, top));
             }
-            // SAFETY: the chunks this try mapped.
-            unsafe {
-                libc::munmap(upper as *mut c_void, CHUNK);
-                libc::munmap(lower as *mut c_void, CHUNK);
-            }
+            // SAFETY: a chunk this try mapped, unused.
+            unsafe { libc::munmap(upper as *mut c_void, CHUNK) };
+            // SAFETY: as above.
+            unsafe { libc::munmap(lower as *mut c_void, CHUNK) };
             None
         });
         let (lower, top) = placed.expect("each new chunk went right below the last one");
@@ -346,36 +344,32 @@ mod tests {
         let chunks = ArenaChunks::new();
         let a = chunks.alloc(MIB).unwrap().as_ptr() as usize;
         let b = chunks.alloc(MIB).unwrap().as_ptr() as usize;
-        // SAFETY: `b` came from `chunks`; then a mapping of our own where it was.
-        let foreign = unsafe {
-            assert!(chunks.free(b as *mut c_void, MIB));
-            map(b as *mut c_void, MIB, libc::MAP_FIXED_NOREPLACE)
-        };
+        // SAFETY: `b` came from `chunks`, not used afterwards.
+        assert!(unsafe { chunks.free(b as *mut c_void, MIB) });
+        // SAFETY: a mapping of our own where it was (never over another: FIXED_NOREPLACE).
+        let foreign = unsafe { map(b as *mut c_void, MIB, libc::MAP_FIXED_NOREPLACE) };
         assert_eq!(foreign as usize, b);
+        // SAFETY: the first byte of the foreign mapping, ours.
+        unsafe { *(foreign as *mut u8) = 42 };
         // SAFETY: the foreign mapping is ours, MIB bytes; handing it to `free` must not take it
         // (what a fallback arena the kernel placed in a freed slot's hole looks like).
-        unsafe {
-            *(foreign as *mut u8) = 42;
-            assert!(!chunks.free(foreign, MIB));
-        }
+        assert!(!unsafe { chunks.free(foreign, MIB) });
         assert!(mapped(a, MIB) && mapped(b, MIB));
         let c = chunks.alloc(MIB).unwrap().as_ptr() as usize;
         assert_ne!(c, b, "a slot another mapping took is not handed out");
-        // SAFETY: arenas from `chunks`, not used afterwards.
-        unsafe {
-            assert!(chunks.free(a as *mut c_void, MIB));
-            assert!(chunks.free(c as *mut c_void, MIB));
-        }
+        // SAFETY: an arena from `chunks`, not used afterwards.
+        assert!(unsafe { chunks.free(a as *mut c_void, MIB) });
+        // SAFETY: as above.
+        assert!(unsafe { chunks.free(c as *mut c_void, MIB) });
         assert!(!mapped(a, MIB));
         assert!(
             mapped(b, MIB),
             "the chunk went without unmapping the foreign mapping"
         );
-        // SAFETY: still the foreign mapping, then unmapped by its owner.
-        unsafe {
-            assert_eq!(*(foreign as *const u8), 42);
-            libc::munmap(foreign, MIB);
-        }
+        // SAFETY: still the foreign mapping, ours.
+        assert_eq!(unsafe { *(foreign as *const u8) }, 42);
+        // SAFETY: unmapped by its owner, unused afterwards.
+        unsafe { libc::munmap(foreign, MIB) };
     }
 
     #[test]
@@ -395,12 +389,10 @@ mod tests {
             "one arena size per allocator (pymalloc uses one)"
         );
         let mut local = [0u8; 64];
-        // SAFETY: not memory the allocator served (nor a size it serves): it must refuse,
-        // touching nothing.
-        unsafe {
-            assert!(!chunks.free(local.as_mut_ptr().cast(), local.len()));
-            assert!(!chunks.free(a as *mut c_void, MIB));
-        }
+        // SAFETY: not memory the allocator served: it must refuse, touching nothing.
+        assert!(!unsafe { chunks.free(local.as_mut_ptr().cast(), local.len()) });
+        // SAFETY: not a size it serves: it must refuse, touching nothing.
+        assert!(!unsafe { chunks.free(a as *mut c_void, MIB) });
         // SAFETY: `a` came from `chunks`.
         assert!(unsafe { chunks.free(a as *mut c_void, 256 << 10) });
     }

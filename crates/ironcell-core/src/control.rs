@@ -236,21 +236,29 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
             return Err(err).context("receiving on the zygote control socket");
         }
         let mut fds = Vec::new();
-        // SAFETY: the kernel filled `control` and set `msg_controllen`; the CMSG_* macros walk
-        // only within it, and an SCM_RIGHTS message's data is that many fds just installed in
-        // this process for us (read unaligned: the buffer promises no alignment to C).
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&hdr);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                    let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
-                    for i in 0..len / std::mem::size_of::<RawFd>() {
-                        fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                    }
+        // The kernel filled `control` and set `msg_controllen`; the CMSG_* macros walk only
+        // within it, and an SCM_RIGHTS message's data is that many fds just installed in this
+        // process for us (read unaligned: the buffer promises no alignment to C).
+        // SAFETY: the first header within `control`, or null.
+        let mut c = unsafe { libc::CMSG_FIRSTHDR(&hdr) };
+        while !c.is_null() {
+            // SAFETY: a non-null header the CMSG_* macros found within `control`.
+            let cmsg = unsafe { &*c };
+            if cmsg.cmsg_level == libc::SOL_SOCKET && cmsg.cmsg_type == libc::SCM_RIGHTS {
+                // SAFETY: the data of that header, within `control`.
+                let data = unsafe { libc::CMSG_DATA(c) }.cast::<RawFd>();
+                // SAFETY: arithmetic only.
+                let header = unsafe { libc::CMSG_LEN(0) } as usize;
+                let len = (cmsg.cmsg_len as usize).saturating_sub(header);
+                for i in 0..len / std::mem::size_of::<RawFd>() {
+                    // SAFETY: the i-th fd of the message's data, within it.
+                    let fd = unsafe { data.wrapping_add(i).read_unaligned() };
+                    // SAFETY: an fd the kernel just installed in this process for us alone.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
                 }
-                c = libc::CMSG_NXTHDR(&hdr, c);
             }
+            // SAFETY: the header after `c` within `control`, or null.
+            c = unsafe { libc::CMSG_NXTHDR(&hdr, c) };
         }
         if hdr.msg_flags & libc::MSG_TRUNC != 0 {
             anyhow::bail!("a control message over {MAX_CONTROL_MESSAGE} bytes arrived cut off");

@@ -51,34 +51,35 @@ pub fn collapse_anonymous_memory() -> Collapsed {
             continue;
         }
         let (addr, len) = (lo as *mut c_void, hi - lo);
-        // SAFETY: advice only, on whole pages of a mapping this process owns; none of these
-        // calls changes the memory's contents or protection.
-        unsafe {
-            if libc::madvise(addr, len, libc::MADV_HUGEPAGE) == 0 {
-                // One range at a time: one that cannot be collapsed (say, its pages are
-                // pinned) does not stop the others.
-                for chunk in (lo..hi).step_by(HUGE) {
-                    out.ranges += 1;
-                    // A collapse fills a range's untouched pages: only ranges nearly all
-                    // resident already, so the zygote does not grow by the rest.
-                    if resident_pages(chunk) < DENSE_PAGES {
-                        out.sparse += 1;
-                        continue;
-                    }
-                    if libc::madvise(chunk as *mut c_void, HUGE, MADV_COLLAPSE) == 0 {
-                        out.bytes += HUGE;
-                    } else if out.refused.is_none() {
-                        out.refused = Some(std::io::Error::last_os_error());
-                    }
+        // Advice only, on whole pages of a mapping this process owns: none of these calls
+        // changes the memory's contents or protection.
+        // SAFETY: as just said.
+        if unsafe { libc::madvise(addr, len, libc::MADV_HUGEPAGE) } == 0 {
+            // One range at a time: one that cannot be collapsed (say, its pages are pinned)
+            // does not stop the others.
+            for chunk in (lo..hi).step_by(HUGE) {
+                out.ranges += 1;
+                // A collapse fills a range's untouched pages: only ranges nearly all resident
+                // already, so the zygote does not grow by the rest.
+                if resident_pages(chunk) < DENSE_PAGES {
+                    out.sparse += 1;
+                    continue;
                 }
-            } else if out.refused.is_none() {
-                out.refused = Some(std::io::Error::last_os_error());
+                // SAFETY: as said above.
+                if unsafe { libc::madvise(chunk as *mut c_void, HUGE, MADV_COLLAPSE) } == 0 {
+                    out.bytes += HUGE;
+                } else if out.refused.is_none() {
+                    out.refused = Some(std::io::Error::last_os_error());
+                }
             }
-            // Whatever happened: no new huge page on a later fault, here or in a worker. On the
-            // whole mapping, so that its parts split off by the advice above merge again (a
-            // fork copies every mapping).
-            libc::madvise(start as *mut c_void, end - start, libc::MADV_NOHUGEPAGE);
+        } else if out.refused.is_none() {
+            out.refused = Some(std::io::Error::last_os_error());
         }
+        // Whatever happened: no new huge page on a later fault, here or in a worker. On the
+        // whole mapping, so that its parts split off by the advice above merge again (a fork
+        // copies every mapping).
+        // SAFETY: as said above.
+        unsafe { libc::madvise(start as *mut c_void, end - start, libc::MADV_NOHUGEPAGE) };
     }
     out
 }

@@ -18,4 +18,9 @@ pub mod control;
 pub mod frame;
 pub mod hugepages;
 pub mod prefault;
+// The sandbox module documents its unsafe blocks its own way (its lints are set there).
+#[allow(
+    clippy::undocumented_unsafe_blocks,
+    clippy::multiple_unsafe_ops_per_block
+)]
 pub mod sandbox;

@@ -171,23 +171,25 @@ pub fn exclusive_pages(ranges: &[Range<usize>]) -> std::io::Result<PageRuns> {
 /// Whether this kernel has `MADV_POPULATE_WRITE` (Linux 5.14): asked on one page of a mapping
 /// of its own, made for the question.
 pub fn populate_supported() -> bool {
-    // SAFETY: a fresh private anonymous page, advised, then unmapped; nothing else uses it.
-    unsafe {
-        let page = libc::mmap(
+    // SAFETY: a fresh private anonymous page where the kernel chooses.
+    let page = unsafe {
+        libc::mmap(
             std::ptr::null_mut(),
             PAGE,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
-        );
-        if page == libc::MAP_FAILED {
-            return false;
-        }
-        let supported = libc::madvise(page, PAGE, MADV_POPULATE_WRITE) == 0;
-        libc::munmap(page, PAGE);
-        supported
+        )
+    };
+    if page == libc::MAP_FAILED {
+        return false;
     }
+    // SAFETY: advice on that page, which nothing else uses.
+    let supported = unsafe { libc::madvise(page, PAGE, MADV_POPULATE_WRITE) } == 0;
+    // SAFETY: that page, unused from here on.
+    unsafe { libc::munmap(page, PAGE) };
+    supported
 }
 
 /// What [`populate_for_writing`] did.

@@ -19,6 +19,7 @@ struct ArenaAllocator {
 // SAFETY: CPython's default arena allocator has no context (`ctx` is NULL) and its functions
 // may be called from any thread holding the GIL; the struct is only read after `install`.
 unsafe impl Send for ArenaAllocator {}
+// SAFETY: as for `Send`: shared only to be read.
 unsafe impl Sync for ArenaAllocator {}
 
 /// The interpreter's own arena allocator, as it was before [`install`].
@@ -28,37 +29,30 @@ static PREVIOUS: std::sync::OnceLock<ArenaAllocator> = std::sync::OnceLock::new(
 /// interpreter does not export `PyObject_GetArenaAllocator` and `PyObject_SetArenaAllocator`,
 /// or it was installed already. Call it with the GIL held.
 pub fn install() -> bool {
-    // SAFETY: dlsym on the process's global scope for two functions of the running
-    // interpreter, both `void f(PyObjectArenaAllocator *)`.
-    let (get, set) = unsafe {
-        (
-            libc::dlsym(libc::RTLD_DEFAULT, c"PyObject_GetArenaAllocator".as_ptr()),
-            libc::dlsym(libc::RTLD_DEFAULT, c"PyObject_SetArenaAllocator".as_ptr()),
-        )
-    };
+    // SAFETY: dlsym on the process's global scope for a function of the running interpreter,
+    // `void f(PyObjectArenaAllocator *)`.
+    let get = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"PyObject_GetArenaAllocator".as_ptr()) };
+    // SAFETY: as above.
+    let set = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"PyObject_SetArenaAllocator".as_ptr()) };
     if get.is_null() || set.is_null() || PREVIOUS.get().is_some() {
         return false;
     }
     type Accessor = unsafe extern "C" fn(*mut ArenaAllocator);
-    // SAFETY: both symbols are CPython's functions of that signature.
-    let (get, set) = unsafe {
-        (
-            std::mem::transmute::<*mut c_void, Accessor>(get),
-            std::mem::transmute::<*mut c_void, Accessor>(set),
-        )
-    };
+    // SAFETY: the symbol is CPython's function of that signature.
+    let get = unsafe { std::mem::transmute::<*mut c_void, Accessor>(get) };
+    // SAFETY: as above.
+    let set = unsafe { std::mem::transmute::<*mut c_void, Accessor>(set) };
     let mut allocator = ArenaAllocator {
         ctx: std::ptr::null_mut(),
         alloc: arena_alloc,
         free: arena_free,
     };
     let mut previous = ArenaAllocator { ..allocator };
-    // SAFETY: CPython fills `previous` with its current allocator, then copies ours in.
-    unsafe {
-        get(&mut previous);
-        let _ = PREVIOUS.set(previous);
-        set(&mut allocator);
-    }
+    // SAFETY: CPython fills `previous` with its current allocator.
+    unsafe { get(&mut previous) };
+    let _ = PREVIOUS.set(previous);
+    // SAFETY: CPython copies ours in (the GIL is held).
+    unsafe { set(&mut allocator) };
     true
 }
 

@@ -133,11 +133,8 @@ fn init_logging(filter: &str) {
 /// it stays in its worker's process group, by which the host finds and kills it
 /// (SECURITY.md #159).
 fn set_parent_death_signal() -> anyhow::Result<()> {
-    // SAFETY: prctl with integer arguments only.
-    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
-    }
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+        .context("prctl(PR_SET_PDEATHSIG)")?;
     ironcell_core::sandbox::sys::become_child_subreaper().context("PR_SET_CHILD_SUBREAPER")?;
     Ok(())
 }
@@ -449,6 +446,8 @@ fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::P
     unsafe { pyo3::ffi::PyOS_BeforeFork() };
     // SAFETY: plain fork(2); the child runs Python (with the GIL this thread holds) and exits.
     let pid = unsafe { libc::fork() };
+    // Read at once: the calls below (a close among them) may change errno.
+    let fork_error = (pid < 0).then(std::io::Error::last_os_error);
     if pid == 0 {
         // SAFETY: in the child, right after fork, with the GIL held by this (only) thread.
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
@@ -472,8 +471,8 @@ fn probe_plot_pages(py: Python<'_>) -> anyhow::Result<ironcell_core::prefault::P
     // SAFETY: in the parent, after fork, with the GIL held.
     unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
     drop(write);
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error()).context("fork");
+    if let Some(e) = fork_error {
+        return Err(e).context("fork");
     }
     let got = read_until_eof(&read, PROBE_DEADLINE);
     if got.is_err() {
@@ -523,11 +522,9 @@ fn reap_probe(pid: libc::pid_t) -> anyhow::Result<libc::c_int> {
 /// worker writes.
 fn detach_probe(zygote: libc::pid_t, pipe: OwnedFd) -> anyhow::Result<OwnedFd> {
     crate::worker::die_with_zygote(nix::unistd::Pid::from_raw(zygote))?;
-    // SAFETY: alarm and prctl with integer arguments only.
-    unsafe {
-        libc::alarm(PROBE_DEADLINE.as_secs() as libc::c_uint);
-        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
-    }
+    // SAFETY: alarm with an integer argument only.
+    unsafe { libc::alarm(PROBE_DEADLINE.as_secs() as libc::c_uint) };
+    let _ = nix::sys::prctl::set_thp_disable(true);
     crate::worker::move_fd_to(pipe, PROBE_PIPE_FD)?;
     crate::worker::close_fds_from(PROBE_PIPE_FD + 1)?;
     // SAFETY: fd 3 now holds the pipe (dup2 above), and nothing else in this process owns it.
@@ -881,10 +878,9 @@ fn pymalloc_free_blocks(py: Python<'_>) -> anyhow::Result<Vec<(usize, usize)>> {
         .and_then(|sys| sys.call_method0("_debugmallocstats"))
         .map(drop);
     // SAFETY: as above.
-    unsafe {
-        libc::dup2(saved, libc::STDERR_FILENO);
-        libc::close(saved);
-    }
+    unsafe { libc::dup2(saved, libc::STDERR_FILENO) };
+    // SAFETY: the copy of stderr made above, ours, unused from here on.
+    unsafe { libc::close(saved) };
     printed.map_err(|e| anyhow!("sys._debugmallocstats(): {e}"))?;
     let mut text = String::new();
     stats.rewind()?;

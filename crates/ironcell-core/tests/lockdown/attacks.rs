@@ -289,6 +289,7 @@ pub const ATTACKS: &[Attack] = &[
         run: |_| {
             // SAFETY: the grandchild (if any) only calls _exit.
             match unsafe { libc::fork() } {
+                // SAFETY: ends the grandchild at once.
                 0 => unsafe { libc::_exit(0) },
                 -1 => Outcome::Refused(errno()),
                 pid => {
@@ -305,7 +306,7 @@ pub const ATTACKS: &[Attack] = &[
     Attack {
         name: "20_signal_the_parent",
         // SAFETY: signal 0 only checks permission.
-        run: |_| check(unsafe { libc::kill(libc::getppid(), 0) }),
+        run: |_| check(unsafe { libc::kill(nix::unistd::getppid().as_raw(), 0) }),
         locked: Expect::Refused(EPERM),
         control: Expect::DoneAsParentsUser,
     },
@@ -326,7 +327,7 @@ pub const ATTACKS: &[Attack] = &[
             // SAFETY: reads the parent's limit into a valid struct; sets nothing.
             check(unsafe {
                 libc::prlimit(
-                    libc::getppid(),
+                    nix::unistd::getppid().as_raw(),
                     libc::RLIMIT_NOFILE,
                     std::ptr::null(),
                     &mut old,
@@ -366,7 +367,7 @@ pub const ATTACKS: &[Attack] = &[
     Attack {
         name: "23_change_identity",
         // SAFETY: setuid to one's own uid changes nothing when allowed.
-        run: |_| check(unsafe { libc::setuid(libc::getuid()) }),
+        run: |_| check(unsafe { libc::setuid(nix::unistd::getuid().as_raw()) }),
         locked: Expect::Refused(EPERM),
         control: Expect::Done,
     },
@@ -442,8 +443,8 @@ pub const ATTACKS: &[Attack] = &[
     },
     Attack {
         name: "46_set_the_times_of_a_host_file",
-        // SAFETY: valid C string; NULL times means "now".
         run: |t| {
+            // SAFETY: valid C string; NULL times means "now".
             check(unsafe {
                 libc::utimensat(libc::AT_FDCWD, t.victim.as_ptr(), std::ptr::null(), 0)
             })
@@ -464,19 +465,24 @@ pub const ATTACKS: &[Attack] = &[
     },
     Attack {
         name: "47_fcntl_f_setown_to_the_parent",
-        // SAFETY (these three): fcntl on a pipe fd we own, integer arguments only.
-        run: |_| on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETOWN, libc::getppid()) }),
+        run: |_| {
+            let parent = nix::unistd::getppid().as_raw();
+            // SAFETY: fcntl on a pipe fd we own, integer arguments only.
+            on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETOWN, parent) })
+        },
         locked: Expect::Refused(EPERM),
         control: Expect::Done,
     },
     Attack {
         name: "47_fcntl_set_o_async",
+        // SAFETY: fcntl on a pipe fd we own, integer arguments only.
         run: |_| on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_ASYNC) }),
         locked: Expect::Refused(EPERM),
         control: Expect::Done,
     },
     Attack {
         name: "47_positive_fcntl_set_o_nonblock",
+        // SAFETY: fcntl on a pipe fd we own, integer arguments only.
         run: |_| on_a_pipe(|fd| unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK) }),
         locked: Expect::Done,
         control: Expect::Done,
@@ -852,8 +858,10 @@ fn write_read_list_remove_in_scratch(t: &Targets) -> Outcome {
         if entry.is_null() {
             break;
         }
-        // SAFETY: readdir returned a valid dirent whose d_name is NUL-terminated.
-        let name = unsafe { CStr::from_ptr((*entry).d_name.as_ptr()) };
+        // SAFETY: readdir returned a valid dirent.
+        let entry = unsafe { &*entry };
+        // SAFETY: its d_name is NUL-terminated.
+        let name = unsafe { CStr::from_ptr(entry.d_name.as_ptr()) };
         found |= name.to_bytes() == wanted;
     }
     // SAFETY: closing the stream we opened.

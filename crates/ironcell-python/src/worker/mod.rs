@@ -93,8 +93,7 @@ static FORKED_FROM_MAIN_THREAD: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
 extern "C" fn note_the_forking_thread() {
-    // SAFETY: getpid(2)/gettid(2) cannot fail.
-    let main = unsafe { libc::gettid() == libc::getpid() };
+    let main = nix::unistd::gettid() == nix::unistd::getpid();
     FORKED_FROM_MAIN_THREAD.store(main, std::sync::atomic::Ordering::Relaxed);
 }
 
@@ -129,6 +128,8 @@ pub fn fork(
     // SAFETY: plain fork(2); the child only runs code that is safe after fork of a
     // single-threaded process.
     let pid = unsafe { libc::fork() };
+    // Read at once: the calls below (a close among them) may change errno.
+    let fork_error = (pid < 0).then(std::io::Error::last_os_error);
     if pid == 0 {
         // The worker's own frees need no clearing (crate::scrub).
         crate::scrub::scrubbing(false);
@@ -140,8 +141,8 @@ pub fn fork(
     // SAFETY: in the parent, after fork, with the GIL held.
     unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
     drop(session_fd);
-    if pid < 0 {
-        let message = format!("fork failed: {}", std::io::Error::last_os_error());
+    if let Some(e) = fork_error {
+        let message = format!("fork failed: {e}");
         return ZygoteEvent::SpawnFailed { id, message };
     }
     ZygoteEvent::Spawned { id, pid }
@@ -349,11 +350,10 @@ pub(crate) fn block_sigint_on_this_thread() {
 
 fn run_cell(runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
     // A SIGINT that arrived between cells must not interrupt this one.
-    // SAFETY: called with the GIL held; a pending KeyboardInterrupt is cleared right away.
-    unsafe {
-        if pyo3::ffi::PyErr_CheckSignals() != 0 {
-            pyo3::ffi::PyErr_Clear();
-        }
+    // SAFETY: called with the GIL held.
+    if unsafe { pyo3::ffi::PyErr_CheckSignals() } != 0 {
+        // SAFETY: with the GIL held, the pending KeyboardInterrupt is cleared right away.
+        unsafe { pyo3::ffi::PyErr_Clear() };
     }
     let outcome = runner.call_method1("run_cell", (code, id));
     // A child the cell forked never comes back to the worker's loop, which is its parent's
@@ -481,9 +481,9 @@ fn send_json(writer: &Mutex<UnixStream>, msg: &FromWorker) -> anyhow::Result<()>
 fn flush_python_streams(py: Python<'_>) {
     for name in [c"stdout", c"stderr"] {
         // SAFETY: GIL held; PySys_GetObject returns a borrowed reference (or NULL), no error.
-        let stream = unsafe {
-            Bound::from_borrowed_ptr_or_opt(py, pyo3::ffi::PySys_GetObject(name.as_ptr()))
-        };
+        let stream = unsafe { pyo3::ffi::PySys_GetObject(name.as_ptr()) };
+        // SAFETY: that borrowed reference (or NULL), used while the GIL is held.
+        let stream = unsafe { Bound::from_borrowed_ptr_or_opt(py, stream) };
         if let Some(stream) = stream {
             let _ = stream.call_method0("flush");
         }
@@ -496,8 +496,9 @@ fn imported_module<'py>(py: Python<'py>, name: &str) -> Option<Bound<'py, PyModu
     let name = pyo3::types::PyString::new(py, name);
     // SAFETY: GIL held; PyImport_GetModule returns a new reference, or NULL (with an error set
     // only if the lookup itself failed, which is cleared).
-    let module =
-        unsafe { Bound::from_owned_ptr_or_opt(py, pyo3::ffi::PyImport_GetModule(name.as_ptr())) };
+    let module = unsafe { pyo3::ffi::PyImport_GetModule(name.as_ptr()) };
+    // SAFETY: that new reference (or NULL), owned from here on.
+    let module = unsafe { Bound::from_owned_ptr_or_opt(py, module) };
     if module.is_none() {
         let _ = PyErr::take(py);
     }
@@ -537,10 +538,8 @@ fn json_to_python<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<B
 /// Has the kernel SIGKILL this process when the zygote, its parent, exits, and fails if the
 /// zygote is already gone (the signal would then never come).
 pub(crate) fn die_with_zygote(zygote: nix::unistd::Pid) -> anyhow::Result<()> {
-    // SAFETY: prctl with integer arguments only.
-    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("prctl(PR_SET_PDEATHSIG)");
-    }
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+        .context("prctl(PR_SET_PDEATHSIG)")?;
     if nix::unistd::getppid() != zygote {
         anyhow::bail!("the zygote exited while its child started");
     }
