@@ -80,7 +80,11 @@ fn is_zero(n: &u64) -> bool {
 
 impl AuditEntry {
     /// The line for a run of `code` in `session` that ended as `outcome`.
-    pub fn new(session: &str, code: &str, outcome: &Result<RunRecord, String>) -> AuditEntry {
+    pub fn new<E: std::fmt::Display>(
+        session: &str,
+        code: &str,
+        outcome: &Result<RunRecord, E>,
+    ) -> AuditEntry {
         let head: String = code
             .lines()
             .take(CODE_HEAD_LINES)
@@ -125,7 +129,7 @@ impl AuditEntry {
                 e.upstream_calls_omitted = r.upstream_calls_omitted;
                 e.upstream_lookups_failed = r.upstream_lookups_failed;
             }
-            Err(why) => e.refused = Some(crate::clip_chars(why, MAX_REFUSED_CHARS)),
+            Err(why) => e.refused = Some(crate::clip_chars(&why.to_string(), MAX_REFUSED_CHARS)),
         }
         e
     }
@@ -137,7 +141,7 @@ impl AuditEntry {
         run: Option<u64>,
         call: &ironcell_core::bridge::CallSummary,
     ) -> AuditEntry {
-        let mut e = AuditEntry::new(session, "", &Err(String::new()));
+        let mut e = AuditEntry::new(session, "", &Err::<RunRecord, _>(""));
         e.code_sha256 = String::new();
         e.refused = None;
         e.status = "proxied_call".into();
@@ -569,7 +573,7 @@ mod tests {
     use super::*;
 
     fn entry(session: &str, code: &str) -> AuditEntry {
-        AuditEntry::new(session, code, &Err("refused for the test".into()))
+        AuditEntry::new(session, code, &Err::<RunRecord, _>("refused for the test"))
     }
 
     #[test]

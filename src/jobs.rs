@@ -18,12 +18,13 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::output::RunRecord;
-use crate::session::{Progress, RunRequest, SessionManager};
+use crate::session::{Progress, RunRefusal, RunRequest, SessionManager};
 
 /// How long a finished job's result is kept when nobody reads it.
 pub const FINISHED_JOB_TTL: Duration = Duration::from_secs(3600);
 
-pub type Outcome = Arc<Result<RunRecord, String>>;
+/// How a job's run ended: its record, or why it was refused before any code ran.
+pub type Outcome = Arc<Result<RunRecord, RunRefusal>>;
 
 pub struct Job {
     pub id: String,
@@ -110,7 +111,7 @@ impl Jobs {
             .clone()
             .map(|log| (log, req.session.clone(), req.code.clone()));
         tokio::spawn(async move {
-            let result = sessions.run(req, cancel).await.map_err(|e| e.to_string());
+            let result = sessions.run(req, cancel).await;
             drop(hold);
             if let Some((log, session, code)) = audit {
                 let entry = AuditEntry::new(&session, &code, &result);

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::lock;
 use crate::output::{RunRecord, RunStatus};
-use crate::run::RunRequest;
+use crate::run::{RunRefusal, RunRequest};
 use ironcell_core::bridge::{BridgeError, ErrorKind, ToolsRequest};
 
 /// The reserved session whose worker loads and runs the tools of the `--tools` files.
@@ -801,7 +801,7 @@ impl LocalTools {
             log.append(&entry);
         }
         let answer = lock(&self.inbox).remove(token).and_then(|(_, a)| a);
-        outcome.map(|r| (r, answer))
+        outcome.map(|r| (r, answer)).map_err(|e| e.to_string())
     }
 
     /// Calls a local tool for `tools/call`; `None` when `name` is not one.
@@ -1246,7 +1246,7 @@ pub trait ToolSessions: Send + Sync {
         &self,
         request: RunRequest,
         cancel: CancellationToken,
-    ) -> futures::future::BoxFuture<'_, Result<RunRecord, String>>;
+    ) -> futures::future::BoxFuture<'_, Result<RunRecord, RunRefusal>>;
     /// Stops the session's worker if it is idle.
     fn stop_idle_worker<'a>(&'a self, session: &'a str) -> futures::future::BoxFuture<'a, ()>;
     /// The audit log, once the server has set it.

@@ -1,5 +1,6 @@
-//! What a run is asked ([`RunRequest`]) and what a running cell reports ([`Progress`]): shared
-//! by the server, jobs, the local tools and the sessions that run it.
+//! What a run is asked ([`RunRequest`]), why it may be refused ([`RunRefusal`]) and what a
+//! running cell reports ([`Progress`]): shared by the server, jobs, the local tools and the
+//! sessions that run it.
 
 use std::time::Duration;
 
@@ -24,4 +25,25 @@ pub struct Progress {
     pub stderr_bytes: u64,
     /// The newest lines of output.
     pub recent_output: String,
+}
+
+/// Why a call was refused before any code ran. Shown to the model as an `isError` result.
+#[derive(Debug, thiserror::Error)]
+pub enum RunRefusal {
+    #[error("invalid session name {0:?}: use 1-64 letters, digits, '-', '_' or '.'")]
+    InvalidSession(String),
+    #[error(
+        "code is {size} bytes; the limit is {limit} bytes (IRONCELL_MAX_CODE). Split it, or write data to a file in an earlier run"
+    )]
+    CodeTooLarge { size: usize, limit: u64 },
+    #[error(
+        "all {0} sessions are busy running code; wait for one to finish, or reuse a session name"
+    )]
+    Busy(u32),
+    #[error("could not start a Python worker: {0}")]
+    WorkerStart(String),
+    #[error("{0}")]
+    SandboxUnavailable(String),
+    #[error("cancelled before it started (it was waiting for the session's previous run to end)")]
+    Cancelled,
 }

@@ -149,7 +149,7 @@ impl IroncellServer {
     fn outcome_result(&self, outcome: &crate::jobs::Outcome) -> CallToolResult {
         match &**outcome {
             Ok(record) => run_result(record, self.sessions.settings().output_mode),
-            Err(refusal) => error_result(refusal.clone()),
+            Err(refusal) => error_result(refusal.to_string()),
         }
     }
 

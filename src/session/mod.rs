@@ -25,7 +25,7 @@ use crate::host_fs::{self, Usage};
 use crate::output::{RunRecord, RunStatus, StreamCollector, spill_location};
 use crate::proxy::{CallSummary, Proxy};
 use crate::router::Router;
-pub use crate::run::{Progress, RunRequest};
+pub use crate::run::{Progress, RunRefusal, RunRequest};
 use crate::sandbox::Sandbox;
 use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
 use std::os::fd::AsFd;
@@ -57,27 +57,6 @@ const QUOTA_WALK_SPACING: u32 = 10;
 /// An idle session whose worker has not run since its last measurement is not walked again
 /// (see `quota.rs`), except once in this long.
 const QUOTA_RESYNC_EVERY: Duration = Duration::from_secs(60);
-
-/// Why a call was refused before any code ran. Shown to the model as an `isError` result.
-#[derive(Debug, thiserror::Error)]
-pub enum RunRefusal {
-    #[error("invalid session name {0:?}: use 1-64 letters, digits, '-', '_' or '.'")]
-    InvalidSession(String),
-    #[error(
-        "code is {size} bytes; the limit is {limit} bytes (IRONCELL_MAX_CODE). Split it, or write data to a file in an earlier run"
-    )]
-    CodeTooLarge { size: usize, limit: u64 },
-    #[error(
-        "all {0} sessions are busy running code; wait for one to finish, or reuse a session name"
-    )]
-    Busy(u32),
-    #[error("could not start a Python worker: {0}")]
-    WorkerStart(String),
-    #[error("{0}")]
-    SandboxUnavailable(String),
-    #[error("cancelled before it started (it was waiting for the session's previous run to end)")]
-    Cancelled,
-}
 
 /// How often a running cell reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
@@ -899,12 +878,8 @@ impl crate::local_tools::ToolSessions for SessionManager {
         &self,
         request: RunRequest,
         cancel: CancellationToken,
-    ) -> futures::future::BoxFuture<'_, Result<RunRecord, String>> {
-        Box::pin(async move {
-            SessionManager::run(self, request, cancel)
-                .await
-                .map_err(|e| e.to_string())
-        })
+    ) -> futures::future::BoxFuture<'_, Result<RunRecord, RunRefusal>> {
+        Box::pin(SessionManager::run(self, request, cancel))
     }
 
     fn stop_idle_worker<'a>(&'a self, session: &'a str) -> futures::future::BoxFuture<'a, ()> {
