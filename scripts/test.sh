@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Runs every test: formatting, clippy, Rust unit tests, and the end-to-end suite that starts the
-# real binary and drives it with real MCP clients (the official Python SDK) and real peers.
-# Installs the test peers on first use (scripts/install_test_peers.sh; needs npm and PyPI once).
+# Runs every test: formatting, clippy, Rust unit tests, the mcp module's plain-CPython tests,
+# and the end-to-end suite that starts the real binary and drives it with real MCP clients (the
+# official Python SDK) and real peers. Installs the test peers on first use
+# (scripts/install_test_peers.sh; needs npm and PyPI once).
+#   --quick           the quick tier: formatting, ruff, the host's and the core's unit tests
+#                     (the MCP handler's among them), the mcp module's tests, and one smoke
+#                     file of the end-to-end suite (tests/e2e/test_core.py). No clippy, no
+#                     lockdown or sandbox attack suites: run the whole thing before a commit.
 #   IRONCELL_HARNESS  where the peers live (default ~/.cache/mcp-harness)
 #   PYTEST_ARGS       extra pytest arguments, e.g. "-k timeout -x"
 set -euo pipefail
+QUICK=
+if [[ "${1:-}" == "--quick" ]]; then QUICK=1; shift; fi
+if [[ $# -gt 0 ]]; then echo "usage: scripts/test.sh [--quick]" >&2; exit 2; fi
 cd "$(dirname "$0")/.."
 H=${IRONCELL_HARNESS:-$HOME/.cache/mcp-harness}
 if [[ ! -x "$H/venv/bin/python" ]] || ! "$H/venv/bin/python" -c 'import mcp, pytest' 2>/dev/null; then
@@ -17,6 +25,18 @@ if [[ ! -x "$H/venv/bin/ruff" ]]; then "$H/venv/bin/pip" install -q 'ruff==0.14.
 "$H/venv/bin/ruff" check python scripts tests
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+echo "== the mcp module's pure logic (plain CPython, no host)"
+"$H/venv/bin/python" -m pytest -q tests/unit
+if [[ -n "$QUICK" ]]; then
+  echo "== cargo test (host and core unit tests)"
+  CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell -p ironcell-core --lib
+  echo "== end-to-end smoke (tests/e2e/test_core.py)"
+  cargo build --release
+  export IRONCELL_BIN=$PWD/target/release/ironcell
+  # shellcheck disable=SC2086
+  "$H/venv/bin/python" -m pytest -q tests/e2e/test_core.py ${PYTEST_ARGS:-}
+  exit 0
+fi
 # clippy and the unit tests each build in a target dir of their own. In one dir they rebuilt
 # ironcell three times a run with nothing changed (~3.5 min): the Python extension build.rs
 # embeds is a build-dependency whose unit keeps one fingerprint while the ironcell-core it is
