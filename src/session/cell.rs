@@ -22,6 +22,7 @@ use std::ops::ControlFlow;
 
 use ironcell_core::bridge::{BridgeError, Request, answer_payload};
 
+use super::outcome::{CellOutcome, is_regular_file_beneath};
 use super::quota::removal_outcome;
 use super::*;
 use crate::router::{Answer, Caller, Requests};
@@ -253,7 +254,7 @@ impl<'a> CellRun<'a> {
         // A verdict published before the cell started is acted on at once.
         quota_verdict.mark_changed();
         // Stops before this cell began are not its business (its worker is newer, or survived).
-        let disk_stops = manager.disk_stops.subscribe();
+        let disk_stops = manager.disk_guard.stops.subscribe();
         let started = tokio::time::Instant::now();
         CellRun {
             manager,
@@ -718,23 +719,6 @@ async fn end_for_violation(state: &mut SessionState, v: Violation) -> Ending {
     }
 }
 
-/// Whether `rel` names a regular file beneath the session directory `root`, reached without
-/// following any symlink (an image path the worker named is linked only then).
-pub(super) fn is_regular_file_beneath(root: &Path, rel: &str) -> bool {
-    use nix::fcntl::OFlag;
-    let Ok(dir) = host_fs::open_session_dir(root) else {
-        return false;
-    };
-    host_fs::open_beneath(
-        dir.as_fd(),
-        Path::new(rel),
-        OFlag::O_PATH | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )
-    .and_then(|f| nix::sys::stat::fstat(&f).map_err(std::io::Error::from))
-    .is_ok_and(|st| host_fs::is_regular(&st))
-}
-
 pub(super) fn crash_reason(exit: Option<ExitInfo>) -> &'static str {
     match exit {
         Some(ExitInfo::Signal(s)) if s == libc::SIGSEGV || s == libc::SIGBUS => {
@@ -761,89 +745,6 @@ pub(super) struct Cell<'a> {
     pub(super) progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
     /// The free-disk guard's stop count when the run began (before it took the session).
     pub(super) disk_stops_seen: u64,
-}
-
-pub(super) struct CellOutcome {
-    pub(super) record: RunRecord,
-    pub(super) images: Vec<crate::frame::CellImage>,
-    pub(super) worker_lost: bool,
-    pub(super) loss_reason: Option<String>,
-}
-
-impl CellOutcome {
-    pub(super) fn base(
-        stdout: StreamCollector,
-        stderr: StreamCollector,
-        status: RunStatus,
-    ) -> RunRecord {
-        let (out, out_cut) = stdout.finish();
-        let (err, err_cut) = stderr.finish();
-        RunRecord {
-            session: String::new(),
-            status,
-            stdout: out,
-            stderr: err,
-            result: None,
-            error: None,
-            exit_code: None,
-            duration_ms: 0.0,
-            session_state: crate::output::SessionState::Kept,
-            notices: Vec::new(),
-            stdout_truncated: out_cut,
-            stderr_truncated: err_cut,
-            upstream_calls: Vec::new(),
-            upstream_calls_omitted: 0,
-            upstream_lookups_failed: 0,
-            images: Vec::new(),
-            files: Vec::new(),
-            inline_images: Vec::new(),
-        }
-    }
-
-    pub(super) fn finished(
-        stdout: StreamCollector,
-        stderr: StreamCollector,
-        status: RunStatus,
-        result: Option<String>,
-        error: Option<PyErrorInfo>,
-        exit_code: Option<i64>,
-    ) -> CellOutcome {
-        let mut record = Self::base(stdout, stderr, status);
-        record.result = result;
-        record.error = error;
-        record.exit_code = exit_code;
-        CellOutcome {
-            record,
-            images: Vec::new(),
-            worker_lost: false,
-            loss_reason: None,
-        }
-    }
-
-    pub(super) fn lost(
-        stdout: StreamCollector,
-        stderr: StreamCollector,
-        status: RunStatus,
-        message: String,
-        reason: Option<String>,
-    ) -> CellOutcome {
-        let mut record = Self::base(stdout, stderr, status);
-        if status == RunStatus::Crashed {
-            record.error = Some(PyErrorInfo {
-                kind: "WorkerCrashed".into(),
-                message,
-                traceback: String::new(),
-            });
-        } else {
-            record.notices.push(message);
-        }
-        CellOutcome {
-            record,
-            images: Vec::new(),
-            worker_lost: true,
-            loss_reason: reason,
-        }
-    }
 }
 
 /// Queues the answer to request `id` at once, without a task unless the worker stopped reading
@@ -888,71 +789,6 @@ fn json_value_count(v: &serde_json::Value) -> usize {
         serde_json::Value::String(s) => 1 + s.len() / 32,
         _ => 1,
     }
-}
-
-/// Adds resource URIs for the spilled output, the run's images (inline copies kept aside for
-/// image content) and the files it created or changed.
-pub(super) async fn link_outputs(
-    record: &mut RunRecord,
-    session: &Session,
-    changes: &Arc<crate::files::ChangeTracker>,
-    images: Vec<crate::frame::CellImage>,
-    since: std::time::SystemTime,
-) {
-    use crate::files::session_uri;
-    for cut in [
-        record.stdout_truncated.as_mut(),
-        record.stderr_truncated.as_mut(),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        cut.uri = cut.file.as_deref().map(|f| session_uri(&session.name, f));
-    }
-    for img in images {
-        let inline = img.data.is_some();
-        if let Some(data) = img.data {
-            record.inline_images.push((data, img.mime.clone()));
-        }
-        record.images.push(crate::output::ImageRef {
-            uri: session_uri(&session.name, &img.path),
-            path: img.path,
-            mime: img.mime,
-            bytes: img.bytes,
-            width: img.width,
-            height: img.height,
-            inline,
-        });
-    }
-    let shown: std::collections::HashSet<String> =
-        record.images.iter().map(|i| i.path.clone()).collect();
-    let (dir, name, changes) = (
-        session.scratch.clone(),
-        session.name.clone(),
-        changes.clone(),
-    );
-    // Most runs change no file: the tracker knows that without a thread hop.
-    let listed = match changes.unchanged(&name) {
-        Some(listed) => listed,
-        None => tokio::task::spawn_blocking(move || changes.changed(&name, &dir, since, 50))
-            .await
-            .unwrap_or_else(|e| crate::files::Changes {
-                files: Vec::new(),
-                incomplete: Some(format!("the listing failed: {e}")),
-                method: "none",
-            }),
-    };
-    tracing::debug!(session = %session.name, method = listed.method, "listed the run's files");
-    let (files, incomplete) = (listed.files, listed.incomplete);
-    if let Some(why) = incomplete {
-        record.notices.push(format!(
-            "the list of changed files may be incomplete: {why}"
-        ));
-    }
-    record.files = files
-        .into_iter()
-        .filter(|f| !shown.contains(&f.path))
-        .collect();
 }
 
 #[cfg(test)]

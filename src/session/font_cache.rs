@@ -18,6 +18,28 @@ if importlib.util.find_spec('matplotlib') is None:\n    r = 'absent'\n\
 else:\n    import matplotlib, matplotlib.font_manager\n    r = matplotlib.get_cachedir()\n\
 r";
 
+/// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
+/// and given to every worker read-only as `MPLCONFIGDIR`.
+pub(super) struct FontCache {
+    /// `None` until built, or without matplotlib.
+    pub(super) dir: Mutex<Option<PathBuf>>,
+    /// Whether the builder's worker is alive (it holds no session slot, but it is a live worker
+    /// all the same, and `system://info` counts it).
+    pub(super) building: std::sync::atomic::AtomicBool,
+    /// Set once the cache is built or known to be unneeded (spares wait for it).
+    pub(super) settled: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for FontCache {
+    fn default() -> Self {
+        FontCache {
+            dir: Mutex::new(None),
+            building: std::sync::atomic::AtomicBool::new(false),
+            settled: tokio::sync::watch::Sender::new(false),
+        }
+    }
+}
+
 impl SessionManager {
     /// Builds matplotlib's font cache once for this server, so a new session's first plot does
     /// not spend a second rebuilding it in its own HOME. A worker (sandboxed like any other, but
@@ -51,14 +73,14 @@ impl SessionManager {
             return;
         };
         let session = Session::new(FONT_CACHE_BUILD_DIR.into(), build.clone());
-        self.font_cache_building.store(true, Ordering::SeqCst);
+        self.font_cache.building.store(true, Ordering::SeqCst);
         let worker = match self
             .spawn_worker_in_slot(Some(FONT_CACHE_BUILD_DIR), &session.scratch, slot)
             .await
         {
             Ok(w) => w,
             Err(e) => {
-                self.font_cache_building.store(false, Ordering::SeqCst);
+                self.font_cache.building.store(false, Ordering::SeqCst);
                 tracing::debug!("no font cache: {e}");
                 return;
             }
@@ -66,7 +88,7 @@ impl SessionManager {
         let mut state = session.state.lock().await;
         state.worker = Some(worker);
         let started = Instant::now();
-        let disk_stops_seen = self.disk_stops.borrow().0;
+        let disk_stops_seen = self.disk_guard.stops.borrow().0;
         let outcome = self
             .drive_cell(
                 &session,
@@ -84,7 +106,7 @@ impl SessionManager {
         if let Some(w) = state.worker.take() {
             w.kill().await;
         }
-        self.font_cache_building.store(false, Ordering::SeqCst);
+        self.font_cache.building.store(false, Ordering::SeqCst);
         let result = outcome.record.result.unwrap_or_default();
         let published = if outcome.record.status != RunStatus::Ok || result.contains("absent") {
             tracing::debug!(%result, status = ?outcome.record.status, "no shared font cache");
@@ -108,7 +130,7 @@ impl SessionManager {
             }
             // Only now: a worker given the shared cache also finds pyplot imported (and the
             // spare pool, which waits for this, is filled from the warmed zygote).
-            *lock(&self.font_cache) = Some(dir);
+            *lock(&self.font_cache.dir) = Some(dir);
         }
     }
 

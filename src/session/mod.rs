@@ -31,15 +31,19 @@ use crate::zygote::{ExitInfo, WorkerSpec, Zygote, ZygoteInfo};
 use std::os::fd::AsFd;
 
 mod cell;
+mod dirs;
 mod font_cache;
 mod live;
+mod outcome;
 mod pool;
 mod quota;
 mod resident;
 mod spawn;
-use cell::{Cell, link_outputs};
+use cell::Cell;
+use dirs::{remove_sessions_of_dead_servers, set_private};
 use font_cache::FONT_CACHE_BUILD_DIR;
 use live::{LiveWorker, Liveness, Outgoing, SendError};
+use outcome::link_outputs;
 use quota::{enforce_scratch_quotas_periodically, guard_free_disk_periodically, remove_scratch};
 
 /// How long a new worker may take to report `ready`.
@@ -146,24 +150,12 @@ pub struct SessionManager {
     /// How long the last workers took to lock themselves down, in microseconds.
     recent_lockdown_us: Mutex<Vec<u64>>,
     root: PathBuf,
-    /// The free-disk guard's stop events (see [`SessionManager::guard_free_disk`]): a count, and
-    /// why the last one happened; a running cell stops its worker when the count moves.
-    disk_stops: tokio::sync::watch::Sender<(u64, String)>,
-    /// What the free-disk guard knows of the state dir's disk (see [`quota::DiskWatch`]).
-    disk_watch: Mutex<quota::DiskWatch>,
-    /// When the free-disk guard last stopped only some workers, and last stopped them all.
-    disk_stops_done: Mutex<quota::DiskStops>,
+    /// The free-disk guard's state (see [`quota::DiskGuard`]).
+    disk_guard: quota::DiskGuard,
     /// Which files each run created or changed, without walking the session each time.
     changes: Arc<crate::files::ChangeTracker>,
-    /// matplotlib's font cache, built once per server (see [`SessionManager::build_font_cache`])
-    /// and given to every worker read-only as `MPLCONFIGDIR`; `None` until built, or without
-    /// matplotlib.
-    font_cache: Mutex<Option<PathBuf>>,
-    /// Whether the font-cache builder's worker is alive (it holds no session slot, but it is a
-    /// live worker all the same, and `system://info` counts it).
-    font_cache_building: std::sync::atomic::AtomicBool,
-    /// Set once the font cache is built or known to be unneeded (spares wait for it).
-    font_cache_settled: tokio::sync::watch::Sender<bool>,
+    /// matplotlib's font cache, built once per server (see [`font_cache::FontCache`]).
+    font_cache: font_cache::FontCache,
     /// Pre-forked spare workers (see [`pool`]).
     pool: pool::Pool,
     /// The memory watch's last reading of each live worker's CPU clock (see [`resident`]).
@@ -266,13 +258,9 @@ impl SessionManager {
             recent_lockdown_us: Mutex::new(Vec::new()),
             run_counter: AtomicU64::new(0),
             root,
-            disk_stops: tokio::sync::watch::Sender::new((0, String::new())),
-            disk_watch: Mutex::new(quota::DiskWatch::Unread),
-            disk_stops_done: Mutex::new(quota::DiskStops::default()),
+            disk_guard: quota::DiskGuard::default(),
             changes,
-            font_cache: Mutex::new(None),
-            font_cache_building: std::sync::atomic::AtomicBool::new(false),
-            font_cache_settled: tokio::sync::watch::Sender::new(false),
+            font_cache: font_cache::FontCache::default(),
             pool: pool::Pool::new(pool_size, plot_spare),
             memory_marks: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
@@ -285,7 +273,7 @@ impl SessionManager {
             let m = manager.clone();
             manager.spawn_until_stopped(async move {
                 m.build_font_cache().await;
-                m.font_cache_settled.send_replace(true);
+                m.font_cache.settled.send_replace(true);
             });
         }
         Ok(manager)
@@ -310,7 +298,8 @@ impl SessionManager {
             let stop = self.stop.child_token();
             self.spawn_until_stopped(async move {
                 let _ = m
-                    .font_cache_settled
+                    .font_cache
+                    .settled
                     .subscribe()
                     .wait_for(|settled| *settled)
                     .await;
@@ -336,7 +325,7 @@ impl SessionManager {
     /// `IRONCELL_WARM_PLOTS` on, once the shared font cache is published (never without
     /// matplotlib).
     pub fn plot_spare_kept(&self) -> bool {
-        self.pool.has_plot_place() && lock(&self.font_cache).is_some()
+        self.pool.has_plot_place() && lock(&self.font_cache.dir).is_some()
     }
 
     pub fn settings(&self) -> &Settings {
@@ -373,7 +362,7 @@ impl SessionManager {
 
     /// How many workers are alive (for tests and `system://info`).
     pub fn live_worker_count(&self) -> usize {
-        let builder = self.font_cache_building.load(Ordering::SeqCst) as usize;
+        let builder = self.font_cache.building.load(Ordering::SeqCst) as usize;
         (self.settings.max_sessions as usize).saturating_sub(self.session_slots.available_permits())
             + builder
     }
@@ -383,75 +372,6 @@ impl SessionManager {
         let mut v = lock(&self.recent_lockdown_us).clone();
         v.sort_unstable();
         v.get(v.len() / 2).map(|us| *us as f64 / 1000.0)
-    }
-
-    /// Files of every session: (session, relative path, size), at most `limit`. The walks run
-    /// off the async runtime and stop after a bounded number of entries.
-    pub async fn session_files(&self, limit: usize) -> Vec<(String, String, u64)> {
-        let mut sessions: Vec<(String, PathBuf)> = lock(&self.sessions)
-            .values()
-            .map(|s| (s.name.clone(), s.scratch.clone()))
-            .collect();
-        sessions.sort();
-        let walked = tokio::task::spawn_blocking(move || {
-            // Each session gets an equal share first, so one with many files cannot push the
-            // others out; what the small ones leave goes to the others, in name order.
-            let share = (limit / sessions.len().max(1)).max(1);
-            let mut listed: Vec<_> = sessions
-                .iter()
-                .map(|(name, dir)| {
-                    let listing = crate::files::list(dir, share);
-                    if let Some(why) = listing.incomplete {
-                        tracing::debug!(session = %name, "listing session files: {why}");
-                    }
-                    listing.files
-                })
-                .collect();
-            let mut room = limit.saturating_sub(listed.iter().map(Vec::len).sum());
-            for ((name, dir), files) in sessions.iter().zip(listed.iter_mut()) {
-                if room == 0 {
-                    break;
-                }
-                if files.len() < share {
-                    continue; // listed whole
-                }
-                let listing = crate::files::list(dir, files.len() + room);
-                room += files.len();
-                *files = listing.files;
-                room -= files.len();
-                if let Some(why) = listing.incomplete {
-                    tracing::warn!(session = %name, "listing session files: {why}");
-                }
-            }
-            sessions
-                .into_iter()
-                .zip(listed)
-                .flat_map(|((name, _), files)| {
-                    files
-                        .into_iter()
-                        .map(move |(rel, size, _)| (name.clone(), rel, size))
-                })
-                .take(limit)
-                .collect()
-        })
-        .await;
-        walked.unwrap_or_else(|e| {
-            tracing::error!(error = %e, "listing session files failed");
-            Vec::new()
-        })
-    }
-
-    /// Reads a file of a session (off the async runtime), refusing paths that leave its
-    /// directory or pass through a symlink.
-    pub async fn read_session_file(&self, session: &str, rel: &str) -> Result<Vec<u8>, String> {
-        let dir = lock(&self.sessions)
-            .get(session)
-            .map(|s| s.scratch.clone())
-            .ok_or_else(|| format!("no session {session:?}"))?;
-        let rel = rel.to_string();
-        tokio::task::spawn_blocking(move || crate::files::read_within(&dir, &rel))
-            .await
-            .unwrap_or_else(|e| Err(format!("reading the file failed: {e}")))
     }
 
     pub fn session_count(&self) -> usize {
@@ -480,7 +400,7 @@ impl SessionManager {
                 )?);
                 // Workers given the shared font cache expect pyplot imported: ask again before
                 // any spawn request reaches the new zygote (its report is only logged).
-                if let Some(dir) = lock(&self.font_cache)
+                if let Some(dir) = lock(&self.font_cache.dir)
                     .as_ref()
                     .filter(|_| self.settings.warm_plots)
                 {
@@ -567,7 +487,7 @@ impl SessionManager {
         let session = self.session(&req.session);
         // Read before the lock: a free-disk stop from here on skips this session (its lock is
         // taken), so this run acts on it (see `guard_free_disk`).
-        let disk_stops_seen = self.disk_stops.borrow().0;
+        let disk_stops_seen = self.disk_guard.stops.borrow().0;
         // A run cancelled while it waits for the session (the client's cancel, or the worker
         // that asked for a local tool's run gone) leaves the queue: it never runs later.
         let mut state = tokio::select! {
@@ -683,7 +603,7 @@ impl SessionManager {
         }
         // A free-disk stop after the cell ended (its loop no longer listens) still stops this
         // worker, before the session is let go.
-        let stop = self.disk_stops.borrow().clone();
+        let stop = self.disk_guard.stops.borrow().clone();
         if stop.0 != disk_stops_seen
             && let Some(w) = state.worker.take()
         {
@@ -810,49 +730,6 @@ impl SessionManager {
                 tracing::info!(session = %s.name, "session expired");
             }
         }
-    }
-}
-
-/// Removes `sessions-<pid>` directories left by ironcell servers that died without cleaning
-/// up (e.g. SIGKILL), so their files do not pile up.
-fn remove_sessions_of_dead_servers(state_dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(state_dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("sessions-"))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            tracing::info!(dir = %entry.path().display(), "removing sessions of a server that is gone");
-            let removal = host_fs::remove_tree(&entry.path());
-            if !removal.is_complete() {
-                tracing::warn!(dir = %entry.path().display(), "{}", removal.summary());
-            }
-        }
-    }
-}
-
-/// Makes a directory the host created private (0700), without following a symlink.
-fn set_private(dir: &Path) {
-    let opened = nix::fcntl::open(
-        dir,
-        nix::fcntl::OFlag::O_RDONLY
-            | nix::fcntl::OFlag::O_DIRECTORY
-            | nix::fcntl::OFlag::O_NOFOLLOW
-            | nix::fcntl::OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    );
-    let result = opened.and_then(|fd| {
-        nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o700))
-    });
-    if let Err(e) = result {
-        tracing::warn!(dir = %dir.display(), error = %e, "cannot make the directory private");
     }
 }
 

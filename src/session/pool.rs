@@ -204,7 +204,7 @@ impl SessionManager {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(_) => return Err(slot),
         }
-        let font_cache = lock(&self.font_cache).clone();
+        let font_cache = lock(&self.font_cache.dir).clone();
         let zygote_dead = lock(&self.zygote).as_ref().is_none_or(|z| z.is_dead());
         // Every waiting spare is checked, not only the one handed out: a dead plot spare would
         // otherwise hold its place until a session that plots came by.
@@ -292,7 +292,7 @@ impl SessionManager {
         if let Ok(place) = self.pool.places.clone().try_acquire_owned() {
             return Some((place, false));
         }
-        if lock(&self.font_cache).is_none() {
+        if lock(&self.font_cache.dir).is_none() {
             return None;
         }
         let place = self.pool.plot_place.clone().try_acquire_owned().ok()?;
@@ -315,7 +315,7 @@ impl SessionManager {
         let mut state = spare.state.lock().await;
         worker.bind = Some(hand_off(name, scratch));
         state.worker = Some(worker);
-        let disk_stops_seen = self.disk_stops.borrow().0;
+        let disk_stops_seen = self.disk_guard.stops.borrow().0;
         let outcome = self
             .drive_cell(
                 &spare,
@@ -347,7 +347,7 @@ impl SessionManager {
         let n = self.pool.next_id.fetch_add(1, Ordering::Relaxed);
         let name = format!("@spare-{n}");
         let scratch = self.root.join(&name);
-        let font_cache = lock(&self.font_cache).clone();
+        let font_cache = lock(&self.font_cache.dir).clone();
         let worker = self.spawn_worker_in_slot(None, &scratch, place).await?;
         let code = if plots {
             PLOT_WARM_UP_CELL

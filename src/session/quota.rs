@@ -40,7 +40,7 @@ impl Session {
     /// For the free-disk guard: reads this session's idle worker's CPU clock, keeps it as the
     /// newer of its two marks, and says whether the worker ran since the older one (or is new
     /// to the guard). `false` with no idle worker: none, or a run holds the session (a running
-    /// cell is stopped through `disk_stops` instead).
+    /// cell is stopped through `disk_guard.stops` instead).
     fn idle_worker_ran_since_the_look_before_last(&self) -> bool {
         let pid = match self.state.try_lock() {
             Ok(st) => st.worker.as_ref().map(|w| w.pid()),
@@ -132,6 +132,27 @@ pub(super) enum DiskWatch {
     /// Under the floor, or less than a step above it, since a stop (or since a first look that
     /// found the disk under the floor): the most free space seen since then.
     Low { most: u64 },
+}
+
+/// The free-disk guard's state (see [`SessionManager::guard_free_disk`]).
+pub(super) struct DiskGuard {
+    /// Its stop events: a count, and why the last one happened; a running cell stops its worker
+    /// when the count moves.
+    pub(super) stops: tokio::sync::watch::Sender<(u64, String)>,
+    /// What it knows of the state dir's disk.
+    pub(super) watch: Mutex<DiskWatch>,
+    /// When it last stopped only some workers, and last stopped them all.
+    pub(super) stops_done: Mutex<DiskStops>,
+}
+
+impl Default for DiskGuard {
+    fn default() -> Self {
+        DiskGuard {
+            stops: tokio::sync::watch::Sender::new((0, String::new())),
+            watch: Mutex::new(DiskWatch::Unread),
+            stops_done: Mutex::new(DiskStops::default()),
+        }
+    }
 }
 
 impl DiskWatch {
@@ -383,7 +404,7 @@ impl SessionManager {
     /// [`DISK_STOP_STEP`] below the most seen since the last stop (a new crossing only once
     /// the disk has come back a step above the floor: see [`DiskWatch`]), the guard stops the
     /// workers that can have taken the space: every running cell's (by its loop, woken by
-    /// `disk_stops`) and every idle worker whose CPU clock moved since the guard's look before
+    /// `disk_guard.stops`) and every idle worker whose CPU clock moved since the guard's look before
     /// last (a write costs CPU time; a worker that ran nothing wrote nothing). Files are kept;
     /// a stop gives back what the worker held. If the disk is still under the floor
     /// [`ESCALATE_AFTER`] later, the space was taken before (or by something else): it stops
@@ -401,7 +422,7 @@ impl SessionManager {
         // after it, and the guard must see that before the next worker can take it again. And
         // it looks once at start, worker or not, so a disk already under the floor then is not
         // taken for a crossing later.
-        let watch = *lock(&self.disk_watch);
+        let watch = *lock(&self.disk_guard.watch);
         if !any_worker && watch == DiskWatch::Armed {
             return None;
         }
@@ -415,7 +436,7 @@ impl SessionManager {
             .collect();
         let floor = self.settings.min_free_disk_bytes;
         let stop = {
-            let mut watch = lock(&self.disk_watch);
+            let mut watch = lock(&self.disk_guard.watch);
             let (next, stop) = watch.next(free, floor);
             if *watch == DiskWatch::Unread && free < floor {
                 tracing::warn!(
@@ -431,7 +452,7 @@ impl SessionManager {
             *watch = next;
             stop
         };
-        let scope = lock(&self.disk_stops_done).scope(stop, free, floor, Instant::now());
+        let scope = lock(&self.disk_guard.stops_done).scope(stop, free, floor, Instant::now());
         let (whom, targets) = match scope {
             StopScope::Nobody => return Some(free),
             StopScope::Writers => (
@@ -470,7 +491,7 @@ impl SessionManager {
         }
         // After the idle ones: a run that took its session meanwhile read the count before
         // (`run` reads it before the lock), so it sees this move and stops its own worker.
-        self.disk_stops.send_modify(|(n, w)| {
+        self.disk_guard.stops.send_modify(|(n, w)| {
             *n += 1;
             w.clone_from(&why);
         });

@@ -62,7 +62,7 @@ impl SessionManager {
             fs.read_only.extend(tools.read_grants_for(name));
         }
         let mut env = worker_environment(name.unwrap_or(""), scratch);
-        let font_cache = lock(&self.font_cache).clone();
+        let font_cache = lock(&self.font_cache.dir).clone();
         if let Some(dir) = font_cache.filter(|d| d != scratch) {
             if let Some(fs) = sandbox.filesystem.as_mut() {
                 fs.read_only.push(dir.clone());
