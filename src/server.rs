@@ -805,7 +805,7 @@ mod tests {
     fn the_tool_list_fits_the_token_budget() {
         let tools = vec![run_python_tool(30.0, true), job_tool()];
         // What a model is given of each tool (Claude's tool definitions, for one, carry only
-        // these): DESIGN's budget of about 300 tokens at bytes/4.
+        // these): about 300 tokens at bytes/4, so the two tools cost little of every context.
         let seen_by_model: Vec<Value> = tools
             .iter()
             .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))

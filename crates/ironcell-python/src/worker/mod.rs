@@ -4,20 +4,25 @@
 //! Everything up to "serve" happens while the worker has exactly one thread, because the kernel
 //! applies Landlock and seccomp per thread and a thread started earlier would escape them.
 //!
-//! 0. [`fork`], in the zygote (single-threaded, GIL held, CPython's fork hooks run); the
-//!    child remembers the zygote's pid, taken before the fork, and puts back the two hooks the
-//!    zygote may have quieted (`zygote_quiet_fork_hooks` in python/_ironcell_runner.py).
-//! 1. Keep only the session socket (moved to fd 3) and close every other inherited fd.
-//! 2. Point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C extensions all
-//!    land in this session's output and can never reach the host's MCP stream.
-//! 3. `setsid` (own session, no terminal) and a parent-death signal (the worker dies with the
-//!    zygote, which dies with the host).
-//! 4. Enter the scratch directory and replace the environment with the session's fixed one;
-//!    mount the scratch directory over `/tmp` in a private mount namespace where the kernel
-//!    allows ([`ironcell_core::sandbox::private_tmp`]).
-//! 5. Lock down: capabilities, no_new_privs, non-dumpable, rlimits, Landlock, seccomp
-//!    ([`ironcell_core::sandbox::apply_lockdown_to_current_process`] explains the order).
-//! 6. Only now say `ready`, start the output pump and reader threads, and serve `run` frames.
+//! The steps, in the numbering of docs/ARCHITECTURE.md ("The lockdown, in order"), the one
+//! list of them:
+//!
+//! - before: [`fork`], in the zygote (single-threaded, GIL held, CPython's fork hooks run); the
+//!   child remembers the zygote's pid, taken before the fork, and puts back the two hooks the
+//!   zygote may have quieted (`zygote_quiet_fork_hooks` in python/_ironcell_runner.py).
+//! - 1. Keep only the session socket (moved to fd 3) and close every other inherited fd.
+//! - 2. Point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C extensions all
+//!   land in this session's output and can never reach the host's MCP stream.
+//! - 3. `setsid` (own session, no terminal) and a parent-death signal (the worker dies with
+//!   the zygote, which dies with the host).
+//! - 4–5. Enter the scratch directory and replace the environment with the session's fixed
+//!   one; mount the scratch directory over `/tmp` in a private mount namespace where the kernel
+//!   allows ([`ironcell_core::sandbox::private_tmp`]).
+//! - 6–13. Lock down: the pids cgroup, an empty `/proc`, capabilities, no_new_privs,
+//!   non-dumpable, rlimits, Landlock, seccomp
+//!   ([`ironcell_core::sandbox::apply_lockdown_to_current_process`]).
+//! - after: only now say `ready`, start the output pump and reader threads, and serve `run`
+//!   frames.
 
 mod inbox;
 mod output_pump;
