@@ -132,6 +132,8 @@ fn env_var_behind(e: &clap::Error) -> Option<String> {
 }
 
 /// Parses the command line and runs the chosen command.
+///
+/// Long on purpose: one short arm per subcommand.
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

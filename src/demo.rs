@@ -65,6 +65,9 @@ const NEXT_STEPS: &str = "Next steps:
       'await mcp_hello.greet(name=\"you\")'    code calling another MCP server (examples/hello-server)
 README.md has the rest.";
 
+/// `ironcell demo`: a short session driven as an MCP client would.
+///
+/// Long on purpose: the demo's script, one call after another as the user sees them.
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let mut cmd = tokio::process::Command::new(exe);

@@ -10,6 +10,10 @@ use crate::config::Settings;
 use crate::sandbox::SandboxMode;
 use crate::session::{RunRequest, SessionManager};
 
+/// `ironcell doctor`: the interpreter and each sandbox layer, and whether `run_python` works.
+///
+/// Long on purpose: the report, printed top to bottom in the order the user reads it; each
+/// section is a few lines of printing, and splitting it would scatter the page's layout.
 pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     let sandbox = settings.sandbox()?;
     // `ok`: run_python runs code here (what serve does); `gaps`: protections nothing provides.

@@ -450,6 +450,9 @@ fn is_empty_dir(dir: BorrowedFd<'_>) -> bool {
 /// Walks the tree beneath `root` depth-first, calling `v` for every entry, without following a
 /// symlink, without re-resolving a path, and with at most [`MAX_OPEN_DIRS`] directories open
 /// whatever the depth.
+///
+/// Long on purpose: the descent's stack of open directories is one piece of state, bounded in
+/// one place ([`MAX_OPEN_DIRS`]), which a split would pass around.
 pub fn walk(root: BorrowedFd<'_>, v: &mut impl Visitor) -> Result<(), WalkError> {
     let root = root.try_clone_to_owned().map_err(WalkError::Root)?;
     let st = nix::sys::stat::fstat(&root).map_err(|e| WalkError::Root(io_err(e)))?;

@@ -359,6 +359,10 @@ fn any_of(text: &str, words: &[&str]) -> bool {
     words.iter().any(|w| text.contains(w))
 }
 
+/// The notes that explain the sandbox's refusals found in a run's output.
+///
+/// Long on purpose: one short rule per kind of refusal (network, files, processes, …), each
+/// with its note.
 fn refusal_notes(text: &str, children_refused: Option<&str>) -> Vec<String> {
     let mut notes = Vec::new();
     let eperm = text.contains(EPERM);

@@ -187,6 +187,9 @@ pub struct Refusal {
 }
 
 /// Parses one line (without its newline) into a client message, or says how to refuse it.
+///
+/// Long on purpose: each way a line can be unusable gets its own answer, in the order they are
+/// checked.
 pub fn parse_line(line: &[u8]) -> Result<Option<ClientJsonRpcMessage>, Refusal> {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let line = line.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(line);

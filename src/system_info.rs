@@ -6,6 +6,8 @@ use sysinfo::System;
 use crate::session::SessionManager;
 
 /// Gathers the machine, interpreter and limit facts a model (or a person) needs to know.
+///
+/// Long on purpose: the facts in the order `system://info` shows them, each a line or two.
 pub async fn collect(sessions: &SessionManager) -> Value {
     let (cpu, cores, total_mem, avail_mem) = match System::new() {
         Ok(mut sys) => {

@@ -254,6 +254,9 @@ pub struct Zygote {
 impl Zygote {
     /// Exec's the chosen interpreter as a zygote with a cleared environment. Returns at once; the interpreter
     /// warms up in the background and spawn requests queue until it is ready.
+    ///
+    /// Long on purpose: the exec's preparation in order (socket, memfds, stderr, environment,
+    /// descriptors), each of which the child needs.
     pub fn start(
         python: &Interpreter,
         preload: &[String],
@@ -481,6 +484,9 @@ impl Drop for Zygote {
     }
 }
 
+/// The host's reader of the zygote's control socket: spawn answers, exits, warm-up reports.
+///
+/// Long on purpose: the reader thread's loop over the zygote's events, one short arm per event.
 fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     // Workers of an earlier zygote (or server) that died took theirs along unreported.
     if let Some(parent) = &shared.pids_groups {

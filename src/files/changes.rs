@@ -350,6 +350,9 @@ impl ChangeTracker {
 
     /// Regular files beneath `root` (the directory of `session`) created or changed at or after
     /// `since`, at most `limit`, leaving out hidden paths. Blocking: run it off the runtime.
+    ///
+    /// Long on purpose: the tracker's answer and the walk it falls back to share their bounds and
+    /// their result; split, each half would need the other's state.
     pub fn changed(&self, session: &str, root: &Path, since: SystemTime, limit: usize) -> Changes {
         let Some(fd) = self.fd.as_ref() else {
             return walk_listing(root, session, since, limit);

@@ -113,6 +113,9 @@ impl LocalTools {
     /// Loads the tools of the `--tools` files, or of one saved file, in their session (a fresh
     /// interpreter per generation: modules re-import, and the grants are current) and adds
     /// them to `catalog`.
+    ///
+    /// Long on purpose: one load in its session (the run, then each answer's field checked), in the
+    /// order they come.
     pub(super) async fn load_from(&self, saved_file: Option<&Path>, catalog: &mut Catalog) {
         let session = session_of(saved_file);
         let token = self.new_token();

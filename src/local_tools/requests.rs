@@ -12,146 +12,162 @@ impl LocalTools {
         cancel: CancellationToken,
     ) -> Result<Value, BridgeError> {
         let from_tools = is_reserved_session(from);
+        let bad = |message: &str| Err(BridgeError::bad_request(message));
         match request {
-            ToolsRequest::Answer { token, answer, .. } => {
-                if !from_tools {
-                    return Err(BridgeError::new(
-                        ErrorKind::BadRequest,
-                        "only the tools session answers".into(),
-                    ));
-                }
-                self.accept_answer(from, &token, answer)
-                    .map(|()| Value::Null)
+            ToolsRequest::Answer { .. } if !from_tools => bad("only the tools session answers"),
+            ToolsRequest::Answer { token, answer, .. } => self
+                .accept_answer(from, &token, answer)
+                .map(|()| Value::Null),
+            ToolsRequest::List | ToolsRequest::Call { .. } if from_tools => {
+                bad("inside a tool, call other tools as plain functions")
             }
-            ToolsRequest::List | ToolsRequest::Call { .. } if from_tools => Err(BridgeError::new(
-                ErrorKind::BadRequest,
-                "inside a tool, call other tools as plain functions".into(),
-            )),
-            ToolsRequest::List => {
-                let catalog = if self.listed.load(Ordering::SeqCst) {
-                    self.ensure_catalog_unless(&cancel).await.ok_or_else(gone)?
-                } else {
-                    Arc::new(Catalog {
-                        errors: self.path_errors.clone(),
-                        ..Catalog::default()
-                    })
-                };
-                let tools: Vec<Value> = catalog
-                    .tools
-                    .iter()
-                    .map(|t| {
-                        let mut v = json!({
-                            "name": t.name,
-                            "description": t.description,
-                            "inputSchema": t.input_schema,
-                            "origin": t.home().origin(),
-                        });
-                        if let Some(o) = &t.output_schema {
-                            v["outputSchema"] = Value::Object(o.clone());
-                        }
-                        v
-                    })
-                    .collect();
-                Ok(json!({"tools": tools, "errors": catalog.errors}))
-            }
+            ToolsRequest::List => self.list_for_code(&cancel).await,
             ToolsRequest::Call { name, arguments } => {
-                if !arguments.is_object() {
-                    return Err(BridgeError::new(ErrorKind::BadRequest, "the arguments must be a dict".into()));
-                }
-                let found = if self.listed.load(Ordering::SeqCst) {
-                    self.find_tool_unless(&name, &cancel)
-                        .await
-                        .ok_or_else(gone)?
-                } else {
-                    Err(Arc::new(Catalog::default()))
-                };
-                let tool = match found {
-                    Ok(tool) => tool,
-                    Err(catalog) => {
-                        let names: Vec<&str> = catalog.tools.iter().map(|t| &*t.name).collect();
-                        let names = if names.is_empty() {
-                            "(none)".to_string()
-                        } else {
-                            names.join(", ")
-                        };
-                        let message = format!("no local tool {name:?}; tools: {names}");
-                        return Err(BridgeError::new(ErrorKind::UnknownTool, message));
-                    }
-                };
-                let (record, envelope) = self
-                    .invoke(&tool, arguments, cancel, &format!("session {from:?}"))
-                    .await
-                    .map_err(|why| BridgeError::new(ErrorKind::Unavailable, why))?;
-                let Some(env) = envelope else {
-                    return Err(BridgeError::new(ErrorKind::Unavailable, record.render(self.output_mode)));
-                };
-                if env.get("ok") == Some(&Value::Bool(true)) {
-                    return Ok(env.get("value").cloned().unwrap_or(Value::Null));
-                }
-                let message = env.get("message").and_then(Value::as_str).unwrap_or("");
-                match env.get("kind").and_then(Value::as_str) {
-                    Some("validation") => Err(BridgeError::new(
-                        ErrorKind::BadRequest,
-                        format!("invalid arguments for {name}: {message}"),
-                    )),
-                    Some("raised") => {
-                        let kind = env.get("type").and_then(Value::as_str).unwrap_or("Error");
-                        let tb = env.get("traceback").and_then(Value::as_str).unwrap_or("");
-                        Err(BridgeError::new(
-                            ErrorKind::Refused,
-                            format!("{name} raised {kind}: {message}\n{tb}"),
-                        ))
-                    }
-                    _ => Err(BridgeError::new(ErrorKind::Unavailable, message.to_string())),
-                }
+                self.call_for_code(from, &name, arguments, cancel).await
             }
-            ToolsRequest::Save { .. } | ToolsRequest::Delete { .. } if from_tools => Err(BridgeError::new(
-                ErrorKind::BadRequest,
+            ToolsRequest::Save { .. } | ToolsRequest::Delete { .. } if from_tools => bad(
                 "a tool cannot save or delete tools (its save would reload the tools, which runs it \
-                 again); do it from a run_python session"
-                    .into(),
-            )),
+                 again); do it from a run_python session",
+            ),
             ToolsRequest::Save { name, source } => {
-                // The user's tools keep their names: a saved tool of the same name would never
-                // be listed. Asked of the files' tools (waiting for a load of them in progress).
-                let shown = name.as_deref().unwrap_or("");
-                if !self.paths.is_empty()
-                    && self
-                        .files_part_unless(&cancel)
-                        .await
-                        .ok_or_else(gone)?
-                        .tools
-                        .iter()
-                        .any(|t| *t.name == *shown)
-                {
-                    return Err(BridgeError::new(
-                        ErrorKind::BadRequest,
-                        format!(
-                            "a tool named {shown:?} comes from the tools files; choose another name"
-                        ),
-                    ));
-                }
-                let message = self.save(from, name, source)?;
-                Ok(json!({ "message": message }))
+                self.save_for_code(from, name, source, &cancel).await
             }
-            ToolsRequest::Delete { name } => {
-                let name = name.as_str();
-                if !valid_tool_name(name) {
-                    return Err(BridgeError::new(ErrorKind::BadRequest, format!("no saved tool {name:?}")));
+            ToolsRequest::Delete { name } => self.delete_for_code(from, &name),
+        }
+    }
+
+    /// `tools.list`: the tools code can call, with their origin.
+    async fn list_for_code(&self, cancel: &CancellationToken) -> Result<Value, BridgeError> {
+        let catalog = if self.listed.load(Ordering::SeqCst) {
+            self.ensure_catalog_unless(cancel).await.ok_or_else(gone)?
+        } else {
+            Arc::new(Catalog {
+                errors: self.path_errors.clone(),
+                ..Catalog::default()
+            })
+        };
+        let tools: Vec<Value> = catalog
+            .tools
+            .iter()
+            .map(|t| {
+                let mut v = json!({
+                    "name": t.name,
+                    "description": t.description,
+                    "inputSchema": t.input_schema,
+                    "origin": t.home().origin(),
+                });
+                if let Some(o) = &t.output_schema {
+                    v["outputSchema"] = Value::Object(o.clone());
                 }
-                let _saving = lock(&SAVING);
-                if self.saved_dir.join(format!("{name}.py")).is_file() {
-                    self.check_owner(from, name, "delete")?;
-                }
-                match std::fs::remove_file(self.saved_dir.join(format!("{name}.py"))) {
-                    Ok(()) => {
-                        let _ = std::fs::remove_file(owner_file(&self.saved_dir, name));
-                        self.list_changed();
-                        Ok(json!({"message": format!("Tool {name:?} deleted.")}))
-                    }
-                    Err(_) => Err(BridgeError::new(ErrorKind::BadRequest, format!("no saved tool {name:?}"))),
-                }
+                v
+            })
+            .collect();
+        Ok(json!({"tools": tools, "errors": catalog.errors}))
+    }
+
+    /// `tools.call`: runs the tool in its session, for code of session `from`; its value, or
+    /// the error the code raises.
+    async fn call_for_code(
+        &self,
+        from: &str,
+        name: &str,
+        arguments: Value,
+        cancel: CancellationToken,
+    ) -> Result<Value, BridgeError> {
+        if !arguments.is_object() {
+            return Err(BridgeError::bad_request("the arguments must be a dict"));
+        }
+        let found = if self.listed.load(Ordering::SeqCst) {
+            self.find_tool_unless(name, &cancel)
+                .await
+                .ok_or_else(gone)?
+        } else {
+            Err(Arc::new(Catalog::default()))
+        };
+        let tool = match found {
+            Ok(tool) => tool,
+            Err(catalog) => {
+                let names: Vec<&str> = catalog.tools.iter().map(|t| &*t.name).collect();
+                let names = if names.is_empty() {
+                    "(none)".to_string()
+                } else {
+                    names.join(", ")
+                };
+                let message = format!("no local tool {name:?}; tools: {names}");
+                return Err(BridgeError::new(ErrorKind::UnknownTool, message));
             }
+        };
+        let (record, envelope) = self
+            .invoke(&tool, arguments, cancel, &format!("session {from:?}"))
+            .await
+            .map_err(BridgeError::unavailable)?;
+        let Some(env) = envelope else {
+            return Err(BridgeError::unavailable(record.render(self.output_mode)));
+        };
+        if env.get("ok") == Some(&Value::Bool(true)) {
+            return Ok(env.get("value").cloned().unwrap_or(Value::Null));
+        }
+        let message = env.get("message").and_then(Value::as_str).unwrap_or("");
+        match env.get("kind").and_then(Value::as_str) {
+            Some("validation") => Err(BridgeError::bad_request(format!(
+                "invalid arguments for {name}: {message}"
+            ))),
+            Some("raised") => {
+                let kind = env.get("type").and_then(Value::as_str).unwrap_or("Error");
+                let tb = env.get("traceback").and_then(Value::as_str).unwrap_or("");
+                Err(BridgeError::new(
+                    ErrorKind::Refused,
+                    format!("{name} raised {kind}: {message}\n{tb}"),
+                ))
+            }
+            _ => Err(BridgeError::unavailable(message)),
+        }
+    }
+
+    /// `tools.save` from session `from`. The user's tools keep their names: a saved tool of the
+    /// same name would never be listed (asked of the files' tools, waiting for a load of them
+    /// in progress).
+    async fn save_for_code(
+        &self,
+        from: &str,
+        name: Option<String>,
+        source: Option<String>,
+        cancel: &CancellationToken,
+    ) -> Result<Value, BridgeError> {
+        let shown = name.as_deref().unwrap_or("");
+        if !self.paths.is_empty()
+            && self
+                .files_part_unless(cancel)
+                .await
+                .ok_or_else(gone)?
+                .tools
+                .iter()
+                .any(|t| *t.name == *shown)
+        {
+            return Err(BridgeError::bad_request(format!(
+                "a tool named {shown:?} comes from the tools files; choose another name"
+            )));
+        }
+        let message = self.save(from, name, source)?;
+        Ok(json!({ "message": message }))
+    }
+
+    /// `tools.delete` of a saved tool, by the session that saved it.
+    fn delete_for_code(&self, from: &str, name: &str) -> Result<Value, BridgeError> {
+        if !valid_tool_name(name) {
+            return Err(BridgeError::bad_request(format!("no saved tool {name:?}")));
+        }
+        let _saving = lock(&SAVING);
+        if self.saved_dir.join(format!("{name}.py")).is_file() {
+            self.check_owner(from, name, "delete")?;
+        }
+        match std::fs::remove_file(self.saved_dir.join(format!("{name}.py"))) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(owner_file(&self.saved_dir, name));
+                self.list_changed();
+                Ok(json!({"message": format!("Tool {name:?} deleted.")}))
+            }
+            Err(_) => Err(BridgeError::bad_request(format!("no saved tool {name:?}"))),
         }
     }
 

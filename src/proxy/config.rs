@@ -198,6 +198,9 @@ fn load_windows_claude_desktop(loaded: &mut LoadedConfig, env: &dyn Env, own_exe
 }
 
 /// A Windows-side entry as a command Linux can start, or why it cannot be.
+///
+/// Long on purpose: the cases of a Windows-side command (path forms, interpreters, launchers),
+/// each refused or translated in a few lines, in the order they are tried.
 fn runnable_from_wsl(
     mut s: ServerConfig,
     wsl: &crate::setup::wsl::Wsl,
@@ -297,6 +300,10 @@ fn runnable_from_wsl(
     Ok(s)
 }
 
+/// One configuration source: its servers and the problems found in it.
+///
+/// Long on purpose: one source's reading, step by step (size, syntax, shape, each entry), each
+/// step adding the problem it finds in the words the user sees.
 fn read_source(
     loaded: &mut LoadedConfig,
     env: &dyn Env,
@@ -559,6 +566,10 @@ fn nearest_field(key: &str) -> Option<&'static str> {
         .map(|(_, f)| f)
 }
 
+/// One server's entry of a configuration source, as a server or the problems that keep it out.
+///
+/// Long on purpose: one field of a server's entry after another, read fail-closed in the order
+/// docs/CONFIGURATION.md lists them; each check is a few lines.
 fn parse_entry(
     name: &str,
     entry: &Value,

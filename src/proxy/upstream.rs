@@ -584,6 +584,10 @@ impl Upstream {
         Ok(live)
     }
 
+    /// Starts the server's process and connects to it in its era.
+    ///
+    /// Long on purpose: the child process, then the handshake in its era, with the stderr kept for
+    /// the error of each way the start can fail.
     async fn start(&self) -> Result<Connection, BridgeError> {
         let c = &self.config;
         let mut cmd = tokio::process::Command::new(&c.command);

@@ -357,6 +357,9 @@ impl<'a> CellRun<'a> {
     }
 
     /// A frame from the worker (hostile: decoded under the caps, any breach ends the cell).
+    ///
+    /// Long on purpose: one arm per kind of frame, then the output cap, which every output frame
+    /// is checked against.
     async fn on_frame(
         &mut self,
         state: &mut SessionState,

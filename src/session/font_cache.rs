@@ -48,6 +48,9 @@ impl SessionManager {
     /// (regular files only, no symlinks) into `sessions-<pid>/@font-cache`, which every later
     /// worker reads as `MPLCONFIGDIR` (read-only by Landlock), and keeps a copy in the state dir.
     /// Without matplotlib, or if anything fails, workers simply keep their own caches.
+    ///
+    /// Long on purpose: the build's steps in order (a worker of its own, the cache, the copy, the
+    /// zygote warmed), each ending the build on failure.
     pub(super) async fn build_font_cache(self: &Arc<Self>) {
         let build = self.root.join(FONT_CACHE_BUILD_DIR);
         let kept = self.state_dir().join(FONT_CACHE_KEPT_DIR);

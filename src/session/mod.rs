@@ -180,6 +180,9 @@ pub fn valid_session_name(name: &str) -> bool {
 impl SessionManager {
     /// Starts the zygote (it warms up in the background) and prepares this server's directory
     /// of session scratch dirs.
+    ///
+    /// Long on purpose: the manager's construction, field by field, and the background tasks it
+    /// starts.
     pub fn start(settings: Settings, exe: PathBuf) -> anyhow::Result<Arc<SessionManager>> {
         let state_dir = settings.prepare_state_dir()?;
         if let Some(fs) = crate::config::memory_backed_state_dir(&state_dir) {
@@ -447,6 +450,10 @@ impl SessionManager {
     }
 
     /// Runs one cell. `cancel` fires when the client cancels the call.
+    ///
+    /// Long on purpose: the run's steps in the order they happen (refuse, take the session, give
+    /// it a worker, feed the cell, keep or drop the worker, link the outputs), under one lock guard
+    /// of the session that each step reads.
     pub async fn run(
         &self,
         req: RunRequest,

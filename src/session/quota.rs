@@ -412,6 +412,9 @@ impl SessionManager {
     /// frees the disk over and over cannot stop the idle sessions each time. Runs are never
     /// refused: named files within the quotas may keep the disk under the floor, and one
     /// session must not lock the others out by that.
+    ///
+    /// Long on purpose: one look of the guard, in order (free space, the crossing, who wrote, whom
+    /// to stop, the stop), each step using the one before.
     pub(super) async fn guard_free_disk(&self) -> Option<u64> {
         let sessions: Vec<Arc<Session>> = lock(&self.sessions).values().cloned().collect();
         let any_worker = sessions.iter().any(|s| match s.state.try_lock() {

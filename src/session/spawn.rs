@@ -39,6 +39,9 @@ impl SessionManager {
 
     /// Spawns a worker for the session `name` (`None`: a spare of the pool, which learns its
     /// session later) in the directory `scratch`, and waits for its `ready`.
+    ///
+    /// Long on purpose: the spawn request, then the `ready` handshake's outcomes one by one (each
+    /// ends in its own refusal), in the order they can happen.
     pub(super) async fn spawn_worker_in_slot(
         &self,
         name: Option<&str>,

@@ -323,6 +323,10 @@ fn absolute(p: &str, wsl: Option<&wsl::Wsl>) -> anyhow::Result<String> {
         .to_string())
 }
 
+/// What `setup` writes for `client`: the file, the entry and the note to show.
+///
+/// Long on purpose: the client's cases (Docker, WSL, each client's own place and form), each a
+/// few lines, in the order they are decided.
 fn target_for(
     client: Client,
     args: &SetupArgs,

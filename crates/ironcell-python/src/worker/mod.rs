@@ -10,15 +10,15 @@
 //! - before: [`fork`], in the zygote (single-threaded, GIL held, CPython's fork hooks run); the
 //!   child remembers the zygote's pid, taken before the fork, and puts back the two hooks the
 //!   zygote may have quieted (`zygote_quiet_fork_hooks` in python/_ironcell_runner.py).
-//! - 1. Keep only the session socket (moved to fd 3) and close every other inherited fd.
-//! - 2. Point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C extensions all
-//!   land in this session's output and can never reach the host's MCP stream.
-//! - 3. `setsid` (own session, no terminal) and a parent-death signal (the worker dies with
-//!   the zygote, which dies with the host).
-//! - 4–5. Enter the scratch directory and replace the environment with the session's fixed
-//!   one; mount the scratch directory over `/tmp` in a private mount namespace where the kernel
-//!   allows ([`ironcell_core::sandbox::private_tmp`]).
-//! - 6–13. Lock down: the pids cgroup, an empty `/proc`, capabilities, no_new_privs,
+//! - Step 1: keep only the session socket (moved to fd 3) and close every other inherited fd.
+//! - Step 2: point fd 1 and fd 2 at fresh pipes, so `print`, `os.write(1, ..)` and C
+//!   extensions all land in this session's output and can never reach the host's MCP stream.
+//! - Step 3: `setsid` (own session, no terminal) and a parent-death signal (the worker dies
+//!   with the zygote, which dies with the host).
+//! - Steps 4–5: enter the scratch directory and replace the environment with the session's
+//!   fixed one; mount the scratch directory over `/tmp` in a private mount namespace where the
+//!   kernel allows ([`ironcell_core::sandbox::private_tmp`]).
+//! - Steps 6–13: lock down: the pids cgroup, an empty `/proc`, capabilities, no_new_privs,
 //!   non-dumpable, rlimits, Landlock, seccomp
 //!   ([`ironcell_core::sandbox::apply_lockdown_to_current_process`]).
 //! - after: only now say `ready`, start the output pump and reader threads, and serve `run`
