@@ -58,10 +58,11 @@ def zygote_prepare():
 
 
 def _poll_instead_of_epoll():
-    """The sandbox refuses `epoll_create` (its watches are kernel memory from a budget the whole
-    uid shares), so event loops and selectors use `poll`, which keeps no kernel state: asyncio
-    and `selectors.DefaultSelector()` work as usual; code that asks for `select.epoll` itself
-    gets a PermissionError."""
+    """Each epoll watch is kernel memory from a budget the whole uid shares, so the host counts
+    a session's (the epoll gate, SECURITY.md #200) and may refuse more with ENOSPC. Event loops
+    and selectors use `poll`, which keeps no kernel state and takes nothing from that share:
+    asyncio and `selectors.DefaultSelector()` work as usual; `select.epoll` works too (polars'
+    runtime needs it), counted; where no host counts, it is refused (PermissionError)."""
     import selectors
 
     selectors.DefaultSelector = selectors.PollSelector

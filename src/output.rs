@@ -451,7 +451,7 @@ fn refusal_notes(text: &str, children_refused: Option<&str>) -> Vec<String> {
     } else if eperm {
         notes.push(
             "\"Operation not permitted\" here is the sandbox's system-call filter (or Landlock), \
-             which refuses network sockets, starting programs, epoll, signals to other processes \
+             which refuses network sockets, starting programs, signals to other processes \
              than the session's own and file mode changes; code that needs one of them cannot \
              run here as written"
                 .to_string(),

@@ -129,11 +129,23 @@ pub fn sandbox_summary(
             Ok(()) => "allowed: fork (never exec), inside the session's limits, killed with it".to_string(),
             Err(why) => format!("refused: {why}"),
         },
+        "epoll_watches": epoll_watches(),
         "granted": {
             "read_only": sb.policy.filesystem.allow_read,
             "read_write": sb.policy.filesystem.read_write.iter().chain(&sb.policy.filesystem.allow_write).collect::<Vec<_>>(),
         },
         "network": "none",
+    })
+}
+
+/// The epoll gate's shares (src/epoll_gate.rs).
+fn epoll_watches() -> Value {
+    let (held, cap) = crate::epoll_gate::usage();
+    json!({
+        "per_session": crate::epoll_gate::PER_SESSION,
+        "all_sessions_cap": cap,
+        "held": held,
+        "how": "each EPOLL_CTL_ADD is counted by the host (a seccomp user notification); past a share: ENOSPC",
     })
 }
 

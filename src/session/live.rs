@@ -211,6 +211,77 @@ impl LiveWorker {
         }
     }
 
+    /// During setup, before `ready` only: the next whole frame, read with `recvmsg` so that a
+    /// descriptor sent with it (the epoll gate's listener) is received, and never a byte past
+    /// it, so the frame reader takes over where this stops. Descriptors come back owned (a
+    /// frame that should carry none has them closed by the caller dropping them).
+    pub async fn next_setup_frame(
+        &mut self,
+        max_frame: usize,
+    ) -> std::io::Result<Option<(bytes::BytesMut, Vec<std::os::fd::OwnedFd>)>> {
+        let mut header = [0u8; 4];
+        let mut fds = Vec::new();
+        if !self.recv_exact(&mut header, &mut fds).await? {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes(header) as usize;
+        if len > max_frame {
+            return Err(std::io::Error::other(format!(
+                "a setup frame of {len} bytes (at most {max_frame})"
+            )));
+        }
+        let mut body = bytes::BytesMut::zeroed(len);
+        if !self.recv_exact(&mut body, &mut fds).await? {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(Some((body, fds)))
+    }
+
+    /// Fills `buf` from the socket with `recvmsg`, collecting descriptors; `false` at a clean
+    /// end of stream before the first byte.
+    async fn recv_exact(
+        &mut self,
+        buf: &mut [u8],
+        fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> std::io::Result<bool> {
+        use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let sock: &tokio::net::UnixStream = self.frames.get_ref().as_ref();
+        let mut filled = 0;
+        while filled < buf.len() {
+            sock.readable().await?;
+            let got = sock.try_io(tokio::io::Interest::READABLE, || {
+                let mut iov = [std::io::IoSliceMut::new(&mut buf[filled..])];
+                let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+                let msg = recvmsg::<()>(
+                    sock.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut space),
+                    MsgFlags::MSG_CMSG_CLOEXEC,
+                )?;
+                for cmsg in msg.cmsgs()? {
+                    if let ControlMessageOwned::ScmRights(received) = cmsg {
+                        // SAFETY: the kernel just installed these descriptors for us.
+                        fds.extend(
+                            received
+                                .into_iter()
+                                .map(|fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }),
+                        );
+                    }
+                }
+                Ok(msg.bytes)
+            });
+            match got {
+                Ok(0) if filled == 0 => return Ok(false),
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
     /// Queues a frame for the worker without waiting.
     pub fn send(&self, body: Bytes) -> Result<(), SendError> {
         self.outbox

@@ -1,6 +1,5 @@
 //! Giving a session a worker: a slot under the cap, the spawn request, the `ready` handshake.
 
-use super::cell::oversized_frame;
 use super::*;
 
 impl SessionManager {
@@ -105,16 +104,24 @@ impl SessionManager {
             .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
         worker.packages_view = packages_view;
         let budget = worker.image_budget_bytes;
+        let max_frame = frame::max_worker_frame_bytes(budget);
+        let pid = worker.pid();
         let ready = tokio::time::timeout(WORKER_READY_TIMEOUT, async {
+            let mut gate_listener = false;
             loop {
-                let f = match worker.frames.next().await {
-                    Some(Ok(f)) => f,
-                    Some(Err(e)) => {
-                        return Err(oversized_frame(&e).map_or_else(|| e.to_string(), |v| v.to_string()));
-                    }
-                    None => return Err("the worker exited during setup".into()),
+                let (f, fds) = match worker.next_setup_frame(max_frame).await {
+                    Ok(Some(f)) => f,
+                    Ok(None) => return Err("the worker exited during setup".into()),
+                    Err(e) => return Err(e.to_string()),
                 };
                 match frame::decode_worker_frame(&f, budget) {
+                    Ok(WorkerFrame::Message(FromWorker::EpollListener {})) if !gate_listener => {
+                        gate_listener = true;
+                        let Some(listener) = fds.into_iter().next() else {
+                            return Err(Violation("`epoll_listener` without its descriptor".into()).to_string());
+                        };
+                        crate::epoll_gate::supervise(listener, pid).map_err(|e| e.to_string())?;
+                    }
                     Ok(WorkerFrame::Message(FromWorker::Ready {
                         missing_layers,
                         lockdown_us,
@@ -197,6 +204,8 @@ pub(super) fn session_environment(session: &str, scratch: &Path) -> Vec<(String,
     vec![
         ("HOME".to_string(), dir.clone()),
         ("TMPDIR".to_string(), dir.clone()),
+        // polars' streaming engine spills under /var/tmp unless told (it reads no TMPDIR).
+        ("POLARS_OOC_SPILL_DIR".to_string(), dir.clone()),
         ("PWD".to_string(), dir),
         ("IRONCELL_SESSION".to_string(), session.to_string()),
     ]

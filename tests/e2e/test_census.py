@@ -157,24 +157,18 @@ except PermissionError as e:
 # What the sandbox does not run yet, and why (measured 2026-12-06 with the pins of
 # scripts/install_test_peers.sh; duckdb and openpyxl run since /etc/mime.types and an empty /proc,
 # SECURITY.md #155 and #157; process pools, joblib and scikit-learn's n_jobs since a session may
-# fork its own children, #158-#160). Strict: the widening that makes one work must remove it here.
-_EPOLL = ("polars' async runtime creates an epoll instance and seccomp refuses epoll_create1: "
-          "PanicException 'Os { code: 1, kind: PermissionDenied }'")
+# fork its own children, #158-#160; polars since the host counts epoll watches and /proc/meminfo
+# states the session's memory, #200-#201). Strict: the widening that makes one work must remove
+# it here.
 NOT_YET = {
-    "polars_eager": _EPOLL,
-    "polars_lazy": _EPOLL,
-    "polars_streaming": _EPOLL,
     "xlsxwriter": ("closing a workbook sets its files' times (os.utime), which seccomp refuses "
                    "(SECURITY.md #46); pandas' to_excel picks xlsxwriter when it is installed"),
-    "psutil": ("psutil reads /proc (meminfo, /proc/<pid>/stat): a session's /proc is empty, so "
+    "psutil": ("psutil reads /proc/<pid>/stat: a session's /proc holds only meminfo, so "
                "psutil.Process() raises NoSuchProcess"),
 }
 
 # What the note on each of those says (the refusal named, not only "a note").
 NOTE_SAYS = {
-    "polars_eager": "system-call filter",
-    "polars_lazy": "system-call filter",
-    "polars_streaming": "system-call filter",
     "xlsxwriter": "mode, owner or times",
     "psutil": "none of the host's /proc",
 }

@@ -57,7 +57,7 @@ class Sandboxed:
 
     def outcome(self, expr: str, session: str = "attack") -> str:
         rec = self.run(f"outcome(lambda: {expr})", session=session)
-        assert rec["status"] == "ok", rec
+        assert rec["status"] == "ok", json.dumps(rec)
         return ast.literal_eval(rec["result"])
 
     def private_tmp_is_namespace(self) -> bool:
@@ -596,10 +596,60 @@ a.sendall(b'x' * 1000)
     assert ast.literal_eval(rec["result"]) == ([1, 1, 1, 1], True, 1000), rec
 
 
-def test_115_epoll_is_refused_and_asyncio_runs_on_poll(box):
+EPOLL_FILL = """
+import errno, os, select
+fds = [os.eventfd(0) for _ in range(20)]
+added, err = 0, None
+try:
+    for _ in range(10):
+        ep = select.epoll()
+        for f in fds:
+            for n in range(200, 260):  # each (file, descriptor number) is a watch of its own
+                os.dup2(f, n)
+                ep.register(n)
+                added += 1
+except OSError as e:
+    err = errno.errorcode.get(e.errno)
+(added, err)
+"""
+
+
+def _sandbox_info(box) -> dict:
+    info = json.loads(box.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])
+    return info["sandbox"]
+
+
+def _epoll_info(box) -> dict:
+    return _sandbox_info(box)["epoll_watches"]
+
+
+def _children_allowed(box) -> bool:
+    return _sandbox_info(box)["child_processes"].startswith("allowed")
+
+
+@pytest.fixture(scope="module", params=USERS)
+def epoll_box(request):
+    """A server of its own: these tests count its epoll shares and start several sessions."""
+    b = Sandboxed(request.param)
+    yield b
+    b.close()
+
+
+def test_115_epoll_runs_and_a_session_takes_only_its_share_of_the_uids_watches(epoll_box):
+    box = epoll_box
     # Epoll watches are kernel memory from a budget the whole uid (the host too) shares: one
-    # session took all 5.5 million and no new worker could start. asyncio must still work.
-    assert box.outcome("__import__('select').epoll()") == "PermissionError:1"
+    # session took all 5.5 million and no new worker could start. epoll runs now (polars'
+    # runtime needs it), and the host counts every EPOLL_CTL_ADD through the epoll gate.
+    share = _epoll_info(box)["per_session"]
+    assert 0 < share <= 65536
+    rec = box.run(EPOLL_FILL, session="epoll-fill")
+    assert rec["status"] == "ok", rec
+    assert ast.literal_eval(rec["result"]) == (share, "ENOSPC"), rec
+    held = _epoll_info(box)["held"]
+    assert held >= share, held
+    # Another session, and a new one, still get epoll, and asyncio runs (on poll, by default).
+    other = box.run("import os, select\ne = select.epoll(); e.register(os.eventfd(1)); len(e.poll(0))", session="epoll-other")
+    assert other["status"] == "ok" and other["result"] == "1", other
     code = """
 import asyncio, selectors, socket
 
@@ -619,6 +669,39 @@ async def main():
     rec = box.run(code, session="epoll")
     assert rec["status"] == "ok", rec
     assert ast.literal_eval(rec["result"]) == ((b"ping\n", 3), "PollSelector"), rec
+    # The share comes back when the session's processes are gone, and the session can fill
+    # its share again (not more).
+    box.srv.call("1", session="epoll-fill", reset=True)
+    deadline = time.monotonic() + 30
+    while _epoll_info(box)["held"] >= held and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _epoll_info(box)["held"] < held
+    box.sessions.discard("epoll-fill")
+    rec = box.run(EPOLL_FILL, session="epoll-fill")
+    assert ast.literal_eval(rec["result"]) == (share, "ENOSPC"), rec
+
+
+def test_115_a_sessions_children_count_against_its_epoll_share(epoll_box):
+    box = epoll_box
+    if not _children_allowed(box):
+        pytest.skip("sessions may not fork here")
+    code = EPOLL_FILL.replace("(added, err)", "") + """
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        select.epoll().register(os.eventfd(0))
+        os.write(w, b'added')
+    except OSError as e:
+        os.write(w, errno.errorcode[e.errno].encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+(added, err, os.read(r, 64).decode())
+"""
+    rec = box.run(code, session="epoll-child")
+    assert rec["status"] == "ok", rec
+    added, err, child = ast.literal_eval(rec["result"])
+    assert (err, child) == ("ENOSPC", "ENOSPC"), rec
 
 
 def test_120_posix_timers_are_capped_and_leave_the_uid_its_budget(box):
@@ -866,7 +949,7 @@ def test_36_the_environment_holds_only_the_fixed_variables(box_with_secret):
     env = ast.literal_eval(box_with_secret.run("dict(os.environ)")["result"])
     assert set(env) <= {"PATH", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
                         "PYTHONIOENCODING", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                        "MPLBACKEND", "HOME", "TMPDIR", "PWD", "TERM", "IRONCELL_SESSION",
+                        "MPLBACKEND", "HOME", "TMPDIR", "POLARS_OOC_SPILL_DIR", "PWD", "TERM", "IRONCELL_SESSION",
                         "IRONCELL_PACKAGES_DIR"}, env
     assert TOKEN not in json.dumps(env)
 

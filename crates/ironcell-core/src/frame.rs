@@ -109,6 +109,10 @@ pub enum FromWorker {
     },
     /// The worker could not set itself up and is about to exit.
     Fatal { message: String },
+    /// During setup only, before `ready`: the listener of the worker's epoll gate travels with
+    /// this frame (`SCM_RIGHTS`); the host counts the session's epoll watches through it
+    /// (`sandbox::epoll_gate`).
+    EpollListener {},
     /// A call from the in-sandbox `mcp` module to the host (and through it to a proxied MCP
     /// server): `servers`, `tools`, `search` or `call`.
     Request {
@@ -246,6 +250,7 @@ pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result
         FromWorker::Fatal { message } => {
             cap_chars("a fatal message", message, MAX_ERROR_FIELD_CHARS)
         }
+        FromWorker::EpollListener {} => Ok(()),
         FromWorker::Request { method, params, .. } => {
             if method.is_empty()
                 || method.len() > 64

@@ -25,6 +25,7 @@
 //! exits without running anything; only `best-effort` continues, and then says what is missing.
 
 pub mod cgroup;
+pub mod epoll_gate;
 pub mod landlock;
 pub mod policy;
 pub mod private_tmp;
@@ -32,6 +33,7 @@ pub mod rlimits;
 pub mod seccomp;
 pub mod sys;
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
@@ -468,18 +470,25 @@ pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<Strin
         namespace: None,
         dev_shm: false,
     };
-    apply_lockdown_with_compiled_filters(plan, None, &no_namespace)
+    apply_lockdown_with_compiled_filters(plan, None, &no_namespace, None)
 }
+
+/// Where the listener of a counting [`epoll_gate`] goes: called once, before the main seccomp
+/// program (which refuses `sendmsg`) is installed.
+pub type EpollListenerHandOver<'a> = &'a mut dyn FnMut(OwnedFd) -> std::io::Result<()>;
 
 /// [`apply_lockdown_to_current_process`] with the seccomp programs compiled beforehand (by the
 /// zygote, once): the same filters, installed here by the worker itself; `None` compiles them
 /// now.
 /// `namespace` is what [`private_tmp::mount_session_dir_over_tmp`] gave the worker: in a
 /// namespace of its own, `/proc` is hidden and the thread cap counts only its own tasks.
+/// `epoll_listener`: who counts the process's epoll watches ([`epoll_gate`]); `None` refuses
+/// epoll instead.
 pub fn apply_lockdown_with_compiled_filters(
     plan: &SandboxPlan,
     compiled: Option<&seccomp::CompiledWorkerFilters>,
     namespace: &private_tmp::PrivateTmp,
+    epoll_listener: Option<EpollListenerHandOver<'_>>,
 ) -> Result<Vec<String>, String> {
     let mut missing = Vec::new();
     let mut step = |name: &str, result: Result<(), String>| -> Result<(), String> {
@@ -507,10 +516,16 @@ pub fn apply_lockdown_with_compiled_filters(
             .map(|tasks_now| rlimits::TaskCount::SharedWithUid { tasks_now })
             .map_err(|e| format!("reading /proc/loadavg: {e}"))
     };
+    let mut proc_view = false;
     step(
         "empty /proc",
-        private_tmp::hide_other_processes(namespace, &plan.granted_paths())
-            .map_err(|e| e.to_string()),
+        private_tmp::hide_other_processes(
+            namespace,
+            &plan.granted_paths(),
+            plan.limits.memory_bytes,
+        )
+        .map(|view| proc_view = view)
+        .map_err(|e| e.to_string()),
     )?;
     step(
         "capabilities",
@@ -539,7 +554,13 @@ pub fn apply_lockdown_with_compiled_filters(
     let mut children = children_in_this_worker(plan, namespace);
     let landlocked = match &plan.filesystem {
         Some(grants) => {
-            let result = landlock::install_filesystem_landlock_rules_on_current_thread(grants)
+            let mut grants = grants.clone();
+            if proc_view {
+                grants
+                    .read_only
+                    .push(PathBuf::from(private_tmp::PROC_MEMINFO));
+            }
+            let result = landlock::install_filesystem_landlock_rules_on_current_thread(&grants)
                 .map_err(|e| e.to_string());
             let ok = result.is_ok();
             step("landlock", result)?;
@@ -561,6 +582,17 @@ pub fn apply_lockdown_with_compiled_filters(
         }
     };
     if plan.seccomp {
+        // The gate first: the main program refuses `seccomp` and `sendmsg`.
+        let counted = epoll_listener.is_some();
+        step(
+            "epoll gate",
+            epoll_gate::install_on_current_thread(counted)
+                .and_then(|gate| match (gate, epoll_listener) {
+                    (epoll_gate::EpollGate::Counted(fd), Some(hand_over)) => hand_over(fd),
+                    _ => Ok(()),
+                })
+                .map_err(|e| e.to_string()),
+        )?;
         step(
             "seccomp",
             match compiled {
@@ -603,11 +635,12 @@ mod tests {
                     namespace: None,
                     dev_shm: false,
                 };
-                let code = match apply_lockdown_with_compiled_filters(&plan, Some(&compiled), &none)
-                {
-                    Ok(_) => attack(),
-                    Err(_) => 100,
-                };
+                let code =
+                    match apply_lockdown_with_compiled_filters(&plan, Some(&compiled), &none, None)
+                    {
+                        Ok(_) => attack(),
+                        Err(_) => 100,
+                    };
                 // SAFETY: ends the child without running the parent's atexit handlers.
                 unsafe { libc::_exit(code) }
             }

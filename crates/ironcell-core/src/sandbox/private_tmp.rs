@@ -365,16 +365,75 @@ pub fn mount_session_dir_over_tmp(
 ///
 /// `/sys` gets the same, unless a grant lies beneath it: its pids cgroup directories are named
 /// after workers' pids (`w<pid>`), so `stat` of a guessed one told a live worker's pid.
-pub fn hide_other_processes(private_tmp: &PrivateTmp, grants: &[&Path]) -> io::Result<()> {
+///
+/// The `/proc` it leaves holds one file, `meminfo`, which states the session's memory limit as
+/// the machine's memory: libraries size their caches and out-of-core budgets from it (polars'
+/// streaming engine, psutil), and with no answer they assumed none and spilled every batch to
+/// disk. Returns whether that view is in place (the lockdown then grants reading it).
+pub fn hide_other_processes(
+    private_tmp: &PrivateTmp,
+    grants: &[&Path],
+    memory_bytes: u64,
+) -> io::Result<bool> {
     if private_tmp.own_namespace().is_none() {
-        return Ok(());
+        return Ok(false);
     }
     let errno = |e: StepError| io::Error::from_raw_os_error(e.errno);
+    let mut view = false;
     if !grants.iter().any(|g| g.starts_with("/proc")) {
-        mount_empty(PATH_PROC).map_err(errno)?;
+        mount_proc_view(memory_bytes)?;
+        view = true;
     }
     if !grants.iter().any(|g| g.starts_with("/sys")) {
         mount_empty(PATH_SYS).map_err(errno)?;
+    }
+    Ok(view)
+}
+
+/// Where the session's view of its memory is, inside its own `/proc`.
+pub const PROC_MEMINFO: &str = "/proc/meminfo";
+
+/// A tmpfs over `/proc` holding only `meminfo` (see [`hide_other_processes`]), then made
+/// read-only.
+fn mount_proc_view(memory_bytes: u64) -> io::Result<()> {
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: mount(2) of a new tmpfs; every string is NUL-terminated and outlives the call.
+    let rc = unsafe {
+        libc::mount(
+            c"none".as_ptr(),
+            PATH_PROC.as_ptr(),
+            c"tmpfs".as_ptr(),
+            flags,
+            c"mode=0555,size=8k,nr_inodes=2".as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let kib = memory_bytes / 1024;
+    let meminfo = format!(
+        "MemTotal:       {kib:>8} kB\nMemFree:        {kib:>8} kB\nMemAvailable:   {kib:>8} kB\n\
+         Buffers:               0 kB\nCached:                0 kB\nSwapCached:            0 kB\n\
+         SwapTotal:             0 kB\nSwapFree:              0 kB\nShmem:                 0 kB\n\
+         Active:                0 kB\nInactive:              0 kB\nSReclaimable:          0 kB\n"
+    );
+    std::fs::write(PROC_MEMINFO, meminfo)?;
+    std::fs::set_permissions(
+        PROC_MEMINFO,
+        std::os::unix::fs::PermissionsExt::from_mode(0o444),
+    )?;
+    // SAFETY: remounts the tmpfs just mounted read-only; the path is NUL-terminated.
+    let rc = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            PATH_PROC.as_ptr(),
+            std::ptr::null(),
+            flags | libc::MS_REMOUNT | libc::MS_RDONLY,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

@@ -11,7 +11,7 @@
 //! 2. **refusals** (installed second): calls that must fail with `EPERM`, so Python raises a
 //!    readable `PermissionError`: new processes, `socket()`, signals or rlimits aimed at another
 //!    process, identity changes, `TIOCSTI`, file metadata changes (`chmod`, `chown`, `utime`
-//!    and their fd forms), `memfd_create`, `epoll_create`, the `fcntl` commands that signal on
+//!    and their fd forms), `memfd_create`, the old `epoll_create`, the `fcntl` commands that signal on
 //!    the worker's behalf (`F_SETOWN`, `F_SETOWN_EX`, `F_SETSIG`, `F_SETLEASE`, `F_NOTIFY`,
 //!    `O_ASYNC`), raising a socket's buffer sizes (`SO_SNDBUF`, `SO_RCVBUF`), `sendmsg`
 //!    (descriptors in flight) and shared anonymous mappings.
@@ -162,8 +162,11 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_timer_create, libc::SYS_timer_settime, libc::SYS_timer_gettime,
     libc::SYS_timer_delete, libc::SYS_timerfd_create, libc::SYS_timerfd_settime,
     libc::SYS_timerfd_gettime,
-    // Event loops (asyncio's selector and self-pipe socketpair; the session socket).
-    libc::SYS_eventfd2, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait,
+    // Event loops (asyncio's selector and self-pipe socketpair; the session socket). epoll's
+    // watches are kernel memory from a budget the whole uid shares (SECURITY.md #115): the
+    // epoll gate, a program of its own installed before this one, has the host count every
+    // `EPOLL_CTL_ADD`, or refuses `epoll_create1` where no host counts (`epoll_gate.rs`).
+    libc::SYS_epoll_create1, libc::SYS_eventfd2, libc::SYS_epoll_ctl, libc::SYS_epoll_pwait,
     libc::SYS_epoll_pwait2, libc::SYS_ppoll, libc::SYS_pselect6, libc::SYS_sendto,
     libc::SYS_recvfrom, libc::SYS_recvmsg, libc::SYS_getsockname,
     libc::SYS_getpeername, libc::SYS_getsockopt, libc::SYS_setsockopt, libc::SYS_shutdown,
@@ -207,12 +210,6 @@ const REFUSED: &[libc::c_long] = &[
     // no mapping, so neither RLIMIT_DATA nor RLIMIT_AS sees them. Nothing in a Python workload
     // needs one.
     libc::SYS_memfd_create,
-    // Kernel memory no rlimit counts, from a budget the whole uid shares (SECURITY.md #115):
-    // epoll watches are limited only by `fs.epoll.max_user_watches`, per uid, and a watch is
-    // keyed by (file, descriptor number), so 1,024 descriptors registered in 100 epoll
-    // instances took all 5.5 million (1.1 GB) and the host could start no worker. asyncio uses
-    // `poll` instead (the runner sets `selectors.DefaultSelector` to `PollSelector`).
-    libc::SYS_epoll_create1,
     // Descriptors in flight (SECURITY.md #117, #121): `SCM_RIGHTS` messages a worker sends to
     // itself and never reads count against a budget of its uid, which the kernel checks
     // against the *sender's* RLIMIT_NOFILE before it copies the message in: threads faulting

@@ -203,6 +203,32 @@ pub fn run_worker_process(
     unsafe { libc::_exit(code) }
 }
 
+/// Hands the epoll gate's listener to the host (a frame with the descriptor attached), then
+/// closes this process's copy: code in the session must never answer its own calls.
+fn send_epoll_listener(listener: OwnedFd) -> std::io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let body = serde_json::to_vec(&FromWorker::EpollListener {})?;
+    let mut bytes = Vec::with_capacity(body.len() + 5);
+    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
+    let fds = [listener.as_raw_fd()];
+    let iov = [std::io::IoSlice::new(&bytes)];
+    let sent = sendmsg::<()>(
+        SESSION_FD,
+        &iov,
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?;
+    drop(listener);
+    if sent == bytes.len() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(
+            "the epoll listener's frame went out in part",
+        ))
+    }
+}
+
 fn serve_session(
     py: Python<'_>,
     spec: WorkerSpec,
@@ -271,6 +297,7 @@ fn serve_session(
         &spec.sandbox,
         crate::zygote::compiled_filters(),
         &private_tmp,
+        Some(&mut send_epoll_listener),
     )
     .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
