@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Proves the ironcell binary works on a system whose only Python is 3.13 (issue 9): a Debian 13
-# "trixie" root filesystem made with debootstrap from the Debian package registry, holding
-# python3.13 and libpython3.13 and no other Python, with ironcell run inside it through chroot.
+# Proves the ironcell binary works on a system whose only Python is not the host's: a Debian root
+# filesystem made with debootstrap from the Debian package registry, holding one Python and its
+# libpython and no other Python, with ironcell run inside it through chroot. Two suites:
+#   trixie (default)  Debian 13, python3.13 only (issue 9)
+#   sid               Debian unstable, python3.14 only (issue 44): 3.14 defaults multiprocessing
+#                     to the `forkserver` start method, which execs a server process. This root
+#                     also has Debian's `python3` package (/usr/bin/python3 -> python3.14), which
+#                     is how ironcell finds it: its search by name stops at python3.13.
 #
 # Usage (as root):
-#   scripts/check_other_distro.sh [ROOTFS_DIR]
+#   scripts/check_other_distro.sh [--suite trixie|sid] [ROOTFS_DIR]
 #
 #   ROOTFS_DIR              where the rootfs lives (default $IRONCELL_ROOTFS, else
-#                           /var/tmp/ironcell-trixie). Made on the first run (about 2 minutes:
-#                           debootstrap --variant=minbase --include=python3.13,libpython3.13);
+#                           /var/tmp/ironcell-SUITE). Made on the first run (about 2 minutes:
+#                           debootstrap --variant=minbase --include=python3.X,libpython3.X[,python3]);
 #                           reused by later runs, so reruns take seconds.
 #   IRONCELL_BIN            the binary to check (default target/release/ironcell of this repo);
 #                           copied into the rootfs as /usr/local/bin/ironcell on every run
@@ -18,14 +23,20 @@
 #
 # Checks, all inside `chroot ROOTFS_DIR` with a clean environment
 # (env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root MCP_BRIDGE_STATE_DIR=/var/tmp/ironcell-state):
-#   - the rootfs is trixie, has /usr/bin/python3.13 and libpython3.13, and no other Python
+#   - the rootfs is the suite asked for, has /usr/bin/python3.X and libpython3.X, no other Python
+#     (a /usr/bin/python3 there must lead to python3.X)
 #   - the binary needs no libpython (ldd)
 #   - ironcell --version
-#   - ironcell doctor exits 0 and reports Python 3.13 (its output is printed)
-#   - ironcell exec 'import sys; print(sys.version_info[:2])' prints (3, 13)
+#   - ironcell doctor exits 0 and reports Python 3.X (its output is printed)
+#   - ironcell exec 'import sys; print(sys.version_info[:2])' prints (3, X)
 #   - ironcell exec: open('/etc/passwd') raises PermissionError inside the sandbox
 #   - MCP over stdio: initialize, notifications/initialized, tools/call run_python {"code": "6*7"}
-#     answered with 42 (the client is a small Python 3.13 script run inside the chroot)
+#     answered with 42 (the client is a small Python 3.X script run inside the chroot)
+#   - process pools as written, each in a session of its own: multiprocessing.get_start_method()
+#     is `fork`; mp.Pool(2).map(abs, [-1, -2]) returns [1, 2]; concurrent.futures'
+#     ProcessPoolExecutor(2).map(abs, [-3, -4]) returns [3, 4]; pools asked for `forkserver`
+#     or `spawn` by name work too (the runner gives them `fork`); on 3.14+ also that the same
+#     Python outside the sandbox defaults to `forkserver` (so the pool checks test the change)
 #   - no process is left running inside the chroot afterwards
 # For the checks the rootfs is bound onto itself (so / in the chroot is a mount point) and /proc,
 # /dev and /sys are mounted inside it; all are unmounted on exit, also on failure or Ctrl-C.
@@ -33,15 +44,35 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-ROOT=${1:-${IRONCELL_ROOTFS:-/var/tmp/ironcell-trixie}}
-BIN=${IRONCELL_BIN:-$REPO/target/release/ironcell}
+die() { echo "check_other_distro: $*" >&2; exit 2; }
+
 SUITE=trixie
+ARGS=()
+while (($#)); do
+  case $1 in
+    --suite) (($# >= 2)) || die "--suite needs a value (trixie or sid)"; SUITE=$2; shift 2 ;;
+    --suite=*) SUITE=${1#--suite=}; shift ;;
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    -*) die "unknown option $1 (usage: $0 [--suite trixie|sid] [ROOTFS_DIR])" ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+((${#ARGS[@]} <= 1)) || die "one ROOTFS_DIR at most (usage: $0 [--suite trixie|sid] [ROOTFS_DIR])"
+# Per suite: its only Python, the packages debootstrap adds, how its os-release names it.
+case $SUITE in
+  trixie) PYVER=3.13 EXTRA="" DISTRO="Debian 13 trixie" OS_MATCH='trixie*' ;;
+  sid) PYVER=3.14 EXTRA=",python3" DISTRO="Debian sid (unstable)" OS_MATCH='*/sid*' ;;
+  *) die "unknown suite '$SUITE' (trixie or sid)" ;;
+esac
+PYTHON=python$PYVER
+INCLUDE=$PYTHON,lib$PYTHON$EXTRA
+PYRE=${PYVER/./\\.}  # the version as a regular expression
+ROOT=${ARGS[0]:-${IRONCELL_ROOTFS:-/var/tmp/ironcell-$SUITE}}
+BIN=${IRONCELL_BIN:-$REPO/target/release/ironcell}
 MARKER=.ironcell-check-rootfs
 STATE=/var/tmp/ironcell-state
 CHROOT_PATH=/usr/local/bin:/usr/bin:/bin
 STEP_TIMEOUT=${IRONCELL_CHECK_TIMEOUT:-180}
-
-die() { echo "check_other_distro: $*" >&2; exit 2; }
 
 [[ $(id -u) == 0 ]] || die "must run as root (debootstrap, mount, chroot)"
 for tool in debootstrap chroot mount umount timeout; do
@@ -82,7 +113,9 @@ unmount_under() {
 
 # ---------------------------------------------------------------------------------- rootfs
 rootfs_complete() {
-  [[ -f $ROOT/$MARKER && ! -d $ROOT/debootstrap && -x $ROOT/usr/bin/python3.13 ]]
+  [[ -f $ROOT/$MARKER && ! -d $ROOT/debootstrap && -x $ROOT/usr/bin/$PYTHON ]] \
+    && grep -q "^suite=$SUITE " "$ROOT/$MARKER" \
+    && { [[ $INCLUDE != *,python3 ]] || [[ -e $ROOT/usr/bin/python3 ]]; }
 }
 
 if [[ ${IRONCELL_REBUILD:-0} == 1 && -d $ROOT ]]; then
@@ -97,7 +130,7 @@ if rootfs_complete; then
   echo "== reusing the $SUITE rootfs at $ROOT ($(cat "$ROOT/$MARKER"))"
 else
   if [[ -e $ROOT ]]; then
-    die "$ROOT exists but is no complete rootfs made by this script; remove it or pick another directory"
+    die "$ROOT exists but is no complete $SUITE rootfs made by this script (with $INCLUDE); remove it, set IRONCELL_REBUILD=1 if this script made it, or pick another directory"
   fi
   PARTIAL=$ROOT.partial
   if [[ -e $PARTIAL ]]; then
@@ -106,9 +139,9 @@ else
     rm -rf --one-file-system "$PARTIAL"
   fi
   mkdir -p "$PARTIAL"
-  echo "== debootstrap --variant=minbase --include=python3.13,libpython3.13 $SUITE $PARTIAL $MIRROR"
+  echo "== debootstrap --variant=minbase --include=$INCLUDE $SUITE $PARTIAL $MIRROR"
   start=$SECONDS
-  if ! debootstrap --variant=minbase --include=python3.13,libpython3.13 \
+  if ! debootstrap --variant=minbase --include="$INCLUDE" \
       "$SUITE" "$PARTIAL" "$MIRROR" >"$PARTIAL.log" 2>&1; then
     tail -n 30 "$PARTIAL.log" >&2
     unmount_under "$PARTIAL"
@@ -209,34 +242,39 @@ pythons=$(cd "$ROOT" && { ls -d usr/bin/python* usr/local/bin/python* usr/lib/py
   usr/lib/x86_64-linux-gnu/libpython* 2>/dev/null || true; })
 printf '%s\n' "$pythons" | sed 's/^/   /'
 run_in_root "python packages installed (dpkg)" sh -c "dpkg-query -W -f '\${Package} \${Version}\n' | grep -i python"
-[[ $codename == trixie* ]] && ok=1 || ok=0
-record "rootfs is Debian 13 trixie" "$ok" "$codename"
-others=$(printf '%s\n' "$pythons" | grep -E 'python3\.([0-9]|1[0-24-9])([^0-9]|$)|python2' || true)
-if [[ -x $ROOT/usr/bin/python3.13 && -e $ROOT/usr/lib/x86_64-linux-gnu/libpython3.13.so.1.0 \
-      && -z $others && ! -e $ROOT/usr/bin/python3.11 ]]; then
+# shellcheck disable=SC2053  # OS_MATCH is a glob
+[[ $codename == $OS_MATCH ]] && ok=1 || ok=0
+record "rootfs is $DISTRO" "$ok" "$codename"
+others=$(printf '%s\n' "$pythons" | grep -E 'python(2|3\.[0-9]+)' \
+  | grep -vE "python$PYRE([^0-9]|$)" || true)
+python3_to=$(readlink "$ROOT/usr/bin/python3" 2>/dev/null || true)
+echo "   usr/bin/python3 -> ${python3_to:-(none)}"
+if [[ -x $ROOT/usr/bin/$PYTHON && -e $ROOT/usr/lib/x86_64-linux-gnu/lib$PYTHON.so.1.0 \
+      && -z $others && ! -e $ROOT/usr/bin/python3.11 \
+      && ( ! -e $ROOT/usr/bin/python3 || $python3_to == "$PYTHON" ) ]]; then
   ok=1
 else
   ok=0
 fi
-record "rootfs has python3.13 + libpython3.13 and no other Python (no python3.11)" $ok \
+record "rootfs has $PYTHON + lib$PYTHON and no other Python (no python3.11)" $ok \
   "${others:+others: $(tr '\n' ' ' <<<"$others")}"
 
 run_in_root "ldd ironcell" ldd /usr/local/bin/ironcell
 [[ $RC == 0 && $OUT != *libpython* ]] && ok=1 || ok=0
-record "binary runs on trixie's libc and links no libpython" $ok
+record "binary runs on $SUITE's libc and links no libpython" $ok
 
 run_in_root "ironcell --version" ironcell --version
 [[ $RC == 0 && $OUT == ironcell* ]] && ok=1 || ok=0
 record "ironcell --version" $ok
 
 run_in_root "ironcell doctor" ironcell doctor
-if [[ $RC == 0 ]] && grep -qE '^python .*python3\.13' <<<"$OUT" \
-    && grep -qE '^ +version +3\.13\.' <<<"$OUT"; then ok=1; else ok=0; fi
-record "ironcell doctor exits 0 and reports Python 3.13" $ok "exit $RC"
+if [[ $RC == 0 ]] && grep -qE "^python +/usr/bin/python3(\\.${PYVER#3.})? " <<<"$OUT" \
+    && grep -qE "^ +version +$PYRE\\." <<<"$OUT"; then ok=1; else ok=0; fi
+record "ironcell doctor exits 0 and reports Python $PYVER" $ok "exit $RC"
 
 run_in_root "smoke run" ironcell exec 'import sys; print(sys.version_info[:2])'
-[[ $RC == 0 ]] && grep -qx '(3, 13)' <<<"$OUT" && ok=1 || ok=0
-record "ironcell exec prints (3, 13)" $ok "exit $RC"
+[[ $RC == 0 ]] && grep -qx "(3, ${PYVER#3.})" <<<"$OUT" && ok=1 || ok=0
+record "ironcell exec prints (3, ${PYVER#3.})" $ok "exit $RC"
 
 SANDBOX_CODE=$(mktemp)
 cat >"$SANDBOX_CODE" <<'EOF'
@@ -252,7 +290,7 @@ rm -f "$SANDBOX_CODE"
 [[ $RC == 0 ]] && grep -qx 'denied' <<<"$OUT" && ok=1 || ok=0
 record "sandbox refuses open('/etc/passwd') with PermissionError" $ok "exit $RC"
 
-# A minimal MCP client over stdio, run by the chroot's python3.13; it starts `ironcell serve`.
+# A minimal MCP client over stdio, run by the chroot's Python; it starts `ironcell serve`.
 mkdir -p "$ROOT/usr/local/share/ironcell-check"
 cat >"$ROOT/usr/local/share/ironcell-check/mcp_roundtrip.py" <<'EOF'
 import json, queue, subprocess, sys, threading
@@ -296,10 +334,52 @@ ok = (init.get("result", {}).get("serverInfo", {}).get("name") == "ironcell"
 print("MCP round trip:", "ok" if ok else "FAILED", repr(text))
 sys.exit(0 if ok else 1)
 EOF
-run_in_root "MCP round trip over stdio (python3.13 client -> ironcell serve)" \
-  python3.13 /usr/local/share/ironcell-check/mcp_roundtrip.py
+run_in_root "MCP round trip over stdio ($PYTHON client -> ironcell serve)" \
+  "$PYTHON" /usr/local/share/ironcell-check/mcp_roundtrip.py
 [[ $RC == 0 ]] && grep -q '^MCP round trip: ok' <<<"$OUT" && ok=1 || ok=0
 record "MCP initialize + tools/call run_python 6*7 answers 42" $ok "exit $RC"
+
+# Process pools as written (issue 44), each in a session of its own. Sessions may fork children;
+# `spawn` and `forkserver` (3.14's default) exec an interpreter, which the sandbox refuses, so the
+# runner hands out `fork` for them. Each pool also answers from a process other than the session.
+if ((${PYVER#3.} >= 14)); then
+  run_in_root "$PYTHON outside the sandbox: its default start method" \
+    "$PYTHON" -c 'import multiprocessing as mp; print(mp.get_start_method())'
+  [[ $RC == 0 && $OUT == forkserver ]] && ok=1 || ok=0
+  record "$PYTHON outside the sandbox defaults multiprocessing to forkserver" $ok "exit $RC"
+fi
+
+run_in_root "session: multiprocessing.get_start_method()" ironcell exec \
+  'import multiprocessing as mp; print("start method:", mp.get_start_method())'
+[[ $RC == 0 ]] && grep -qx 'start method: fork' <<<"$OUT" && ok=1 || ok=0
+record "multiprocessing.get_start_method() in a session is fork" $ok "exit $RC"
+
+run_in_root "session: mp.Pool(2).map(abs, [-1, -2])" ironcell exec 'import multiprocessing as mp, os
+print("pool:", mp.Pool(2).map(abs, [-1, -2]))
+with mp.Pool(2) as pool:
+    print("pool child is another process:", pool.apply(os.getpid) != os.getpid())'
+[[ $RC == 0 ]] && grep -qx 'pool: \[1, 2\]' <<<"$OUT" \
+  && grep -qx 'pool child is another process: True' <<<"$OUT" && ok=1 || ok=0
+record "plain mp.Pool(2).map(abs, [-1, -2]) returns [1, 2] from child processes" $ok "exit $RC"
+
+run_in_root "session: ProcessPoolExecutor(2).map(abs, [-3, -4])" ironcell exec \
+  'import os
+from concurrent.futures import ProcessPoolExecutor
+with ProcessPoolExecutor(2) as ex:
+    print("executor:", list(ex.map(abs, [-3, -4])))
+    print("executor child is another process:", ex.submit(os.getpid).result() != os.getpid())'
+[[ $RC == 0 ]] && grep -qx 'executor: \[3, 4\]' <<<"$OUT" \
+  && grep -qx 'executor child is another process: True' <<<"$OUT" && ok=1 || ok=0
+record "ProcessPoolExecutor(2).map(abs, [-3, -4]) returns [3, 4] from child processes" $ok "exit $RC"
+
+run_in_root "session: pools asked for forkserver and spawn by name" ironcell exec \
+  'import multiprocessing as mp
+print("forkserver context:", mp.get_context("forkserver").Pool(1).map(abs, [-5]))
+mp.set_start_method("spawn", force=True)
+print("spawn default:", mp.Pool(1).map(abs, [-6]))'
+[[ $RC == 0 ]] && grep -qx 'forkserver context: \[5\]' <<<"$OUT" \
+  && grep -qx 'spawn default: \[6\]' <<<"$OUT" && ok=1 || ok=0
+record "get_context('forkserver') and set_start_method('spawn') pools work too" $ok "exit $RC"
 
 sleep 1
 left=$(leftover_pids | tr '\n' ' ')
@@ -317,7 +397,7 @@ echo "rootfs   $ROOT ($SUITE, $made)"
 echo "binary   $BIN"
 printf '%s\n' "${RESULTS[@]}"
 if [[ $FAILED == 0 ]]; then
-  echo "PASS: ironcell works on a Python-3.13-only Debian 13 system (${SECONDS}s)"
+  echo "PASS: ironcell works on a Python-$PYVER-only $DISTRO system (${SECONDS}s)"
 else
   echo "FAIL: see the failed checks above (${SECONDS}s)"
 fi
