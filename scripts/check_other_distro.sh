@@ -13,7 +13,7 @@
 #
 #   ROOTFS_DIR              where the rootfs lives (default $IRONCELL_ROOTFS, else
 #                           /var/tmp/ironcell-SUITE). Made on the first run (about 2 minutes:
-#                           debootstrap --variant=minbase --include=python3.X,libpython3.X[,python3]);
+#                           debootstrap --variant=minbase --include=python3.X,libpython3.X);
 #                           reused by later runs, so reruns take seconds.
 #   IRONCELL_BIN            the binary to check (default target/release/ironcell of this repo);
 #                           copied into the rootfs as /usr/local/bin/ironcell on every run
@@ -61,7 +61,7 @@ done
 # Per suite: its only Python, the packages debootstrap adds, how its os-release names it.
 case $SUITE in
   trixie) PYVER=3.13 EXTRA="" DISTRO="Debian 13 trixie" OS_MATCH='trixie*' ;;
-  sid) PYVER=3.14 EXTRA=",python3" DISTRO="Debian sid (unstable)" OS_MATCH='*/sid*' ;;
+  sid) PYVER=3.14 EXTRA="" DISTRO="Debian sid (unstable)" OS_MATCH='*/sid*' ;;
   *) die "unknown suite '$SUITE' (trixie or sid)" ;;
 esac
 PYTHON=python$PYVER

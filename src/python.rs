@@ -124,6 +124,8 @@ impl Lookup for ProcessLookup<'_> {
 const SYSTEM_CANDIDATES: &[&str] = &[
     "/usr/bin/python3",
     "/usr/local/bin/python3",
+    "/usr/bin/python3.15",
+    "/usr/bin/python3.14",
     "/usr/bin/python3.13",
     "/usr/bin/python3.12",
     "/usr/bin/python3.11",
