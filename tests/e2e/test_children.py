@@ -218,16 +218,34 @@ def test_a_child_that_reaches_the_end_of_the_cell_ends_there(box):
     assert "only in the session's main process" in got, got
 
 
+RAW_FORK = (
+    "import ctypes, platform\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "nr = {'x86_64': 56, 'aarch64': 220}[platform.machine()]\n"
+    "r = libc.syscall(nr, 17, 0, 0, 0, 0)  # clone(SIGCHLD): a plain fork, without libc's wrapper\n"
+    "if r == 0:\n    os._exit(0)\n"
+    "clone3 = libc.syscall(435, 0, 0)\n"
+    "(r, ctypes.get_errno(), clone3)"
+)
+
+
+@pytest.mark.parametrize("abi", [1, 3, 4, 5])
 @pytest.mark.parametrize("user", USERS)
-def test_below_landlock_abi_6_children_are_refused_and_the_note_says_why(user):
-    b = Sandboxed(user, abi_max=5)
+def test_below_landlock_abi_6_children_are_refused_and_the_note_says_why(user, abi):
+    # Without Landlock's signal scope (ABI 6) a child could signal whatever the uid may: no
+    # children, on every older ABI, by libc, by multiprocessing and by the raw system calls.
+    b = Sandboxed(user, abi_max=abi)
     try:
-        assert children_allowed(b).startswith("refused: this kernel's Landlock (ABI 5)")
+        assert children_allowed(b).startswith(f"refused: this kernel's Landlock (ABI {abi})")
         assert b.outcome("os.fork()") == "PermissionError:1"
         rec = b.run("import multiprocessing as mp\nwith mp.Pool(2) as p:\n    p.map(abs, [1])", timeout_s=60)
         assert rec["status"] == "error", rec
         notes = " ".join(rec.get("notices", []))
-        assert "refused a child process" in notes and "ABI 5" in notes, rec
+        assert "refused a child process" in notes and f"ABI {abi}" in notes, rec
+        raw = b.run(RAW_FORK, session="raw")
+        assert raw["status"] == "ok", raw
+        r, errno_, clone3 = ast.literal_eval(raw["result"])
+        assert r == -1 and errno_ in (1, 38) and clone3 == -1, raw  # EPERM or ENOSYS
         # The pid rules there still let the worker name itself.
         assert b.outcome("os.getsid(os.getpid()) == os.getpid()") == "ok:True"
     finally:

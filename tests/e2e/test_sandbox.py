@@ -681,6 +681,18 @@ async def main():
     assert ast.literal_eval(rec["result"]) == (share, "ENOSPC"), rec
 
 
+@pytest.mark.parametrize("user", USERS)
+def test_115_the_epoll_gate_does_not_depend_on_landlock(user):
+    # The gate is seccomp's: at Landlock ABI 1 (no scopes, no children) it counts the same.
+    b = Sandboxed(user, abi_max=1)
+    try:
+        share = _epoll_info(b)["per_session"]
+        rec = b.run(EPOLL_FILL, session="epoll-fill")
+        assert ast.literal_eval(rec["result"]) == (share, "ENOSPC"), rec
+    finally:
+        b.close()
+
+
 def test_115_a_sessions_children_count_against_its_epoll_share(epoll_box):
     box = epoll_box
     if not _children_allowed(box):
