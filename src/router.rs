@@ -51,6 +51,8 @@ pub struct Caller {
     pub room: Box<dyn Send>,
     /// The worker's read-only view of the session's installed packages (`%pip install`).
     pub packages_view: Option<Arc<View>>,
+    /// The session's directory (`files.set_times` acts beneath it).
+    pub scratch: std::path::PathBuf,
 }
 
 /// A request's typed answer, and the worker's turn to hold until it is written to the socket.
@@ -186,6 +188,7 @@ impl Requests for Router {
             blocking_turn,
             room,
             packages_view,
+            scratch,
         } = caller;
         let turns = |host: &Arc<Semaphore>| Turns {
             worker: blocking_turn.clone(),
@@ -200,6 +203,26 @@ impl Requests for Router {
                 request,
                 room,
             )),
+            Request::SetTimes {
+                path,
+                atime_ns,
+                mtime_ns,
+            } => {
+                let turns = turns(&self.blocking_requests);
+                Box::pin(async move {
+                    let (mine, io) = turns.take().await?;
+                    let result = tokio::task::spawn_blocking(move || {
+                        let _held = (io, room);
+                        set_times(&scratch, &path, atime_ns, mtime_ns)
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(BridgeError::unavailable(e.to_string())));
+                    Some(Answer {
+                        result,
+                        turn: Some(mine),
+                    })
+                })
+            }
             Request::ChangedFiles => Box::pin(Self::changed_files(
                 self.changes.clone(),
                 turns(&self.tracker_waits),
@@ -277,6 +300,41 @@ impl Turns {
             () = self.gone.cancelled() => None,
         }
     }
+}
+
+/// `files.set_times`: the times of the regular file `rel` beneath the session directory,
+/// reached fd-relative without following a symlink at any step; a file with another name
+/// elsewhere (more than one link, e.g. a package file linked from the host's store) is refused.
+fn set_times(
+    scratch: &std::path::Path,
+    rel: &str,
+    atime_ns: i64,
+    mtime_ns: i64,
+) -> Result<Value, BridgeError> {
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::{Mode, fstat};
+    use nix::sys::time::TimeSpec;
+    let refused =
+        |why: String| BridgeError::bad_request(format!("cannot set the times of {rel:?}: {why}"));
+    let dir = crate::host_fs::open_session_dir(scratch).map_err(|e| refused(e.to_string()))?;
+    let fd = crate::host_fs::open_beneath(
+        std::os::fd::AsFd::as_fd(&dir),
+        std::path::Path::new(rel),
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK,
+        Mode::empty(),
+    )
+    .map_err(|e| refused(e.to_string()))?;
+    let st = fstat(&fd).map_err(|e| refused(e.to_string()))?;
+    if !crate::host_fs::is_regular(&st) {
+        return Err(refused("not a regular file".into()));
+    }
+    if st.st_nlink != 1 {
+        return Err(refused("the file has other names (hard links)".into()));
+    }
+    let ts = |ns: i64| TimeSpec::new(ns.div_euclid(1_000_000_000), ns.rem_euclid(1_000_000_000));
+    nix::sys::stat::futimens(&fd, &ts(atime_ns), &ts(mtime_ns))
+        .map_err(|e| refused(e.to_string()))?;
+    Ok(json!({"ok": true}))
 }
 
 /// The answer to `files.changed`: names only, from the host's own watches (nothing is opened),

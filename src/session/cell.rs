@@ -501,6 +501,7 @@ impl<'a> CellRun<'a> {
             blocking_turn: worker.blocking_turn(),
             room: Box::new(room),
             packages_view: worker.packages_view.clone(),
+            scratch: self.session.scratch.clone(),
         };
         let answers = worker.answers();
         let answered = router.answer(caller, request);

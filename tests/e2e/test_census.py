@@ -158,18 +158,16 @@ except PermissionError as e:
 # scripts/install_test_peers.sh; duckdb and openpyxl run since /etc/mime.types and an empty /proc,
 # SECURITY.md #155 and #157; process pools, joblib and scikit-learn's n_jobs since a session may
 # fork its own children, #158-#160; polars since the host counts epoll watches and /proc/meminfo
-# states the session's memory, #200-#201). Strict: the widening that makes one work must remove
+# states the session's memory, #200-#201; xlsxwriter since the host sets the times of session
+# files, #202). Strict: the widening that makes one work must remove
 # it here.
 NOT_YET = {
-    "xlsxwriter": ("closing a workbook sets its files' times (os.utime), which seccomp refuses "
-                   "(SECURITY.md #46); pandas' to_excel picks xlsxwriter when it is installed"),
     "psutil": ("psutil reads /proc/<pid>/stat: a session's /proc holds only meminfo, so "
                "psutil.Process() raises NoSuchProcess"),
 }
 
 # What the note on each of those says (the refusal named, not only "a note").
 NOTE_SAYS = {
-    "xlsxwriter": "mode, owner or times",
     "psutil": "none of the host's /proc",
 }
 

@@ -1272,6 +1272,33 @@ def test_46_metadata_of_a_host_file_cannot_be_changed(box, attack):
         (before.st_mode, before.st_uid, before.st_gid, before.st_mtime_ns, before.st_atime_ns)
 
 
+def test_202_the_host_sets_the_times_of_session_files_and_of_nothing_else(box):
+    # xlsxwriter dates the temporary files of every workbook it saves (os.utime): for a file in
+    # the session's own directory the host sets the times, fd-relative and refusing symlinks.
+    victim = host_file_owned_by(box.user)
+    before = victim.stat()
+    code = (
+        "import json, _ironcell_bridge\n"
+        "open('mine', 'w').close()\n"
+        "os.symlink(VICTIM, 'to-victim')\n"
+        "def raw(path):\n"
+        "    return outcome(lambda: _ironcell_bridge.request('files.set_times', json.dumps(\n"
+        "        {'path': path, 'atime_ns': 5, 'mtime_ns': 5})))\n"
+        "[outcome(lambda: os.utime('mine', (1e9, 2e9))), os.stat('mine').st_mtime,\n"
+        " outcome(lambda: os.utime(os.path.abspath('mine'), ns=(7, 3_000_000_000))), os.stat('mine').st_mtime_ns,\n"
+        " outcome(lambda: os.utime('to-victim', (5, 5))), outcome(lambda: os.utime(VICTIM, (5, 5))),\n"
+        " raw('to-victim')[:13], raw('../x')[:13], raw(VICTIM)[:13]]"
+    ).replace("VICTIM", repr(str(victim)))
+    rec = box.run(code, session="times")
+    assert rec["status"] == "ok", rec
+    got = ast.literal_eval(rec["result"])
+    assert got[:4] == ["ok:None", 2e9, "ok:None", 3_000_000_000], got
+    assert got[4:6] == ["PermissionError:1"] * 2, got
+    assert all('{"error"' in r for r in got[6:]), got  # the host refuses each: symlink, `..`, absolute
+    after = victim.stat()
+    assert (after.st_mtime_ns, after.st_atime_ns) == (before.st_mtime_ns, before.st_atime_ns)
+
+
 def test_46_no_setuid_copy_and_no_fd_forms_on_read_only_files(box):
     # A binary copied into the session cannot be made setuid (as root it would be setuid root).
     code = (

@@ -151,6 +151,8 @@ pub enum Method {
     ChangedFiles,
     /// `packages.install`: `%pip install` in a cell (the host's package store).
     PackagesInstall,
+    /// `files.set_times`: a file's times, set by the host (the sandbox refuses `utime`).
+    SetTimes,
 }
 
 const MEMORY_OPS: [(&str, MemoryOp); 4] = [
@@ -170,7 +172,7 @@ const TOOLS_OPS: [(&str, ToolsOp); 6] = [
 
 impl Method {
     /// Every method, each once.
-    pub const ALL: [Method; 16] = [
+    pub const ALL: [Method; 17] = [
         Method::Servers,
         Method::Tools,
         Method::Search,
@@ -187,6 +189,7 @@ impl Method {
         Method::LocalTools(ToolsOp::Delete),
         Method::ChangedFiles,
         Method::PackagesInstall,
+        Method::SetTimes,
     ];
 
     /// Its name on the wire.
@@ -203,6 +206,7 @@ impl Method {
             Method::LocalTools(op) => format!("tools.{}", op_name(&TOOLS_OPS, op)),
             Method::ChangedFiles => "files.changed".into(),
             Method::PackagesInstall => "packages.install".into(),
+            Method::SetTimes => "files.set_times".into(),
         }
     }
 
@@ -227,6 +231,7 @@ impl Method {
             "call" => Ok(Method::Call),
             "files.changed" => Ok(Method::ChangedFiles),
             "packages.install" => Ok(Method::PackagesInstall),
+            "files.set_times" => Ok(Method::SetTimes),
             _ => Err(BridgeError::bad_request(format!(
                 "unknown bridge method {method:?}"
             ))),
@@ -309,6 +314,15 @@ pub enum Request {
     /// `packages.install`: its parameters (`requirements`, `source`) whole, read and refused
     /// field by field by the package store, which owns them.
     PackagesInstall(Value),
+    /// `files.set_times`: `os.utime` of a file in the session directory, which the sandbox
+    /// refuses (by path it would reach any file of the uid, SECURITY.md #46): the host sets the
+    /// times of that regular file, fd-relative and refusing symlinks (SECURITY.md #202).
+    SetTimes {
+        /// Relative to the session directory, checked by [`crate::frame::session_relative_path`].
+        path: String,
+        atime_ns: i64,
+        mtime_ns: i64,
+    },
 }
 
 fn take_string(params: &mut Value, key: &str) -> Option<String> {
@@ -385,6 +399,21 @@ impl Request {
             }),
             Method::ChangedFiles => Request::ChangedFiles,
             Method::PackagesInstall => Request::PackagesInstall(p),
+            Method::SetTimes => {
+                let path = take_string(&mut p, "path").unwrap_or_default();
+                crate::frame::session_relative_path(&path)
+                    .map_err(|v| BridgeError::bad_request(v.to_string()))?;
+                let time = |k: &str| {
+                    p.get(k).and_then(Value::as_i64).ok_or_else(|| {
+                        BridgeError::bad_request(format!("`{k}` must be an integer (ns)"))
+                    })
+                };
+                Request::SetTimes {
+                    atime_ns: time("atime_ns")?,
+                    mtime_ns: time("mtime_ns")?,
+                    path,
+                }
+            }
         })
     }
 }
