@@ -141,6 +141,45 @@ pub fn refusal(id: Option<serde_json::Value>) -> Response {
     response
 }
 
+/// Resolves when the server should stop: at the first signal the drain starts; then once
+/// drained, at the grace's end (runs still going are stopped first, and their answers get a
+/// moment to leave) or at a second signal. `stop` is then cancelled (rmcp's sessions end).
+pub async fn on_signal(
+    drain: Arc<Drain>,
+    worlds: Arc<super::principals::Worlds>,
+    grace: Duration,
+    stop: tokio_util::sync::CancellationToken,
+    (mut sigterm, mut sigint): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
+) {
+    tokio::select! {
+        _ = sigterm.recv() => {}
+        _ = sigint.recv() => {}
+    }
+    drain.start();
+    tracing::warn!(
+        runs = worlds.runs_in_progress(),
+        "draining: /healthz answers 503, new runs and sessions get 503; runs going on may \
+         finish within {grace:?} (a second signal stops at once)"
+    );
+    let again = async move {
+        tokio::select! {
+            _ = sigterm.recv() => {}
+            _ = sigint.recv() => {}
+        }
+    };
+    let left = wait_until_drained(&drain, grace, || worlds.runs_in_progress(), again).await;
+    if left > 0 {
+        worlds.stop_runs().await;
+        let flushed = async {
+            while drain.in_flight() > 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), flushed).await;
+    }
+    stop.cancel();
+}
+
 /// Waits until nothing is left to finish (`busy` returns 0 runs and no request is in flight),
 /// the `grace` is over, or `again` (a second signal) resolves. Returns the runs and requests
 /// left (0 when drained).

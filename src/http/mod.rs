@@ -227,7 +227,9 @@ async fn resolve(addr: &str) -> anyhow::Result<(SocketAddr, bool)> {
     Ok((first, all.iter().all(|a| a.ip().is_loopback())))
 }
 
-/// `ironcell serve --http ADDR:PORT`: until SIGTERM or SIGINT.
+/// `ironcell serve --http ADDR:PORT`: until SIGTERM or SIGINT (then a drain). Long (~95
+/// lines) because it wires the stack in order, each step a call: flags, state, the worlds, the
+/// rmcp service, the gate, the routes, the listener, the background tasks, the drain.
 pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let addr = args.http.clone().unwrap_or_default();
@@ -294,7 +296,41 @@ pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow:
         drain: Arc::new(drain::Drain::default()),
         max_body,
     });
-    let app = axum::Router::new()
+    let app = routes(mcp, gate.clone());
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("binding {bind}"))?;
+    let local = listener.local_addr()?;
+    tracing::warn!(
+        "serving MCP at http://{local}/mcp (auth: {})",
+        gate.auth.describe()
+    );
+    let sigterm = signal(SignalKind::terminate())?;
+    let sigint = signal(SignalKind::interrupt())?;
+    let reaper = tokio::spawn(worlds.clone().reap_idle_periodically());
+    let pruner = tokio::spawn(prune_owners(gate.clone(), sessions.clone()));
+    let shutdown = drain::on_signal(
+        gate.drain.clone(),
+        worlds.clone(),
+        args.drain_grace,
+        stop.clone(),
+        (sigterm, sigint),
+    );
+    let served = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let outcome = served.await.context("serving HTTP");
+    reaper.abort();
+    pruner.abort();
+    worlds.shutdown().await;
+    outcome
+}
+
+/// `/mcp` behind the authentication layer, the probes and the RFC 9728 metadata, all behind the
+/// `Origin` check.
+fn routes(
+    mcp: StreamableHttpService<HttpHandler, LocalSessionManager>,
+    gate: Arc<Gate>,
+) -> axum::Router {
+    axum::Router::new()
         .route_service("/mcp", mcp)
         .route_layer(axum::middleware::from_fn_with_state(
             gate.clone(),
@@ -314,63 +350,7 @@ pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow:
             gate.clone(),
             check_origin,
         ))
-        .with_state(gate.clone());
-    let listener = tokio::net::TcpListener::bind(bind)
-        .await
-        .with_context(|| format!("binding {bind}"))?;
-    let local = listener.local_addr()?;
-    tracing::warn!(
-        "serving MCP at http://{local}/mcp (auth: {})",
-        gate.auth.describe()
-    );
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let reaper = tokio::spawn(worlds.clone().reap_idle_periodically());
-    let pruner = tokio::spawn(prune_owners(gate.clone(), sessions.clone()));
-    let shutdown = {
-        let stop = stop.clone();
-        let gate = gate.clone();
-        let worlds = worlds.clone();
-        let grace = args.drain_grace;
-        async move {
-            tokio::select! {
-                _ = sigterm.recv() => {}
-                _ = sigint.recv() => {}
-            }
-            gate.drain.start();
-            tracing::warn!(
-                runs = worlds.runs_in_progress(),
-                "draining: /healthz answers 503, new runs and sessions get 503; runs going on \
-                 may finish within {grace:?} (a second signal stops at once)"
-            );
-            let again = async move {
-                tokio::select! {
-                    _ = sigterm.recv() => {}
-                    _ = sigint.recv() => {}
-                }
-            };
-            let left =
-                drain::wait_until_drained(&gate.drain, grace, || worlds.runs_in_progress(), again)
-                    .await;
-            if left > 0 {
-                // Runs still going answer "stopped", then their answers have a moment to leave.
-                worlds.stop_runs().await;
-                let flushed = async {
-                    while gate.drain.in_flight() > 0 {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                };
-                let _ = tokio::time::timeout(Duration::from_secs(5), flushed).await;
-            }
-            stop.cancel();
-        }
-    };
-    let served = axum::serve(listener, app).with_graceful_shutdown(shutdown);
-    let outcome = served.await.context("serving HTTP");
-    reaper.abort();
-    pruner.abort();
-    worlds.shutdown().await;
-    outcome
+        .with_state(gate)
 }
 
 /// The host of a URL (`https://h:8443/x` → `h:8443`), for the allowed `Host` values.

@@ -427,6 +427,9 @@ def manifests() -> list[dict]:
 
 
 def test_187_the_kubernetes_manifests_validate_strictly():
+    assert KUBERNETES_VALIDATE.exists(), (
+        f"{KUBERNETES_VALIDATE} is missing: pip install 'kubernetes-validate==1.37.0' into the harness venv "
+        "(.ci/run installs it)")
     files = sorted(str(p) for p in KUBE.glob("*.yaml") if p.name != "kustomization.yaml")
     out = subprocess.run([str(KUBERNETES_VALIDATE), "--strict", *files], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
