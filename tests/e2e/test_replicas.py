@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -66,8 +67,9 @@ def tree(pid: int) -> list[int]:
 class Replica:
     """`ironcell serve --http 127.0.0.1:PORT --auth-tokens FILE` as `user`, with its own state."""
 
-    def __init__(self, name: str, tokens: Path, user: str, env: dict[str, str]):
-        self.name, self.tokens, self.user, self.env = name, tokens, user, env
+    def __init__(self, name: str, tokens: Path | None, user: str, env: dict[str, str], auth: list[str] | None = None):
+        self.name, self.user, self.env = name, user, env
+        self.auth = auth or ["--auth-tokens", str(tokens)]
         self.port = free_port()
         self.dir = shared_tmp_dir()
         self.state = self.dir / "state"
@@ -85,7 +87,7 @@ class Replica:
         offset = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(
             [*PREFIX_FOR_USER[self.user], str(IRONCELL), "serve", "--http", self.address,
-             "--auth-tokens", str(self.tokens)],
+             *self.auth],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"),
             env=server_env(self.state, **self.env),
         )
@@ -163,9 +165,9 @@ class Balancer:
 def cluster():
     made: list = []
 
-    def make(user: str = "root", **env: str) -> tuple[list[Replica], Balancer]:
+    def make(user: str = "root", auth: list[str] | None = None, **env: str) -> tuple[list[Replica], Balancer]:
         tokens = _write_tokens(shared_tmp_dir() / "tokens.json", hashed(TOKENS))
-        replicas = [Replica(f"r{i + 1}", tokens, user, env) for i in range(3)]
+        replicas = [Replica(f"r{i + 1}", tokens, user, env, auth) for i in range(3)]
         made.extend(replicas)
         for r in replicas:
             r.start()
@@ -280,6 +282,36 @@ async def test_184_principals_stay_on_one_replica_and_a_lost_one_loses_only_its_
     assert fresh == {n: n for n in lost if era(n) == "legacy"}
     # No client was ever answered with a 5xx.
     assert [s for s in lb.statuses() if s >= 500] == [], lb.log.read_text()[-3000:]
+
+
+async def test_186_a_jwts_subject_routes_so_a_refreshed_token_finds_its_sessions(cluster):
+    """HAProxy hashes a JWT's `sub`, not the token: each new token of a principal (another
+    `iat`, `jti`, key) reaches the same replica and its sessions. A forged token naming a
+    principal's `sub` is routed there too, and refused (ironcell verifies; HAProxy only routes)."""
+    from test_http import Issuer
+
+    issuer = Issuer()
+    replicas, lb = cluster(auth=issuer.args(), IRONCELL_POOL_SIZE="0", IRONCELL_WARM_PLOTS="off")
+    subs = [f"user-{i}@example.com" for i in range(9)]
+    for sub in subs:
+        async with client(lb.url, issuer.token(sub, jti="first"), "auto") as c:
+            assert value(await call(c, f"me = {sub!r}\nme", session="s")) == sub
+    for sub in subs:
+        # A refreshed token: another jti and issue time, signed with the issuer's other key.
+        fresh = issuer.token(sub, alg="ES256", jti="second", iat=int(time.time()) + 1)
+        async with client(lb.url, fresh, "legacy") as c:
+            r = await call(c, "me", session="s")
+            assert value(r) == sub and r["session_state"] == "kept", (sub, r)
+    placed = homes(replicas)
+    assert sorted(placed) == sorted(subs) and all(len(w) == 1 for w in placed.values()), placed
+    assert len({w[0] for w in placed.values()}) >= 2, placed
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    forged = issuer.token(subs[0], key=stranger)
+    r = httpx.post(lb.url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                   headers={"Authorization": f"Bearer {forged}", "Accept": "application/json, text/event-stream"})
+    assert r.status_code == 401 and "invalid_token" in r.headers["www-authenticate"], r.text
 
 
 # ---------------------------------------------------------------------------------------------
