@@ -213,6 +213,17 @@ def era(name: str) -> str:
     return "legacy" if int(name[1:]) % 2 == 0 else "auto"
 
 
+# A run that goes on until the test lets it end (no assumption on how fast anything else is).
+HELD_RUN = ("import os, time\nopen('started', 'w').write('yes')\n"
+            "while not os.path.exists('go'):\n    time.sleep(0.05)\n'finished'")
+
+
+def release(replica: Replica) -> None:
+    """Lets the HELD_RUN in `replica` end: `go` beside its `started`."""
+    (started,) = list(replica.state.rglob("started"))
+    (started.parent / "go").write_text("")
+
+
 async def call(c, code: str, **args):
     with anyio.fail_after(CALL_LIMIT):
         return await run(c, code, **args)
@@ -343,8 +354,7 @@ async def test_185_sigterm_drains_new_work_elsewhere_and_runs_going_on_finish(cl
     async with client(lb.url, TOKENS[runner], era(runner)) as a:
 
         async def long_call():
-            code = "import time\nopen('started', 'w').write('yes')\ntime.sleep(6)\n'finished'"
-            answers["run"] = await call(a, code, session="long", timeout_s=300)
+            answers["run"] = await call(a, HELD_RUN, session="long", timeout_s=300)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(long_call)
@@ -368,6 +378,7 @@ async def test_185_sigterm_drains_new_work_elsewhere_and_runs_going_on_finish(cl
                     r = await call(b, "2 + 2", session="after")
                     assert value(r) == 4 and r["session_state"] == "new", r
             assert draining.proc.poll() is None  # still finishing the long run
+            release(draining)
         r = answers["run"]
         assert value(r) == "finished", r
     # Drained: it stops once the run is done, long before its grace period of 600 s.
@@ -388,26 +399,33 @@ async def test_185_a_draining_replica_refuses_new_work_with_503_before_it_runs(c
     url = f"http://{r0.address}/mcp"
     init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
             "params": {"protocolVersion": LEGACY, "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}
-    # A run keeps the replica draining while we knock.
-    async with client(url, TOKENS["p00"], "auto") as c:
-        async with anyio.create_task_group() as tg:
-            async def long():
-                await call(c, "import time\nopen('started', 'w').write('1')\ntime.sleep(8)", session="long", timeout_s=300)
-            tg.start_soon(long)
-            assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: any(r0.state.rglob("started")), timeout=60))
-            r0.proc.send_signal(signal.SIGTERM)
-            assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: r0.healthz() == 503, timeout=30))
-            refused = post(url, init, TOKENS["p01"])
-            assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
-            assert "shutting down" in refused.json()["error"]["message"] and refused.json()["id"] == 1
-            call_run = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                        "params": {"name": "run_python", "arguments": {"code": "open('ran', 'w')"}}}
-            from test_http import modern
-            refused = post(url, modern("tools/call", call_run["params"], rid=7), TOKENS["p02"])
-            assert refused.status_code == 503 and refused.json()["id"] == 7, refused.text
-            # Job polls and listings still answer.
-            listed = post(url, modern("tools/list", {}, rid=8), TOKENS["p02"])
-            assert listed.status_code == 200, listed.text
+    # A run keeps the replica draining while we knock (raw HTTP: the replica exits as soon as
+    # the run has answered, and a client would still be closing).
+    from test_http import answer, modern, modern_call
+
+    got: dict = {}
+
+    def long() -> None:
+        got["run"] = answer(post(url, modern_call(HELD_RUN, timeout_s=300), TOKENS["p00"]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, long)
+        assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: any(r0.state.rglob("started")), timeout=60))
+        r0.proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: wait_until(lambda: r0.healthz() == 503, timeout=30))
+        refused = post(url, init, TOKENS["p01"])
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+        assert "shutting down" in refused.json()["error"]["message"] and refused.json()["id"] == 1
+        params = {"name": "run_python", "arguments": {"code": "open('ran', 'w')"}}
+        refused = post(url, modern("tools/call", params, rid=7), TOKENS["p02"])
+        assert refused.status_code == 503 and refused.json()["id"] == 7, refused.text
+        # Listings still answer.
+        listed = post(url, modern("tools/list", {}, rid=8), TOKENS["p02"])
+        assert listed.status_code == 200, listed.text
+        release(r0)
+    assert got["run"]["result"]["structuredContent"]["result"] == "'finished'", got
+    with anyio.fail_after(60):
+        assert await anyio.to_thread.run_sync(r0.proc.wait) == 0
     assert not any(r0.state.rglob("ran")), "a refused run ran"
     assert "p01" not in r0.principals()
 
