@@ -62,8 +62,16 @@ impl Drain {
 }
 
 /// `response` with `guard` held until its body has been sent: a streamed (SSE) answer counts
-/// as in flight until its last event.
+/// as in flight until its last event. Any other answer is whole already (and keeps its
+/// `Content-Length`): the guard ends here, and the server's graceful end sends it.
 pub fn hold_until_sent(response: Response, guard: InFlight) -> Response {
+    let streamed = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    if !streamed {
+        return response;
+    }
     let (parts, body) = response.into_parts();
     let stream = body.into_data_stream().map(move |chunk| {
         let _held = &guard;
