@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -247,6 +248,8 @@ async def main() -> int:
         for r in replicas:
             r.stop()
         lb.stop()
+        for d in [path.parent, lb.dir, *(r.dir for r in replicas)]:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -164,9 +164,11 @@ class Balancer:
 @pytest.fixture
 def cluster():
     made: list = []
+    dirs: list[Path] = []
 
     def make(user: str = "root", auth: list[str] | None = None, **env: str) -> tuple[list[Replica], Balancer]:
         tokens = _write_tokens(shared_tmp_dir() / "tokens.json", hashed(TOKENS))
+        dirs.append(tokens.parent)
         replicas = [Replica(f"r{i + 1}", tokens, user, env, auth) for i in range(3)]
         made.extend(replicas)
         for r in replicas:
@@ -176,11 +178,14 @@ def cluster():
         assert wait_until(lambda: set(lb.states().values()) == {"UP"}, timeout=30), lb.states()
         return replicas, lb
 
+    make.dirs = dirs  # type: ignore[attr-defined]  # more directories a test wants removed
     yield make
     for thing in made:
         thing.stop()
-        if not os.environ.get("IRONCELL_KEEP_TEST_DIRS"):
-            shutil.rmtree(thing.dir, ignore_errors=True)
+        dirs.append(thing.dir)
+    if not os.environ.get("IRONCELL_KEEP_TEST_DIRS"):
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def homes(replicas: list[Replica]) -> dict[str, list[str]]:
@@ -303,6 +308,7 @@ async def test_186_a_jwts_subject_routes_so_a_refreshed_token_finds_its_sessions
 
     issuer = Issuer()
     replicas, lb = cluster(auth=issuer.args(), IRONCELL_POOL_SIZE="0", IRONCELL_WARM_PLOTS="off")
+    cluster.dirs.append(issuer.dir)
     subs = [f"user-{i}@example.com" for i in range(9)]
     for sub in subs:
         async with client(lb.url, issuer.token(sub, jti="first"), "auto") as c:
@@ -490,6 +496,7 @@ def test_187_the_kubernetes_manifests_validate_strictly():
     bad = shared_tmp_dir() / "bad.yaml"
     bad.write_text((KUBE / "ironcell.yaml").read_text().replace("podManagementPolicy:", "podManagmentPolicy:"))
     out = subprocess.run([str(KUBERNETES_VALIDATE), "--strict", str(bad)], capture_output=True, text=True, timeout=120)
+    shutil.rmtree(bad.parent, ignore_errors=True)
     assert out.returncode != 0 and "podManagmentPolicy" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
