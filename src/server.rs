@@ -77,6 +77,13 @@ impl IroncellServer {
         self
     }
 
+    /// Runs going on now (background jobs included), when runs are limited (`serve --http`).
+    pub fn runs_in_progress(&self) -> usize {
+        self.run_slots.as_ref().map_or(0, |(s, n)| {
+            (*n as usize).saturating_sub(s.available_permits())
+        })
+    }
+
     /// Waits for `job` up to `limit`, sending progress notifications if the client asked for
     /// them. Returns the run's tool result; or, for a 2026-07-28 client that can answer (`ask`
     /// holds the digest of the call that waits), the run's approval questions as an

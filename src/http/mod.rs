@@ -17,17 +17,18 @@
 //! Then rmcp checks the `Host` (loopback names only when bound to loopback) and the protocol,
 //! and every request reaches its principal's world ([`principals`]).
 //!
-//! `GET /healthz` answers 200 while the server accepts work and 503 once it is stopping, for
-//! load balancers.
+//! `GET /healthz` answers 200 while the server accepts work and 503 once it is draining, for
+//! load balancers and readiness probes; `GET /livez` answers 200 while the process serves, the
+//! drain included, for liveness probes. SIGTERM drains ([`drain`]) before the server stops.
 
 pub mod auth;
+mod drain;
 mod fetch;
 pub mod principals;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -101,6 +102,12 @@ pub struct ServeArgs {
     /// longest-idle principal without a live session is closed, or the request refused.
     #[arg(long, env = "IRONCELL_MAX_PRINCIPALS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub max_principals: u32,
+
+    /// On SIGTERM: how long runs already going may take to finish (`/healthz` answers 503 and
+    /// new runs and sessions get 503 meanwhile, for the balancer to send elsewhere). Runs still
+    /// going after it are stopped.
+    #[arg(long, env = "IRONCELL_DRAIN_GRACE", default_value = "30s", value_parser = crate::config::parse_duration)]
+    pub drain_grace: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -116,7 +123,9 @@ struct Gate {
     bound: SocketAddr,
     /// `Mcp-Session-Id` → the principal whose `initialize` created it.
     owners: std::sync::Mutex<std::collections::HashMap<String, Principal>>,
-    accepting: AtomicBool,
+    drain: Arc<drain::Drain>,
+    /// The largest request body rmcp takes (the drain reads bodies up to it).
+    max_body: usize,
 }
 
 const SESSION_HEADER: &str = "mcp-session-id";
@@ -218,7 +227,9 @@ async fn resolve(addr: &str) -> anyhow::Result<(SocketAddr, bool)> {
     Ok((first, all.iter().all(|a| a.ip().is_loopback())))
 }
 
-/// `ironcell serve --http ADDR:PORT`: until SIGTERM or SIGINT.
+/// `ironcell serve --http ADDR:PORT`: until SIGTERM or SIGINT (then a drain). Long (~95
+/// lines) because it wires the stack in order, each step a call: flags, state, the worlds, the
+/// rmcp service, the gate, the routes, the listener, the background tasks, the drain.
 pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let addr = args.http.clone().unwrap_or_default();
@@ -282,15 +293,51 @@ pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow:
         public_url,
         bound: bind,
         owners: std::sync::Mutex::new(Default::default()),
-        accepting: AtomicBool::new(true),
+        drain: Arc::new(drain::Drain::default()),
+        max_body,
     });
-    let app = axum::Router::new()
+    let app = routes(mcp, gate.clone());
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("binding {bind}"))?;
+    let local = listener.local_addr()?;
+    tracing::warn!(
+        "serving MCP at http://{local}/mcp (auth: {})",
+        gate.auth.describe()
+    );
+    let sigterm = signal(SignalKind::terminate())?;
+    let sigint = signal(SignalKind::interrupt())?;
+    let reaper = tokio::spawn(worlds.clone().reap_idle_periodically());
+    let pruner = tokio::spawn(prune_owners(gate.clone(), sessions.clone()));
+    let shutdown = drain::on_signal(
+        gate.drain.clone(),
+        worlds.clone(),
+        args.drain_grace,
+        stop.clone(),
+        (sigterm, sigint),
+    );
+    let served = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let outcome = served.await.context("serving HTTP");
+    reaper.abort();
+    pruner.abort();
+    worlds.shutdown().await;
+    outcome
+}
+
+/// `/mcp` behind the authentication layer, the probes and the RFC 9728 metadata, all behind the
+/// `Origin` check.
+fn routes(
+    mcp: StreamableHttpService<HttpHandler, LocalSessionManager>,
+    gate: Arc<Gate>,
+) -> axum::Router {
+    axum::Router::new()
         .route_service("/mcp", mcp)
         .route_layer(axum::middleware::from_fn_with_state(
             gate.clone(),
             authenticate,
         ))
         .route("/healthz", axum::routing::get(healthz))
+        .route("/livez", axum::routing::get(|| async { "ok\n" }))
         .route(
             "/.well-known/oauth-protected-resource",
             axum::routing::get(resource_metadata),
@@ -303,37 +350,7 @@ pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow:
             gate.clone(),
             check_origin,
         ))
-        .with_state(gate.clone());
-    let listener = tokio::net::TcpListener::bind(bind)
-        .await
-        .with_context(|| format!("binding {bind}"))?;
-    let local = listener.local_addr()?;
-    tracing::warn!(
-        "serving MCP at http://{local}/mcp (auth: {})",
-        gate.auth.describe()
-    );
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let reaper = tokio::spawn(worlds.clone().reap_idle_periodically());
-    let pruner = tokio::spawn(prune_owners(gate.clone(), sessions.clone()));
-    let shutdown = {
-        let stop = stop.clone();
-        let gate = gate.clone();
-        async move {
-            tokio::select! {
-                _ = sigterm.recv() => tracing::info!("SIGTERM: shutting down"),
-                _ = sigint.recv() => tracing::info!("SIGINT: shutting down"),
-            }
-            gate.accepting.store(false, Ordering::SeqCst);
-            stop.cancel();
-        }
-    };
-    let served = axum::serve(listener, app).with_graceful_shutdown(shutdown);
-    let outcome = served.await.context("serving HTTP");
-    reaper.abort();
-    pruner.abort();
-    worlds.shutdown().await;
-    outcome
+        .with_state(gate)
 }
 
 /// The host of a URL (`https://h:8443/x` → `h:8443`), for the allowed `Host` values.
@@ -437,6 +454,11 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
         .map(str::to_string);
     if let Some(id) = &session {
         let owner = lock(&gate.owners).get(id).cloned();
+        if owner.is_none() && gate.drain.is_draining() {
+            // Opened on another replica (which took the new session this one refused) while
+            // the balancer still hashes here: the 503 sends it there again.
+            return drain::refusal(None);
+        }
         if owner.as_ref() != Some(&principal) {
             if owner.is_some() {
                 tracing::warn!(
@@ -444,7 +466,7 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
                     "refused another principal's protocol session"
                 );
             }
-            return (StatusCode::NOT_FOUND, "Not Found: Session not found").into_response();
+            return session_not_found();
         }
     } else if req.method() == Method::POST {
         let held = lock(&gate.owners)
@@ -463,8 +485,19 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
         }
     }
     let deleting = req.method() == Method::DELETE;
+    // POSTs count as in flight until answered: the drain waits for them.
+    let in_flight = (req.method() == Method::POST).then(|| gate.drain.enter());
+    if gate.drain.is_draining() {
+        req = match drain::screen(req, gate.max_body).await {
+            Ok(req) => req,
+            Err(refused) => return refused,
+        };
+    }
     req.extensions_mut().insert(principal.clone());
-    let response = next.run(req).await;
+    let mut response = next.run(req).await;
+    if let Some(guard) = in_flight {
+        response = drain::hold_until_sent(response, guard);
+    }
     match &session {
         None => {
             if let Some(created) = response
@@ -481,6 +514,25 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
         Some(_) => {}
     }
     response
+}
+
+/// 404 for an `Mcp-Session-Id` this server does not hold (or that is another principal's: the
+/// same answer), with a JSON-RPC error that says what happened and what to do.
+fn session_not_found() -> Response {
+    json_response(
+        StatusCode::NOT_FOUND,
+        &serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": null,
+            "error": {
+                "code": -32001,
+                "message": "Session not found: this server holds no protocol session with this \
+                            Mcp-Session-Id (it was closed or expired, or the replica that held \
+                            it was restarted or lost); start a new one with initialize: its \
+                            Python sessions are new",
+            },
+        }),
+    )
 }
 
 /// Forgets the owners of protocol sessions rmcp has closed (idle, or the client went away).
@@ -560,12 +612,12 @@ fn json_response(status: StatusCode, body: &serde_json::Value) -> Response {
         .into_response()
 }
 
-/// 200 while accepting work, 503 once stopping.
+/// 200 while accepting work, 503 once draining.
 async fn healthz(State(gate): State<Arc<Gate>>) -> Response {
-    if gate.accepting.load(Ordering::SeqCst) {
-        (StatusCode::OK, "ok\n").into_response()
+    if gate.drain.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "stopping\n").into_response()
+        (StatusCode::OK, "ok\n").into_response()
     }
 }
 

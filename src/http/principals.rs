@@ -53,6 +53,8 @@ pub struct Worlds {
     /// Worlds alive at once; past it an idle one is closed, or the request refused.
     pub max_principals: usize,
     map: std::sync::Mutex<HashMap<Principal, Arc<World>>>,
+    /// Set when the drain's grace is over and the runs still going are being stopped.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 /// How often worlds are looked at for idleness.
@@ -75,6 +77,7 @@ impl Worlds {
             max_runs,
             max_principals,
             map: std::sync::Mutex::new(HashMap::new()),
+            stopping: Default::default(),
         }))
     }
 
@@ -194,6 +197,22 @@ impl Worlds {
                 self.close(&w).await;
             }
         }
+    }
+
+    /// Runs going on now in every world (background jobs included).
+    pub fn runs_in_progress(&self) -> usize {
+        lock(&self.map)
+            .values()
+            .map(|w| w.server.runs_in_progress())
+            .sum()
+    }
+
+    /// Stops every run still going (the drain's grace is over): each answers as cancelled,
+    /// with a notice that says the server stopped it.
+    pub async fn stop_runs(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.shutdown().await;
     }
 
     pub async fn shutdown(&self) {
@@ -329,7 +348,16 @@ impl ServerHandler for HttpHandler {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let world = self.world(&context).await?;
-        world.server.call_tool(request, context).await
+        let mut response = world.server.call_tool(request, context).await?;
+        if self
+            .worlds
+            .stopping
+            .load(std::sync::atomic::Ordering::SeqCst)
+            && let CallToolResponse::Complete(result) = &mut response
+        {
+            note_stopped_by_shutdown(result);
+        }
+        Ok(response)
     }
 
     async fn list_resources(
@@ -349,6 +377,30 @@ impl ServerHandler for HttpHandler {
         let world = self.world(&context).await?;
         world.server.read_resource(request, context).await
     }
+}
+
+/// A run the server stopped when its drain's grace ran out says so: not "cancelled by the
+/// client", and its session is gone with this server.
+fn note_stopped_by_shutdown(result: &mut rmcp::model::CallToolResult) {
+    let Some(record) = result.structured_content.as_mut() else {
+        return;
+    };
+    if record.get("status").and_then(|s| s.as_str()) != Some("cancelled") {
+        return;
+    }
+    let note = "this server was shutting down and its grace period for runs \
+                (IRONCELL_DRAIN_GRACE) ended: it stopped this run, and the session is lost; run \
+                it again (behind a load balancer it goes to another replica, in a new session)";
+    record["session_state"] = "lost".into();
+    if let Some(notices) = record.get_mut("notices").and_then(|n| n.as_array_mut()) {
+        notices.insert(0, note.into());
+    } else {
+        record["notices"] = serde_json::json!([note]);
+    }
+    result.content.insert(
+        0,
+        rmcp::model::ContentBlock::text(format!("Stopped: {note}")),
+    );
 }
 
 #[cfg(test)]
