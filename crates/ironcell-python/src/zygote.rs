@@ -261,11 +261,11 @@ const QUIET_BEFORE_WARM_UP: std::time::Duration = std::time::Duration::from_mill
 /// The part of the warm-up that a worker can do without: the modules every worker finds
 /// imported ([`WARM_IMPORTS`]), the worker's code paths run again (the imports evicted what the
 /// first dry runs left in the type cache), then the heap frozen and its holes filled, so
-/// workers forked from then on share those pages. Done once, between two forks, after the
-/// zygote reported ready and no request came for [`QUIET_BEFORE_WARM_UP`]: the server's first
-/// run does not wait for it (it took ~2/3 of the zygote's start, ~50 of ~85 ms to a first
-/// result). The workers forked before it import what they use themselves and hold more private
-/// memory (the first session's, usually: the pool fills after the first answer).
+/// workers forked from then on share those pages. Done once, after the zygote reported ready,
+/// once no request came for [`QUIET_BEFORE_WARM_UP`] or right after its second fork: the
+/// server's first run does not wait for it. The worker forked before it imports what it uses
+/// itself and holds more private memory (usually the first session's: the pool fills after the
+/// first answer).
 fn finish_warm_up(py: Python<'_>) {
     let started = std::time::Instant::now();
     // The after-fork hooks run as usual while other Python runs (see `quiet_fork_hooks`).
@@ -323,6 +323,7 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
     // Every request is received into this one buffer (see `recv_message`).
     let mut buf = Vec::new();
     let mut warm = false;
+    let mut forks = 0u32;
     loop {
         let mut fds = [
             PollFd::new(ctl_borrow(ctl), PollFlags::POLLIN),
@@ -366,6 +367,14 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                     drop(fds);
                     let event = crate::worker::fork(py, id, *spec, session_fd, &mask);
                     send_spawn_event(ctl.as_raw_fd(), &event)?;
+                    // At most the first worker (the first session's) is forked before the
+                    // warm-up, which then follows the second fork (the font cache's builder,
+                    // forked after the first answer): the spares come from the warm zygote, and
+                    // the first session's cell does not share the CPUs with the warm-up.
+                    forks += 1;
+                    if forks >= 2 && !std::mem::replace(&mut warm, true) {
+                        finish_warm_up(py);
+                    }
                 }
                 ZygoteRequest::WarmPlots { font_cache_dir } => {
                     drop(fds);
