@@ -1087,6 +1087,13 @@ class _AfterImport:
         return None
 
 
+def zygote_warm_paths():
+    """The dry runs of a worker's code paths again (`WARM_PATH_ROUNDS`), after the zygote
+    imported more modules: the last code it runs before it freezes its heap."""
+    if _zygote_prepared[0]:
+        _warm_worker_paths(WARM_PATH_ROUNDS)
+
+
 def zygote_warm_up(font_cache_dir=None):
     """The zygote's warm-up between two forks: `_warm_up_plots`, then the dry runs of a worker's
     code paths (`WARM_PATH_ROUNDS`), with or without matplotlib. Never raises."""

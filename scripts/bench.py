@@ -1,28 +1,33 @@
 #!/usr/bin/env python3
 """ironcell benchmark: medians and p99 of every measurement, beside peers measured in the same
-run, with the ratio and the targets of issue 12 (target vs measured, pass/miss).
+run, with the ratio and the targets of issues 12 and 50 (target vs measured, pass/miss).
 
 usage: scripts/bench.py [--binary target/release/ironcell] [--python PATH] [--quick]
+                        [--groups idle,start,hot,memory,plots,files,proxy] [--markdown]
 
 Peers (each only when installed; the table says when one is not):
+  cat                  one line out and back through `cat` with the same client after the same
+                       idle pause: the floor under any server's answer on this machine
   python3 -c           a fresh interpreter per call
   bwrap + python3      the same inside bubblewrap (`which bwrap`)
   ipykernel (warm)     a warm Jupyter kernel's round trip (jupyter_client in the current
                        interpreter, or in a venv at ~/.cache/mcp-harness/ipyk)
 
-Scenarios:
-  new session -> first result (one at a time, and a burst of 20 at once)
-  warm round trip (back to back, and after a 10 ms pause each, beside what such a pause costs a
-    plain interpreter on this machine)
-  server start -> first result
-  private memory (USS, /proc/<pid>/smaps_rollup) per idle session, without and with numpy +
-    pandas preloaded (IRONCELL_PRELOAD)
-  first matplotlib plot in a new session vs in a warm one
-  a run printing 100 MB (host RSS before, host peak after)
-  a run in a session holding 100,000 files vs in an empty session
-  proxied call vs the same call made directly to the reference server (overhead), 1,000
-    concurrent proxied calls with one slow call among them (spread: no head-of-line blocking),
-    runtime.search_tool_docs over 1,000 tools (the proxy rows need scripts/install_test_peers.sh)
+Row groups (`--groups`, default all; a full run takes about ten minutes):
+  idle    what an agent sees: a new session's first result and a warm call after idle pauses of
+          0.1, 1 and 5 s with nothing sent in between, beside the `cat` floor
+  start   server start -> first result, after a pause, beside `python3 -c` after the same pause
+  hot     the second view: new sessions with the pool polled full before each, bursts of the
+          pool's size and of 20, warm calls back to back and after a 10 ms pause, the bridge
+  memory  private memory (USS, /proc/<pid>/smaps_rollup) per idle session, without and with
+          numpy + pandas preloaded (IRONCELL_PRELOAD)
+  plots   first matplotlib plot in a new session vs in a warm one
+  files   a run in a session holding 100,000 files vs in an empty session; a run printing
+          100 MB (host RSS before, host peak after)
+  proxy   proxied call vs the same call made directly to the reference server (overhead), 1,000
+          concurrent proxied calls with one slow call among them (spread: no head-of-line
+          blocking), runtime.search_tool_docs over 1,000 tools (needs
+          scripts/install_test_peers.sh)
 
 `--python PATH` runs the sessions on that interpreter (ironcell's --python flag where the binary
 has it, IRONCELL_PYTHON otherwise: harmless if neither is supported yet; the header says which
@@ -90,7 +95,7 @@ class Table:
                 print(f"| {n} | {v} | {p} |")
             if not self.targets:
                 return
-            print("\n| target (issue 12) | target | measured | |")
+            print("\n| target (issues 12, 50) | target | measured | |")
             print("|---|---|---|---|")
             for w, t, m, ok in self.targets:
                 print(f"| {w} | {t} | {m} | {verdict(ok)} |")
@@ -102,7 +107,7 @@ class Table:
         if not self.targets:
             return
         w = max(len(t[0]) for t in self.targets)
-        print(f"\n  {'target (issue 12)':<{w}}  {'target':>18}  {'measured':>18}")
+        print(f"\n  {'target (issues 12, 50)':<{w}}  {'target':>18}  {'measured':>18}")
         for what, t, m, ok in self.targets:
             print(f"  {what:<{w}}  {t:>18}  {m:>18}  {verdict(ok)}")
 
@@ -223,7 +228,7 @@ def start_profiled_server(binary: str, python: str, prefix: str, rust_log: str, 
     and the log's path."""
     state = fresh_state_dir(prefix)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500",
+           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "300",
            "IRONCELL_PYTHON": python, "RUST_LOG": rust_log, **extra}
     if preload:
         env["IRONCELL_PRELOAD"] = preload
@@ -478,6 +483,8 @@ def background_cpu(seconds: float = 1.0) -> tuple[float, float] | None:
 
 
 PAUSE_S = 0.01
+# Before each server start and each `python3 -c` it is compared with.
+START_PAUSE_S = 0.5
 
 
 def python_pause_cost_us(py: str) -> tuple[float, float] | None:
@@ -501,6 +508,52 @@ def python_pause_cost_us(py: str) -> tuple[float, float] | None:
         return float(out[0]), float(out[1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+IDLE_PAUSES_S = (0.1, 1.0, 5.0)
+
+
+class Floor:
+    """`cat` behind the same client: one line out and the same line back, the least any
+    server on this machine can answer in after the same pause."""
+
+    def __init__(self) -> None:
+        self.c = Client("cat", dict(os.environ), cmd=["cat"])
+
+    def once(self) -> float:
+        t = time.perf_counter()
+        self.c.send("tools/call", {"name": "run_python", "arguments": {"code": "x += 1", "session": "w"}})
+        self.c._line()
+        return (time.perf_counter() - t) * 1000
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def idle_rows(c: Client, n_by_pause: dict[float, int]) -> dict[float, dict[str, list[float]]]:
+    """What an agent sees: each call after a pause with nothing sent meanwhile (no polling), for
+    each pause: a line through `cat` (the floor), a warm call, a new session's first result. The
+    three kinds take turns, pause by pause, so a drift in the machine lands on all of them."""
+    floor = Floor()
+    c.run("x = 0", session="idlewarm")
+    for _ in range(20):
+        floor.once()
+        c.run("x += 1", session="idlewarm")
+    out: dict[float, dict[str, list[float]]] = {}
+    k = 0
+    for pause, n in n_by_pause.items():
+        got: dict[str, list[float]] = {"floor": [], "warm": [], "new": []}
+        for _ in range(n):
+            time.sleep(pause)
+            got["floor"].append(floor.once())
+            time.sleep(pause)
+            got["warm"].append(timed(lambda: c.run("x += 1", session="idlewarm")))
+            time.sleep(pause)
+            k += 1
+            got["new"].append(timed(lambda: c.run("import os\nos.getpid()", session=f"idlenew{k}")))
+        out[pause] = got
+    floor.close()
+    return out
 
 
 MAKE_100K = (
@@ -706,7 +759,7 @@ def per_python(binary: str, pythons: list[str], quick: bool, markdown: bool) -> 
     for py in pythons:
         state = fresh_state_dir("ironcell-bench-")
         env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "MCP_BRIDGE_STATE_DIR": state,
-               "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_PYTHON": py}
+               "IRONCELL_MAX_SESSIONS": "300", "IRONCELL_PYTHON": py}
         starts = []
         for _ in range(n_start):
             t = time.perf_counter()
@@ -731,189 +784,284 @@ def per_python(binary: str, pythons: list[str], quick: bool, markdown: bool) -> 
     return 0
 
 
+GROUPS = {
+    "idle": "new session and warm call after idle pauses of 0.1, 1 and 5 s, beside a `cat` floor",
+    "start": "server start -> first result",
+    "hot": "new sessions, bursts and warm calls with the pool polled full / back to back",
+    "memory": "USS per idle session, without and with numpy + pandas",
+    "plots": "first matplotlib plot in a new session vs a warm one",
+    "files": "100,000 files and 100 MB of output",
+    "proxy": "proxied calls, 1,000 concurrent calls, tool search",
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "ironcell"))
     ap.add_argument("--python", help="the interpreter the sessions run on (ironcell --python / IRONCELL_PYTHON)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--groups", default=",".join(GROUPS),
+                    help="comma-separated row groups to run (default: all): "
+                         + "; ".join(f"{k}: {v}" for k, v in GROUPS.items()))
     ap.add_argument("--per-python", action="store_true",
                     help="only cold start, new session and warm call, once per interpreter on this machine")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for the README)")
     a = ap.parse_args()
     if a.per_python:
         return per_python(a.binary, [a.python] if a.python else interpreters_on_this_machine(), a.quick, a.markdown)
-    q = a.quick
-    n_new, n_warm, n_start, n_base, n_files, n_plot, burst_rounds = \
-        (10, 100, 3, 10, 40, 2, 1) if q else (50, 1000, 10, 30, 200, 10, 3)
-    state = fresh_state_dir("ironcell-bench-")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-           "MCP_BRIDGE_STATE_DIR": state, "IRONCELL_MAX_SESSIONS": "500", "IRONCELL_MAX_OUTPUT": "200m"}
-    binary = a.binary
-    peer_py = a.python or PY
-    python_how = "the binary's default interpreter"
-    if a.python:
-        env["IRONCELL_PYTHON"] = a.python
-        if python_flag_supported(binary):
-            wrapper = Path(state) / "ironcell-with-python"
-            wrapper.write_text(f"#!/bin/sh\nexec {json.dumps(binary)} \"$@\" --python {json.dumps(a.python)}\n")
-            wrapper.chmod(0o755)
-            binary = str(wrapper)
-            python_how = f"--python {a.python}"
-        else:
-            python_how = f"IRONCELL_PYTHON={a.python} (this binary has no --python flag yet)"
-    table = Table()
+    groups = [g.strip() for g in a.groups.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        ap.error(f"unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
+    return Bench(a, set(groups)).run()
 
-    background = background_cpu()
-    # Peers first, on a quiet machine.
-    base_c = proc_ms([peer_py, "-c", "print(1)"], n_base)
-    bw = bwrap_cmd(peer_py)
-    base_bwrap = proc_ms(bw + ["-c", "print(1)"], n_base) if bw else None
-    ipk, ipk_how = ipykernel_ms(min(n_warm, 200))
 
-    # Server start to first result.
-    starts = []
-    for _ in range(n_start):
-        t = time.perf_counter()
-        c = Client(binary, env)
-        c.initialize()
-        c.run("1")
-        starts.append((time.perf_counter() - t) * 1000)
-        c.close()
+class Bench:
+    """One benchmark run: the row groups asked for, in a fixed order, on one state dir."""
 
-    log = str(Path(state) / "host.log")
-    c = Client(binary, {**env, "RUST_LOG": SPAWN_LOG}, stderr=log)
-    c.initialize()
-    c.run("x = 0")
-    info = c.info()
-    py_version = (info.get("python") or {}).get("version", "?").split()[0]
-    single, pids = new_sessions(c, n_new, "s")
-    cpu_first = [worker_cpu_ms(p) for p in pids]
-    burst_lat, burst_walls = burst(c, 20, burst_rounds, "b")
-    pool_size = int((info.get("spare_workers") or {}).get("pool_size") or 0)
-    pool_lat, _ = burst(c, pool_size, max(5, burst_rounds * 5), "p") if pool_size else ([], [])
-    warm = [timed(lambda: c.run("x += 1")) for _ in range(n_warm)]
-    # The same warm session, but each run after a pause, as a new session's first run comes
-    # after one (its spare idled); the peer row shows what a pause costs on this machine.
-    warm_paused = []
-    for _ in range(n_new):
-        time.sleep(PAUSE_S)
-        warm_paused.append(timed(lambda: c.run("x += 1")))
-    info = c.info()
-    lockdown_ms = info.get("worker_lockdown_ms_median") or 0.0
-    time.sleep(0.5)
-    uss = [uss_kib(p) / 1024 for p in pids]
-    bridge_rt = bridge_round_trips(c, n_warm)
-    plot = plots(c, n_plot)
-    empty_rt, huge_rt, empty_w, huge_w = many_files(c, n_files)
-    loud_ms, rss_before, rss_peak, loud_bytes = loud(c)
-    c.close()
+    def __init__(self, a: argparse.Namespace, groups: set[str]) -> None:
+        self.q, self.groups, self.markdown = a.quick, groups, a.markdown
+        self.n_new, self.n_warm, self.n_start, self.n_base, self.n_files, self.n_plot, self.burst_rounds = \
+            (10, 100, 3, 10, 40, 2, 1) if self.q else (50, 1000, 10, 30, 200, 10, 3)
+        self.idle_n = {0.1: 10, 1.0: 5, 5.0: 2} if self.q else {0.1: 40, 1.0: 20, 5.0: 8}
+        self.state = fresh_state_dir("ironcell-bench-")
+        # 300 sessions at most: RLIMIT_NPROC of a root worker is the threads of every possible
+        # session plus the machine's tasks, and a host without CAP_SYS_RESOURCE cannot raise it
+        # past its hard limit (500 sessions x 256 threads > 96,367 on this machine).
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+                    "MCP_BRIDGE_STATE_DIR": self.state, "IRONCELL_MAX_SESSIONS": "300",
+                    "IRONCELL_MAX_OUTPUT": "200m"}
+        self.binary = a.binary
+        self.peer_py = a.python or PY
+        self.python_how = "the binary's default interpreter"
+        if a.python:
+            self.env["IRONCELL_PYTHON"] = a.python
+            if python_flag_supported(self.binary):
+                wrapper = Path(self.state) / "ironcell-with-python"
+                wrapper.write_text(f"#!/bin/sh\nexec {json.dumps(a.binary)} \"$@\" --python {json.dumps(a.python)}\n")
+                wrapper.chmod(0o755)
+                self.binary = str(wrapper)
+                self.python_how = f"--python {a.python}"
+            else:
+                self.python_how = f"IRONCELL_PYTHON={a.python} (this binary has no --python flag yet)"
+        self.table = Table()
+        self.t: list[tuple[str, str, str, bool | None]] = []
+        self.py_version = "?"
 
-    # Idle sessions with numpy and pandas preloaded.
-    log_pre = str(Path(state) / "host-preload.log")
-    c = Client(binary, {**env, "IRONCELL_PRELOAD": "numpy,pandas", "RUST_LOG": SPAWN_LOG}, stderr=log_pre)
-    c.initialize()
-    c.run("1")
-    _, pre_pids = new_sessions(c, max(5, n_new // 5), "p")
-    cpu_first_pre = [worker_cpu_ms(p) for p in pre_pids]
-    time.sleep(0.5)
-    uss_pre = [uss_kib(p) / 1024 for p in pre_pids]
-    pre_ok = c.run("import sys\n'pandas' in sys.modules and 'numpy' in sys.modules", session="p0")["result"] == "True"
-    c.close()
-    base_uss = idle_python_uss(peer_py, "")
-    base_uss_np = idle_python_uss(peer_py, "import numpy, pandas")
-    py_plot = python_plot_ms(peer_py, n_plot)
-    pause_cost = python_pause_cost_us(peer_py)
-
-    def peer_list(ours: list[float]) -> str:
-        parts = [f"python3 -c: {ms(base_c, 1)}{ratio(ours, base_c)}"]
-        parts.append(f"bwrap + python3: {ms(base_bwrap, 1)}{ratio(ours, base_bwrap)}" if base_bwrap
+    def peer_list(self, ours: list[float]) -> str:
+        parts = [f"python3 -c: {ms(self.base_c, 1)}{ratio(ours, self.base_c)}"]
+        parts.append(f"bwrap + python3: {ms(self.base_bwrap, 1)}{ratio(ours, self.base_bwrap)}" if self.base_bwrap
                      else "bwrap: not installed")
         return "; ".join(parts)
 
-    table.row("new session -> first result (one at a time)", ms(single), peer_list(single))
-    if pool_lat:
-        table.row(f"new session, burst of {pool_size} (the pool's size) at once (per call)", ms(pool_lat), "")
-    f2r, f2r_burst, f2r_pre = (fork_to_ready_ms(log, "s") + fork_to_ready_ms(log, "(spare)"),
-                               fork_to_ready_ms(log, "b"),
-                               fork_to_ready_ms(log_pre, "p") + fork_to_ready_ms(log_pre, "(spare)"))
-    table.row("fork -> ready per worker (host-timed), one at a time", ms(f2r or None),
-              "sessions forked on demand and the pool's spares (forked one at a time)")
-    table.row("fork -> ready per worker, burst of 20", ms(f2r_burst or None), "")
-    table.row("  of which: kernel lockdown (worker-reported median)", f"{lockdown_ms:.2f} ms",
-              "off a new session's path while a spare waits: a spare is locked down before it waits")
-    table.row("fork -> ready per worker, numpy + pandas preloaded", ms(f2r_pre or None), "")
-    table.row("worker CPU time, fork -> first result", ms(cpu_first),
-              f"numpy + pandas preloaded: {ms(cpu_first_pre)} (CPU time: unlike wall time, not inflated by waiting for a CPU; it still moves with the machine)")
-    table.row("new session, burst of 20 at once (per call)", ms(burst_lat),
-              f"whole burst {ms(burst_walls, 1)} = {med(burst_walls) / 20:.2f} ms per session")
-    table.row("warm round trip `x += 1`", ms(warm, 3),
-              (f"ipykernel warm: {ms(ipk, 3)}{ratio(warm, ipk)}" if ipk else f"ipykernel: {ipk_how}")
-              + f"; python3 -c: {ms(base_c, 1)}")
-    table.row(f"warm round trip after a {PAUSE_S * 1000:.0f} ms pause", ms(warm_paused, 3),
-              f"{med(warm_paused) / med(warm):.1f}x the back-to-back round trip" + (
-                  f"; plain python3 compiling and running `x = 1`: {pause_cost[0]:.0f} us back to back, "
-                  f"{pause_cost[1]:.0f} us after the same pause ({pause_cost[1] / pause_cost[0]:.1f}x: "
-                  "this machine's idle CPUs come back slow)" if pause_cost else ""))
-    table.row("bridge round trip from a cell, worker -> host -> worker", ms(bridge_rt, 3),
-              "no upstream: the floor under every proxied, memory and local-tool call")
-    table.row("server start -> first result", ms(starts, 1), f"python3 -c: {ms(base_c, 1)}{ratio(starts, base_c)}")
-    table.row("USS per idle session", f"{med(uss):.2f} / {p99(uss):.2f} MiB",
-              f"fresh idle python3: {base_uss:.1f} MiB" if base_uss else "")
-    table.row("USS per idle session, numpy + pandas preloaded", f"{med(uss_pre):.2f} / {p99(uss_pre):.2f} MiB",
-              (f"idle python3 with numpy + pandas: {base_uss_np:.1f} MiB" if base_uss_np else "numpy/pandas not installed")
-              + ("" if pre_ok else " (preload did not take)"))
-    if plot:
+    def run(self) -> int:
+        background = background_cpu()
+        # Peers first, on a quiet machine.
+        self.base_c = proc_ms([self.peer_py, "-c", "print(1)"], self.n_base)
+        bw = bwrap_cmd(self.peer_py)
+        self.base_bwrap = proc_ms(bw + ["-c", "print(1)"], self.n_base) if bw and "hot" in self.groups else None
+        if "start" in self.groups:
+            self.start_rows()
+        if "idle" in self.groups:
+            self.idle_rows()
+        if self.groups & {"hot", "memory", "plots", "files"}:
+            self.main_server_rows()
+        if "memory" in self.groups:
+            self.preload_rows()
+        if "proxy" in self.groups:
+            try:
+                proxy_rows(self.binary, self.env, self.q, self.table)
+            except Exception as e:  # the other rows still print; say why these are missing
+                self.table.row("proxied call rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+        # The targets of the rows above first (the proxy rows added theirs already).
+        self.table.targets[:0] = self.t
+        header = (f"ironcell benchmark ({'quick' if self.q else 'full'}; groups {','.join(g for g in GROUPS if g in self.groups)}; "
+                  f"median / p99 ms unless stated): "
+                  f"Python {self.py_version} via {self.python_how}; peers on {self.peer_py}; {os.cpu_count()} CPUs; "
+                  f"n = {self.n_new} new sessions, {self.burst_rounds} bursts of 20, {self.n_warm} warm calls, "
+                  f"{self.n_start} starts, {self.n_plot} plots each way, {self.n_base} peer runs, after idle pauses "
+                  + ", ".join(f"{n} x {p:g} s" for p, n in self.idle_n.items())
+                  + (f"; before the run, with nothing of ours running, the CPUs were {background[0]:.0f}% busy "
+                     f"({background[1]:.0f}% stolen by the hypervisor)" if background else ""))
+        self.table.print(header, self.markdown)
+        shutil.rmtree(self.state, ignore_errors=True)
+        return 0
+
+    def start_rows(self) -> None:
+        """Server start -> first result, each start after a pause (a client starts its servers
+        once, not in a loop), beside a fresh `python3 -c` after the same pause."""
+        starts, peer = [], []
+        for _ in range(self.n_start):
+            time.sleep(START_PAUSE_S)
+            t = time.perf_counter()
+            c = Client(self.binary, self.env)
+            c.initialize()
+            c.run("1")
+            starts.append((time.perf_counter() - t) * 1000)
+            c.close()
+            time.sleep(START_PAUSE_S)
+            peer.append(timed(lambda: subprocess.run([self.peer_py, "-c", "print(1)"], stdout=subprocess.DEVNULL, check=True)))
+        self.table.row("server start -> first result", ms(starts, 1),
+                       f"python3 -c after the same pause: {ms(peer, 1)}{ratio(starts, peer)}")
+        self.t.append(("server start -> first result", "<= 4x python3 -c", f"{med(starts) / med(peer):.1f}x",
+                       med(starts) <= 4 * med(peer)))
+
+    def idle_rows(self) -> None:
+        """New session and warm call after idle pauses (no polling between), beside the floor:
+        a line through `cat` with the same client and pauses. A server of their own, left to
+        settle first (its pool filled, its background start-up work done)."""
+        c = Client(self.binary, self.env)
+        c.initialize()
+        c.run("x = 0")
+        time.sleep(2)
+        got = idle_rows(c, self.idle_n)
+        self.py_version = (c.info().get("python") or {}).get("version", "?").split()[0]
+        c.close()
+        for pause, g in got.items():
+            f = med(g["floor"])
+            self.table.row(f"after {pause:g} s idle: line through `cat` (the floor)", ms(g["floor"], 3),
+                           "same client, same pause: what the machine's idle wake-up costs")
+            self.table.row(f"after {pause:g} s idle: warm call `x += 1`", ms(g["warm"], 3),
+                           f"{med(g['warm']) / f:.1f}x the floor")
+            self.table.row(f"after {pause:g} s idle: new session -> first result", ms(g["new"], 3),
+                           f"{med(g['new']) / f:.1f}x the floor")
+            self.t.append((f"warm call after {pause:g} s idle", "<= 2x the floor",
+                           f"{med(g['warm']) / f:.1f}x ({med(g['warm']):.3f} ms)", med(g["warm"]) <= 2 * f))
+            self.t.append((f"new session after {pause:g} s idle", "<= 3x the floor",
+                           f"{med(g['new']) / f:.1f}x ({med(g['new']):.3f} ms)", med(g["new"]) <= 3 * f))
+
+    def main_server_rows(self) -> None:
+        """The rows measured on one long-lived server (hot, memory, plots, files)."""
+        G, t, table = self.groups, self.t, self.table
+        log = str(Path(self.state) / "host.log")
+        c = Client(self.binary, {**self.env, "RUST_LOG": SPAWN_LOG}, stderr=log)
+        c.initialize()
+        c.run("x = 0")
+        info = c.info()
+        self.py_version = (info.get("python") or {}).get("version", "?").split()[0]
+        single, pids = new_sessions(c, self.n_new, "s")
+        self.pids = pids
+        if "hot" in G:
+            self.hot_rows(c, info, single, pids, log)
+        if "memory" in G:
+            time.sleep(0.5)
+            uss = [uss_kib(p) / 1024 for p in pids]
+            base_uss = idle_python_uss(self.peer_py, "")
+            table.row("USS per idle session", f"{med(uss):.2f} / {p99(uss):.2f} MiB",
+                      f"fresh idle python3: {base_uss:.1f} MiB" if base_uss else "")
+            t.append(("USS per idle session", "<= 1.50 MiB", f"{med(uss):.2f} MiB", med(uss) <= 1.5))
+        if "plots" in G:
+            self.plot_rows(c)
+        if "files" in G:
+            self.file_rows(c)
+        c.close()
+
+    def hot_rows(self, c: Client, info: dict, single: list[float], pids: list[int], log: str) -> None:
+        """Issue 12's rows: the pool polled full before every new session, bursts, warm calls
+        back to back; the second view beside the idle rows."""
+        t, table = self.t, self.table
+        cpu_first = [worker_cpu_ms(p) for p in pids]
+        burst_lat, burst_walls = burst(c, 20, self.burst_rounds, "b")
+        pool_size = int((info.get("spare_workers") or {}).get("pool_size") or 0)
+        pool_lat, _ = burst(c, pool_size, max(5, self.burst_rounds * 5), "p") if pool_size else ([], [])
+        warm = [timed(lambda: c.run("x += 1")) for _ in range(self.n_warm)]
+        # The same warm session, but each run after a short pause; the peer row shows what such
+        # a pause costs on this machine.
+        warm_paused = []
+        for _ in range(self.n_new):
+            time.sleep(PAUSE_S)
+            warm_paused.append(timed(lambda: c.run("x += 1")))
+        lockdown_ms = c.info().get("worker_lockdown_ms_median") or 0.0
+        bridge_rt = bridge_round_trips(c, self.n_warm)
+        ipk, ipk_how = ipykernel_ms(min(self.n_warm, 200))
+        pause_cost = python_pause_cost_us(self.peer_py)
+        table.row("new session -> first result (one at a time, pool polled full before each)", ms(single),
+                  self.peer_list(single))
+        if pool_lat:
+            table.row(f"new session, burst of {pool_size} (the pool's size) at once (per call)", ms(pool_lat), "")
+        f2r = fork_to_ready_ms(log, "s") + fork_to_ready_ms(log, "(spare)")
+        f2r_burst = fork_to_ready_ms(log, "b")
+        table.row("fork -> ready per worker (host-timed), one at a time", ms(f2r or None),
+                  "sessions forked on demand and the pool's spares (forked one at a time)")
+        table.row("fork -> ready per worker, burst of 20", ms(f2r_burst or None), "")
+        table.row("  of which: kernel lockdown (worker-reported median)", f"{lockdown_ms:.2f} ms",
+                  "off a new session's path while a spare waits: a spare is locked down before it waits")
+        self.cpu_first = cpu_first
+        table.row("worker CPU time, fork -> first result", ms(cpu_first),
+                  "CPU time: unlike wall time, not inflated by waiting for a CPU; it still moves with the machine")
+        table.row("new session, burst of 20 at once (per call)", ms(burst_lat),
+                  f"whole burst {ms(burst_walls, 1)} = {med(burst_walls) / 20:.2f} ms per session")
+        table.row("warm round trip `x += 1`, back to back", ms(warm, 3),
+                  (f"ipykernel warm: {ms(ipk, 3)}{ratio(warm, ipk)}" if ipk else f"ipykernel: {ipk_how}")
+                  + f"; python3 -c: {ms(self.base_c, 1)}")
+        table.row(f"warm round trip after a {PAUSE_S * 1000:.0f} ms pause", ms(warm_paused, 3),
+                  f"{med(warm_paused) / med(warm):.1f}x the back-to-back round trip" + (
+                      f"; plain python3 compiling and running `x = 1`: {pause_cost[0]:.0f} us back to back, "
+                      f"{pause_cost[1]:.0f} us after the same pause ({pause_cost[1] / pause_cost[0]:.1f}x: "
+                      "this machine's idle CPUs come back slow)" if pause_cost else ""))
+        table.row("bridge round trip from a cell, worker -> host -> worker", ms(bridge_rt, 3),
+                  "no upstream: the floor under every proxied, memory and local-tool call")
+        t.append(("new session -> first result (polled)", "<= 1.00 ms", f"{med(single):.2f} ms", med(single) <= 1.0))
+        if pool_lat:
+            t.append((f"burst within the pool ({pool_size}): per call", "<= 1.00 ms", f"{med(pool_lat):.2f} ms", med(pool_lat) <= 1.0))
+        t.append(("burst of 20: time per session", "<= 2.00 ms", f"{med(burst_walls) / 20:.2f} ms", med(burst_walls) / 20 <= 2.0))
+        if f2r_burst:
+            t.append(("burst of 20: fork -> ready per worker", "<= 2.00 ms", f"{med(f2r_burst):.2f} ms", med(f2r_burst) <= 2.0))
+        t.append(("warm round trip, back to back", "<= 0.50 ms", f"{med(warm):.3f} ms", med(warm) <= 0.5))
+
+    def preload_rows(self) -> None:
+        """Idle sessions with numpy and pandas preloaded."""
+        log_pre = str(Path(self.state) / "host-preload.log")
+        c = Client(self.binary, {**self.env, "IRONCELL_PRELOAD": "numpy,pandas", "RUST_LOG": SPAWN_LOG}, stderr=log_pre)
+        c.initialize()
+        c.run("1")
+        _, pre_pids = new_sessions(c, max(5, self.n_new // 5), "p")
+        cpu_first_pre = [worker_cpu_ms(p) for p in pre_pids]
+        time.sleep(0.5)
+        uss_pre = [uss_kib(p) / 1024 for p in pre_pids]
+        pre_ok = c.run("import sys\n'pandas' in sys.modules and 'numpy' in sys.modules", session="p0")["result"] == "True"
+        c.close()
+        base_uss_np = idle_python_uss(self.peer_py, "import numpy, pandas")
+        self.table.row("USS per idle session, numpy + pandas preloaded", f"{med(uss_pre):.2f} / {p99(uss_pre):.2f} MiB",
+                       (f"idle python3 with numpy + pandas: {base_uss_np:.1f} MiB" if base_uss_np else "numpy/pandas not installed")
+                       + ("" if pre_ok else " (preload did not take)"))
+        f2r_pre = fork_to_ready_ms(log_pre, "p") + fork_to_ready_ms(log_pre, "(spare)")
+        self.table.row("fork -> ready per worker, numpy + pandas preloaded", ms(f2r_pre or None), "")
+        self.table.row("worker CPU time, fork -> first result, numpy + pandas preloaded", ms(cpu_first_pre), "")
+        self.t.append(("USS per idle session, numpy + pandas", "<= 1.50 MiB", f"{med(uss_pre):.2f} MiB",
+                       med(uss_pre) <= 1.5 if pre_ok else None))
+
+    def plot_rows(self, c: Client) -> None:
+        plot = plots(c, self.n_plot)
+        if not plot:
+            self.table.row("first matplotlib plot", "skipped", "matplotlib is not installed")
+            self.t.append(("first plot, new session vs warm", "<= 1.2x warm", "skipped", None))
+            return
+        py_plot = python_plot_ms(self.peer_py, self.n_plot)
         new_p, warm_p, new_f, warm_f, ahead = plot
-        table.row("first matplotlib plot, new session", ms(new_p, 1),
-                  f"python3 -c importing matplotlib and plotting: {ms(py_plot, 1)}{ratio(new_p, py_plot)}")
-        table.row("matplotlib plot, warm session", ms(warm_p, 1),
-                  f"page faults per plot (median): {statistics.median(new_f):.0f} new (after "
-                  f"{statistics.median(ahead):.0f} pages written ahead), {statistics.median(warm_f):.0f} warm")
-    else:
-        table.row("first matplotlib plot", "skipped", "matplotlib is not installed")
-    table.row("round trip, empty session", ms(empty_rt, 3), "")
-    table.row("round trip, session of 100,000 files", ms(huge_rt, 3), f"{med(huge_rt) / med(empty_rt):.2f}x the empty session")
-    table.row("run writing a file (listed), empty session", ms(empty_w, 3), "")
-    table.row("run writing a file (listed), 100,000 files", ms(huge_w, 3), f"{med(huge_w) / med(empty_w):.2f}x the empty session")
-    table.row("run printing 100 MB", f"{loud_ms:.0f} ms",
-              f"{loud_bytes / 1e6:.0f} MB seen; host RSS {rss_before / 1024:.0f} MiB before, peak {rss_peak / 1024:.0f} MiB")
-    try:
-        proxy_rows(binary, env, q, table)
-    except Exception as e:  # the other rows still print; say why these are missing
-        table.row("proxied call rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+        self.table.row("first matplotlib plot, new session", ms(new_p, 1),
+                       f"python3 -c importing matplotlib and plotting: {ms(py_plot, 1)}{ratio(new_p, py_plot)}")
+        self.table.row("matplotlib plot, warm session", ms(warm_p, 1),
+                       f"page faults per plot (median): {statistics.median(new_f):.0f} new (after "
+                       f"{statistics.median(ahead):.0f} pages written ahead), {statistics.median(warm_f):.0f} warm")
+        self.t.append(("first plot, new session vs warm", "<= 1.2x warm", f"{med(new_p) / med(warm_p):.2f}x",
+                       med(new_p) <= 1.2 * med(warm_p)))
 
-    # Targets of issue 12, first (the proxy rows added theirs above).
-    t = []
-    t.append(("new session -> first result", "<= 1.00 ms", f"{med(single):.2f} ms", med(single) <= 1.0))
-    if pool_lat:
-        t.append((f"burst within the pool ({pool_size}): per call", "<= 1.00 ms", f"{med(pool_lat):.2f} ms", med(pool_lat) <= 1.0))
-    t.append(("burst of 20: time per session", "<= 2.00 ms", f"{med(burst_walls) / 20:.2f} ms", med(burst_walls) / 20 <= 2.0))
-    if f2r_burst:
-        t.append(("burst of 20: fork -> ready per worker", "<= 2.00 ms", f"{med(f2r_burst):.2f} ms", med(f2r_burst) <= 2.0))
-    t.append(("warm round trip", "<= 0.50 ms", f"{med(warm):.3f} ms", med(warm) <= 0.5))
-    t.append(("USS per idle session", "<= 1.50 MiB", f"{med(uss):.2f} MiB", med(uss) <= 1.5))
-    t.append(("USS per idle session, numpy + pandas", "<= 1.50 MiB", f"{med(uss_pre):.2f} MiB", med(uss_pre) <= 1.5 if pre_ok else None))
-    if plot:
-        new_p, warm_p = plot[0], plot[1]
-        t.append(("first plot, new session vs warm", "<= 1.2x warm", f"{med(new_p) / med(warm_p):.2f}x", med(new_p) <= 1.2 * med(warm_p)))
-    else:
-        t.append(("first plot, new session vs warm", "<= 1.2x warm", "skipped", None))
-    grow = med(huge_rt) - med(empty_rt)
-    t.append(("100k files: round trip slower by", "<= 0.2 ms or 20%", f"{grow:+.3f} ms", grow <= max(0.2, 0.2 * med(empty_rt))))
-    grow_w = med(huge_w) - med(empty_w)
-    t.append(("100k files: run listing a new file slower by", "<= 0.2 ms or 20%", f"{grow_w:+.3f} ms", grow_w <= max(0.2, 0.2 * med(empty_w))))
-    t.append(("100 MB of output: host peak RSS growth", "<= 64 MiB", f"{(rss_peak - rss_before) / 1024:.1f} MiB", rss_peak - rss_before <= 64 * 1024))
-    table.targets[:0] = [(w, tt, m, ok) for w, tt, m, ok in t]
-
-    header = (f"ironcell benchmark ({'quick' if q else 'full'}; median / p99 ms unless stated): "
-              f"Python {py_version} via {python_how}; peers on {peer_py}; {os.cpu_count()} CPUs; "
-              f"n = {n_new} new sessions, {burst_rounds} bursts of 20, {n_warm} warm calls, {n_start} starts, "
-              f"{n_plot} plots each way, {n_base} peer runs"
-              + (f"; before the run, with nothing of ours running, the CPUs were {background[0]:.0f}% busy "
-                 f"({background[1]:.0f}% stolen by the hypervisor)" if background else ""))
-    table.print(header, a.markdown)
-    shutil.rmtree(state, ignore_errors=True)
-    return 0
+    def file_rows(self, c: Client) -> None:
+        table, t = self.table, self.t
+        empty_rt, huge_rt, empty_w, huge_w = many_files(c, self.n_files)
+        loud_ms, rss_before, rss_peak, loud_bytes = loud(c)
+        table.row("round trip, empty session", ms(empty_rt, 3), "")
+        table.row("round trip, session of 100,000 files", ms(huge_rt, 3), f"{med(huge_rt) / med(empty_rt):.2f}x the empty session")
+        table.row("run writing a file (listed), empty session", ms(empty_w, 3), "")
+        table.row("run writing a file (listed), 100,000 files", ms(huge_w, 3), f"{med(huge_w) / med(empty_w):.2f}x the empty session")
+        table.row("run printing 100 MB", f"{loud_ms:.0f} ms",
+                  f"{loud_bytes / 1e6:.0f} MB seen; host RSS {rss_before / 1024:.0f} MiB before, peak {rss_peak / 1024:.0f} MiB")
+        grow = med(huge_rt) - med(empty_rt)
+        t.append(("100k files: round trip slower by", "<= 0.2 ms or 20%", f"{grow:+.3f} ms", grow <= max(0.2, 0.2 * med(empty_rt))))
+        grow_w = med(huge_w) - med(empty_w)
+        t.append(("100k files: run listing a new file slower by", "<= 0.2 ms or 20%", f"{grow_w:+.3f} ms", grow_w <= max(0.2, 0.2 * med(empty_w))))
+        t.append(("100 MB of output: host peak RSS growth", "<= 64 MiB", f"{(rss_peak - rss_before) / 1024:.1f} MiB", rss_peak - rss_before <= 64 * 1024))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ use quota::{enforce_scratch_quotas_periodically, guard_free_disk_periodically, r
 
 /// How long a new worker may take to report `ready`.
 const WORKER_READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// The longest the work a server starts with (the font cache, then the pool) waits for the
+/// first run's answer (see `Pool::after_first_answer`).
+const STARTUP_WORK_DEFER: Duration = Duration::from_secs(1);
 /// How often a running cell's scratch dir is measured against the quota.
 const QUOTA_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How often idle sessions with a live worker are measured against the scratch quota (a thread
@@ -275,6 +278,7 @@ impl SessionManager {
             resident::watch_memory_periodically(&manager);
             let m = manager.clone();
             manager.spawn_until_stopped(async move {
+                m.pool.after_first_answer(STARTUP_WORK_DEFER).await;
                 m.build_font_cache().await;
                 m.font_cache.settled.send_replace(true);
             });

@@ -76,6 +76,8 @@ pub(super) struct Pool {
     taken: Notify,
     /// A run ended (see [`Pool::run_answered`]).
     answered: Notify,
+    /// Whether a run has ended yet (see [`Pool::after_first_answer`]).
+    answered_once: tokio::sync::watch::Sender<bool>,
     /// Workers being forked for sessions that found no spare (a burst past the pool), and the
     /// wake-up when the last of them is ready: a refill waits for them (see
     /// [`Pool::until_no_session_worker_starts`]).
@@ -107,6 +109,7 @@ impl Pool {
             wanted: Notify::new(),
             taken: Notify::new(),
             answered: Notify::new(),
+            answered_once: tokio::sync::watch::Sender::new(false),
             starting: AtomicUsize::new(0),
             all_started: Notify::new(),
             next_id: AtomicU64::new(0),
@@ -148,6 +151,22 @@ impl Pool {
     /// A run ended: a refill waiting for the CPU to be free of the answer may go ahead.
     pub(super) fn run_answered(&self) {
         self.answered.notify_waiters();
+        self.answered_once
+            .send_if_modified(|once| !std::mem::replace(once, true));
+    }
+
+    /// Returns once the server's first run has been answered (and [`AFTER_ANSWER`] more, for
+    /// the answer to be written), or after `at_most`: the work a server starts with (matplotlib's
+    /// font cache, then the pool) waits until then, so a client's first run gets the zygote and
+    /// the CPUs to itself (that work forked a worker ahead of the first session's and built the
+    /// font cache beside its first cell).
+    pub(super) async fn after_first_answer(&self, at_most: Duration) {
+        let mut once = self.answered_once.subscribe();
+        let _ = tokio::time::timeout(at_most, async {
+            let _ = once.wait_for(|answered| *answered).await;
+            tokio::time::sleep(AFTER_ANSWER).await;
+        })
+        .await;
     }
 
     /// A worker is being started for a session (no spare fitted), until the guard drops.

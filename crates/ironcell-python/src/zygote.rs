@@ -221,13 +221,6 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
             Err(e) => tracing::warn!(module = name, error = %e, "preload skipped"),
         }
     }
-    for name in WARM_IMPORTS {
-        if let Err(e) = py.import(*name) {
-            tracing::debug!(module = name, error = %e, "warm import skipped");
-        }
-    }
-    // Before the runner's dry run of a worker's code paths (in `zygote_prepare`), so that is
-    // the last code the zygote runs before it freezes (see `_warm_worker_paths`).
     let globals = pyo3::types::PyDict::new(py);
     let source = CString::new(PYTHON_FACTS_SOURCE)?;
     py.run(&source, Some(&globals), None)
@@ -253,17 +246,64 @@ fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<Int
             Err(e) => tracing::warn!(error = %e, "zygote warm-up step failed"),
         }
     }
-    // Move everything imported so far into the permanent generation: a forked worker's garbage
-    // collections then never touch (and so never copy) the zygote's pages.
-    let gc = py.import("gc").map_err(|e| anyhow!("{e}"))?;
-    gc.call_method0("collect").map_err(|e| anyhow!("{e}"))?;
+    // The rest ([`finish_warm_up`]) waits until the zygote has reported ready and had a quiet
+    // moment: a server's first session is forked first, with the after-fork hooks quieted as
+    // in every later fork.
     quiet_fork_hooks(&runner);
-    gc.call_method0("freeze").map_err(|e| anyhow!("{e}"))?;
+    Ok(facts)
+}
+
+/// How long the zygote waits for a request before it finishes its warm-up ([`finish_warm_up`]):
+/// a client's first run usually follows its `initialize` within milliseconds, and its worker is
+/// forked first.
+const QUIET_BEFORE_WARM_UP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The part of the warm-up that a worker can do without: the modules every worker finds
+/// imported ([`WARM_IMPORTS`]), the worker's code paths run again (the imports evicted what the
+/// first dry runs left in the type cache), then the heap frozen and its holes filled, so
+/// workers forked from then on share those pages. Done once, after the zygote reported ready,
+/// once no request came for [`QUIET_BEFORE_WARM_UP`] or right after its second fork: the
+/// server's first run does not wait for it. The worker forked before it imports what it uses
+/// itself and holds more private memory (usually the first session's: the pool fills after the
+/// first answer).
+fn finish_warm_up(py: Python<'_>) {
+    let started = std::time::Instant::now();
+    // The after-fork hooks run as usual while other Python runs (see `quiet_fork_hooks`).
+    let runner = py
+        .import("sys")
+        .and_then(|sys| sys.getattr("modules"))
+        .and_then(|m| m.get_item("_ironcell_runner"));
+    if let Ok(runner) = &runner {
+        let _ = runner.call_method0("zygote_restore_fork_hooks");
+    }
+    for name in WARM_IMPORTS {
+        if let Err(e) = py.import(*name) {
+            tracing::debug!(module = name, error = %e, "warm import skipped");
+        }
+    }
+    let done = (|| -> PyResult<()> {
+        let runner = runner?;
+        // The last code the zygote runs before it freezes (see `_warm_worker_paths`).
+        runner.call_method0("zygote_warm_paths")?;
+        // Move everything imported so far into the permanent generation: a forked worker's
+        // garbage collections then never touch (and so never copy) the zygote's pages.
+        let gc = py.import("gc")?;
+        gc.call_method0("collect")?;
+        quiet_fork_hooks(&runner);
+        gc.call_method0("freeze")?;
+        Ok(())
+    })();
+    if let Err(e) = done {
+        tracing::warn!(error = %e, "the zygote's warm-up did not finish");
+    }
     fill_pymalloc_holes(py);
     fill_malloc_holes();
-    // No huge-page collapse here: it took ~120 ms, half the zygote's start, on the way to the
-    // first result; the heap is collapsed after the matplotlib warm-up, off that path.
-    Ok(facts)
+    // No huge-page collapse here: it took ~120 ms; the heap is collapsed after the matplotlib
+    // warm-up.
+    tracing::debug!(
+        ms = started.elapsed().as_secs_f64() * 1000.0,
+        "the zygote finished its warm-up"
+    );
 }
 
 fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
@@ -282,12 +322,24 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
     let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)?;
     // Every request is received into this one buffer (see `recv_message`).
     let mut buf = Vec::new();
+    let mut warm = false;
+    let mut forks = 0u32;
     loop {
         let mut fds = [
             PollFd::new(ctl_borrow(ctl), PollFlags::POLLIN),
             PollFd::new(sfd_borrow(&sfd), PollFlags::POLLIN),
         ];
-        match poll(&mut fds, PollTimeout::NONE) {
+        let wait = if warm {
+            PollTimeout::NONE
+        } else {
+            PollTimeout::try_from(QUIET_BEFORE_WARM_UP).unwrap_or(PollTimeout::ZERO)
+        };
+        match poll(&mut fds, wait) {
+            Ok(0) => {
+                finish_warm_up(py);
+                warm = true;
+                continue;
+            }
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e.into()),
@@ -315,9 +367,20 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                     drop(fds);
                     let event = crate::worker::fork(py, id, *spec, session_fd, &mask);
                     send_spawn_event(ctl.as_raw_fd(), &event)?;
+                    // At most the first worker (the first session's) is forked before the
+                    // warm-up, which then follows the second fork (the font cache's builder,
+                    // forked after the first answer): the spares come from the warm zygote, and
+                    // the first session's cell does not share the CPUs with the warm-up.
+                    forks += 1;
+                    if forks >= 2 && !std::mem::replace(&mut warm, true) {
+                        finish_warm_up(py);
+                    }
                 }
                 ZygoteRequest::WarmPlots { font_cache_dir } => {
                     drop(fds);
+                    if !std::mem::replace(&mut warm, true) {
+                        finish_warm_up(py);
+                    }
                     let event = warm_plots_between_forks(py, &font_cache_dir);
                     send_event(ctl.as_raw_fd(), &event)?;
                 }

@@ -183,6 +183,7 @@ impl Inbox {
             }
         }
         loop {
+            wait_readable(&shared.sock);
             match read_one(&mut &shared.sock) {
                 Frame::Run(run) => {
                     let st = crate::lock(&shared.state);
@@ -384,6 +385,21 @@ fn read_one(sock: &mut impl std::io::Read) -> Frame {
         },
         Ok(Some(_)) => Frame::Other,
         Ok(None) | Err(_) => Frame::Closed,
+    }
+}
+
+/// Waits in `poll` until `sock` has something to read (or hung up), rather than in a blocking
+/// `recv`: a thread blocked in `recv` on a Unix socket is also woken each time the host reads
+/// what this worker wrote (the kernel wakes the socket's waiters when its send buffer frees),
+/// so the `done` of every run woke the idle main thread once more, for nothing, while the host
+/// was writing the answer; `poll` sleeps through those wake-ups (it is woken for input only).
+fn wait_readable(sock: &UnixStream) {
+    loop {
+        let mut fds = [PollFd::new(sock.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            _ => return,
+        }
     }
 }
 
