@@ -514,7 +514,8 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
             "session": {"type": "string", "description": "Session name (default \"default\")"},
             "timeout_s": {"type": "number", "description": format!("Wall-clock limit in seconds (default {default_timeout_s:.0})")},
             "reset": {"type": "boolean", "description": "Start the session over first"},
-            "servers": {"type": "array", "items": {"type": "string"}, "description": "MCP servers to pre-start"}
+            "servers": {"type": "array", "items": {"type": "string"}, "description": "MCP servers to pre-start"},
+            "fork_from": {"type": "string", "description": "Start session as a copy of this one"}
         },
         "required": ["code"]
     });
