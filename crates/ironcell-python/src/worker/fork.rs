@@ -211,7 +211,16 @@ fn become_the_fork(
     // SAFETY: prctl(2) with integer arguments: dumpable, so the host reads its memory counters.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
 
-    // Step 2: the files.
+    // Step 2: the files, into a directory that must still be empty: anything in it was put
+    // there by the parent after the host made it (a hard link to one of the parent's files
+    // would let the two sides write one inode), and the fork is refused.
+    let planted = std::fs::read_dir(&order.child_dir)
+        .context("listing the fork's directory")?
+        .next()
+        .is_some();
+    if planted {
+        anyhow::bail!("the fork's directory was not empty when the fork began");
+    }
     let mut copied = HashMap::new();
     let mut notes = Vec::new();
     copy_tree(
