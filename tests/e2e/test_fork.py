@@ -186,3 +186,16 @@ def test_a_child_that_leaves_its_group_dies_once_orphaned(box):
         "os.close(w); pid = int(os.read(r, 64)); os.wait(); pid", session="escape"))
     assert wait_until(lambda: not pid_alive(pid), timeout=10), pid
     assert value(box.run("'still here'", session="escape")) == "still here"
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_below_landlock_abi_6_a_fork_is_refused_up_front_with_the_reason(user):
+    b = Sandboxed(user, abi_max=5)
+    try:
+        value(b.run("a = 1", session="one"))
+        r = fork(b, "one", "two")
+        text = r["content"][0]["text"]
+        assert r["isError"] and "sessions cannot fork here" in text and "ABI 5" in text, text
+        assert value(b.run("a", session="one")) == 1
+    finally:
+        b.close()
