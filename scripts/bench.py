@@ -679,7 +679,8 @@ def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> No
     """Forking a live session (issue 51): `fork_from` -> the fork's first result, for a small
     session and one holding a large array, against its peer in the same run: a new session
     that replays the parent's cells. Separate from the other rows so they merge apart."""
-    n = 5 if quick else 20
+    # Each fork takes a Landlock layer from its parent too: a session forks at most 11 times.
+    n = 5 if quick else 10
     c = Client(binary, env)
     c.initialize()
     status = c.info()["sandbox"].get("child_processes", "")
