@@ -757,6 +757,7 @@ _TMP_EVENTS = {"open": (0,), "os.listdir": (0,), "os.scandir": (0,), "os.mkdir":
 
 
 _tmp_allowed = []
+_tmp_hooked = [False]  # whether `_refuse_host_tmp` installed its hook
 
 
 def bind_session(env, scratch):
@@ -806,6 +807,7 @@ def _refuse_host_tmp(reason, allowed=()):
                     raise PermissionError(errno.EACCES, message, os.fsdecode(p))
 
     sys.addaudithook(hook)
+    _tmp_hooked[0] = True
 
 
 def _inline_image(path):
@@ -1026,6 +1028,8 @@ def _became_a_child():
     import os
 
     _in_a_child[0] = True
+    if sys.modules.get("_ironcell_bridge") is not _NoBridgeInAChild:
+        _real_bridge[0] = sys.modules.get("_ironcell_bridge")
     sys.modules["_ironcell_bridge"] = _NoBridgeInAChild
     # The session socket (fd 3) belongs to the worker: a child writes nothing on it.
     try:
@@ -1034,6 +1038,28 @@ def _became_a_child():
         os.close(null)
     except OSError:
         pass
+
+
+_real_bridge = [None]  # the bridge a child set aside (a forked session takes it back)
+
+
+def became_a_fork(env, scratch):
+    """In a forked session (worker/fork.rs), after its sandbox was narrowed to its own
+    directory: it is a worker, not a cell's child (the fork ran the after-fork hooks), it names
+    its own session and directory, and `/tmp` (still the parent's directory in this mount
+    namespace, which the narrowed sandbox refuses) is refused with a message that says why."""
+    if _in_a_child[0]:
+        _in_a_child[0] = False
+        if _real_bridge[0] is not None:
+            sys.modules["_ironcell_bridge"] = _real_bridge[0]
+    import os
+
+    bind_session(env, scratch)
+    if _tmp_hooked[0]:  # the parent had no /tmp of its own either; its grant is gone
+        _tmp_allowed[:] = [os.path.normpath(scratch)]
+    else:
+        _refuse_host_tmp("a forked session has no /tmp of its own: its files are in its own "
+                         "directory", [scratch])
 
 
 def _leave_child(out):

@@ -3,7 +3,7 @@
 run, with the ratio and the targets of issues 12 and 50 (target vs measured, pass/miss).
 
 usage: scripts/bench.py [--binary target/release/ironcell] [--python PATH] [--quick]
-                        [--groups idle,start,hot,memory,plots,files,proxy] [--markdown]
+                        [--groups idle,start,hot,memory,plots,files,proxy,fork] [--markdown]
 
 Peers (each only when installed; the table says when one is not):
   cat                  one line out and back through `cat` with the same client after the same
@@ -728,6 +728,56 @@ json.dumps(_summary(search))
 
 # ---------------------------------------------------------------------------------------------
 
+def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table) -> None:
+    """Forking a live session (issue 51): `fork_from` -> the fork's first result, for a small
+    session and one holding a large array, against its peer in the same run: a new session
+    that replays the parent's cells. Separate from the other rows so they merge apart."""
+    # Each fork takes a Landlock layer from its parent too: a session forks at most 11 times.
+    n = 5 if quick else 10
+    c = Client(binary, env)
+    c.initialize()
+    status = c.info()["sandbox"].get("child_processes", "")
+    if not status.startswith("allowed"):
+        table.row("fork -> first result", "skipped", f"sessions cannot fork here: {status}")
+        c.close()
+        return
+
+    def fork_ms(parent: str, child: str) -> float:
+        t = time.perf_counter()
+        rid = c.send("tools/call", {"name": "run_python",
+                                    "arguments": {"code": "1", "session": child, "fork_from": parent}})
+        rec = c.record(c.wait(rid))
+        took = (time.perf_counter() - t) * 1000
+        assert rec["status"] == "ok" and rec.get("lineage") == [parent], rec
+        return took
+
+    small_cells = ["import json, re, collections", "x = {i: str(i) for i in range(1000)}",
+                   "def f(n):\n    return sum(range(n))", "y = f(10_000)"]
+    mib = 256 if quick else 512
+    big_cells = small_cells + [f"big = bytearray({mib} << 20)\nfor i in range(0, len(big), 4096):\n    big[i] = 1"]
+    rows = []
+    for name, cells in (("small session", small_cells), (f"{mib} MiB resident", big_cells)):
+        parent = f"fork-parent-{len(rows)}"
+        for cell in cells:
+            c.run(cell, session=parent)
+        forked = [fork_ms(parent, f"{parent}-k{i}") for i in range(n)]
+        replayed = []
+        for i in range(n):
+            t = time.perf_counter()
+            for cell in cells:
+                c.run(cell, session=f"{parent}-r{i}")
+            replayed.append((time.perf_counter() - t) * 1000)
+        rows.append((name, forked, replayed))
+    c.close()
+    for name, forked, replayed in rows:
+        table.row(f"fork -> first result, {name}", ms(forked),
+                  f"new session + replaying the parent's cells: {ms(replayed)}{ratio(forked, replayed)}")
+    big = rows[1][1]
+    limit = 10 + 5 * mib / 1024
+    table.target(f"fork -> first result, {mib} MiB resident", f"<= {limit:.1f} ms",
+                 f"{med(big):.2f} ms", med(big) <= limit)
+
+
 def python_flag_supported(binary: str) -> bool:
     r = subprocess.run([binary, "serve", "--help"], capture_output=True, text=True)
     return "--python" in r.stdout
@@ -792,6 +842,7 @@ GROUPS = {
     "plots": "first matplotlib plot in a new session vs a warm one",
     "files": "100,000 files and 100 MB of output",
     "proxy": "proxied calls, 1,000 concurrent calls, tool search",
+    "fork": "fork_from -> the fork's first result vs a new session replaying the cells",
 }
 
 
@@ -873,6 +924,11 @@ class Bench:
                 proxy_rows(self.binary, self.env, self.q, self.table)
             except Exception as e:  # the other rows still print; say why these are missing
                 self.table.row("proxied call rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+        if "fork" in self.groups:
+            try:
+                fork_rows(self.binary, self.env, self.q, self.table)
+            except Exception as e:  # the other rows still print; say why these are missing
+                self.table.row("fork rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
         # The targets of the rows above first (the proxy rows added theirs already).
         self.table.targets[:0] = self.t
         header = (f"ironcell benchmark ({'quick' if self.q else 'full'}; groups {','.join(g for g in GROUPS if g in self.groups)}; "

@@ -337,6 +337,7 @@ async fn exec(settings: Settings, code: String) -> anyhow::Result<ExitCode> {
         reset: false,
         servers: Vec::new(),
         progress: None,
+        fork_from: None,
     };
     let outcome = sessions.run(request, CancellationToken::new()).await;
     sessions.shutdown().await;

@@ -189,6 +189,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         reset: false,
         servers: Vec::new(),
         progress: None,
+        fork_from: None,
     };
     match sessions.run(probe, CancellationToken::new()).await {
         Ok(record) if !record.is_error() => {

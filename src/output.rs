@@ -65,6 +65,9 @@ pub enum SessionState {
     Restarted,
     /// The worker is gone; the next run starts fresh.
     Lost,
+    /// The session's first run, in a fork of another session (`fork_from`): its variables,
+    /// imports and files are the parent's as its last run left them.
+    Forked,
 }
 
 /// The full record of one run: `structuredContent` of the tool result.
@@ -80,6 +83,9 @@ pub struct RunRecord {
     pub exit_code: Option<i64>,
     pub duration_ms: f64,
     pub session_state: SessionState,
+    /// The sessions this one was forked from, nearest first (empty: not a fork).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub lineage: Vec<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notices: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -205,6 +211,7 @@ impl RunRecord {
             SessionState::Lost => "session lost: the next run starts a fresh worker",
             SessionState::New => "in a new session",
             SessionState::Restarted => "in a restarted session",
+            SessionState::Forked => "in a new fork",
         };
         let what = match self.status {
             RunStatus::Ok => "ok".to_string(),
@@ -972,6 +979,7 @@ mod tests {
             exit_code: None,
             duration_ms: 0.0,
             session_state: SessionState::Kept,
+            lineage: Vec::new(),
             notices: Vec::new(),
             stdout_truncated: None,
             stderr_truncated: None,
@@ -1260,6 +1268,7 @@ mod tests {
             (SessionState::Kept, "kept"),
             (SessionState::Restarted, "restarted"),
             (SessionState::Lost, "lost"),
+            (SessionState::Forked, "forked"),
         ];
         for (state, wire) in states {
             assert_eq!(serde_json::to_value(state).unwrap(), json!(wire));

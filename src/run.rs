@@ -15,6 +15,8 @@ pub struct RunRequest {
     pub servers: Vec<String>,
     /// Where to report progress while the cell runs, if anyone listens.
     pub progress: Option<tokio::sync::watch::Sender<Progress>>,
+    /// Start `session` as a fork of this one (docs/ARCHITECTURE.md, "Forking a session").
+    pub fork_from: Option<String>,
 }
 
 /// What a running cell has done so far: sent as progress notifications and shown by job polls.
@@ -44,6 +46,8 @@ pub enum RunRefusal {
     WorkerStart(String),
     #[error("{0}")]
     SandboxUnavailable(String),
+    #[error("cannot fork: {0}")]
+    Fork(String),
     #[error("cancelled before it started (it was waiting for the session's previous run to end)")]
     Cancelled,
 }

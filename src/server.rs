@@ -510,8 +510,9 @@ fn running_result(job: &Job) -> CallToolResult {
 /// idempotent), and it reaches outside only through proxied servers (open-world only when
 /// some are configured).
 fn run_python_tool(default_timeout_s: f64, proxies: bool) -> Tool {
-    let description = "Run Python 3 in a persistent sandboxed session (no network): variables \
-and files persist, the last expression's value is returned, top-level await works. Call the \
+    let description = "Run Python in a persistent sandboxed session (no network): variables \
+and files persist (fork_from copies them), the last expression's value is returned, top-level \
+await works. Call the \
 user's other MCP servers from the code: await runtime.search_tool_docs('query'), await \
 mcp_<server>.<tool>(**args). Manual: ironcell://manual";
     let schema = json!({
@@ -521,7 +522,8 @@ mcp_<server>.<tool>(**args). Manual: ironcell://manual";
             "session": {"type": "string", "description": "Session name (default \"default\")"},
             "timeout_s": {"type": "number", "description": format!("Wall-clock limit in seconds (default {default_timeout_s:.0})")},
             "reset": {"type": "boolean", "description": "Start the session over first"},
-            "servers": {"type": "array", "items": {"type": "string"}, "description": "MCP servers to pre-start"}
+            "servers": {"type": "array", "items": {"type": "string"}, "description": "MCP servers to pre-start"},
+            "fork_from": {"type": "string"}
         },
         "required": ["code"]
     });

@@ -92,7 +92,14 @@ pub async fn collect(sessions: &SessionManager) -> Value {
         "local_tools": local_tools,
         "packages": sessions.packages().info(),
         "worker_lockdown_ms_median": sessions.median_lockdown_ms(),
-        "sessions": {"known": sessions.session_count(), "live_workers": sessions.live_worker_count()},
+        "sessions": {
+            "known": sessions.session_count(),
+            "live_workers": sessions.live_worker_count(),
+            "forks": sessions.forked_sessions().into_iter()
+                .map(|(name, lineage)| json!({"name": name, "lineage": lineage}))
+                .collect::<Vec<_>>(),
+            "max_fork_depth": sessions.max_fork_depth(),
+        },
         "spare_workers": spare_workers(sessions),
         "output_mode": format!("{:?}", s.output_mode).to_lowercase(),
         "not_applicable": not_applicable(s),

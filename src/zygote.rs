@@ -143,11 +143,28 @@ pub struct SpawnedWorker {
 pub struct WorkerProcess {
     pid: i32,
     pidfd: Option<Arc<OwnedFd>>,
+    /// A forked session's worker ([`Zygote::adopt`]): its memory is counted by its share
+    /// (PSS), since much of it is shared copy-on-write with the session it was forked from.
+    forked: bool,
 }
 
 impl WorkerProcess {
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    pub fn is_forked(&self) -> bool {
+        self.forked
+    }
+
+    /// Whether it has ended (its pidfd is readable); `false` without a pidfd.
+    pub fn has_ended(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return false };
+        let mut fds = [nix::poll::PollFd::new(
+            std::os::fd::AsFd::as_fd(&**fd),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0)
     }
 
     /// The same process handle (its pidfd), not merely the same pid.
@@ -425,6 +442,35 @@ impl Zygote {
         lock(&self.child).id() as i32
     }
 
+    /// Takes process `pid`, whose `pidfd` the caller opened after checking that it is a forked
+    /// session's worker (the zygote's child, leading its own process group:
+    /// `session::fork`), as one of this zygote's workers: listed as live, its exit reported
+    /// to the returned receiver once the zygote reaps it (it is the zygote's child).
+    pub fn adopt(
+        &self,
+        pid: i32,
+        pidfd: OwnedFd,
+    ) -> anyhow::Result<(WorkerProcess, oneshot::Receiver<ExitInfo>)> {
+        let process = WorkerProcess {
+            pid,
+            pidfd: Some(Arc::new(pidfd)),
+            forked: true,
+        };
+        let (tx, rx) = oneshot::channel();
+        let mut exits = lock(&self.shared.exits);
+        if exits.contains_key(&pid) {
+            bail!("process {pid} is a worker already");
+        }
+        exits.insert(pid, (tx, process.clone()));
+        drop(exits);
+        if process.has_ended() {
+            // Reaped before it was listed: its report found no one and will not come again.
+            lock(&self.shared.exits).remove(&pid);
+            bail!("the fork ended before the host took it");
+        }
+        Ok((process, rx))
+    }
+
     /// The workers this zygote forked and has not reported gone (spares included).
     pub fn live_workers(&self) -> Vec<WorkerProcess> {
         lock(&self.shared.exits)
@@ -546,6 +592,7 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 let process = WorkerProcess {
                     pid,
                     pidfd: (!fds.is_empty()).then(|| Arc::new(fds.swap_remove(0))),
+                    forked: false,
                 };
                 lock(&shared.exits).insert(pid, (tx, process.clone()));
                 if let Some(waiter) = lock(&shared.pending).remove(&id) {
@@ -660,6 +707,7 @@ mod tests {
         let live = WorkerProcess {
             pid: gone.id() as i32,
             pidfd: Some(pidfd.clone()),
+            forked: false,
         };
         assert!(live.signal(nix::sys::signal::Signal::SIGKILL));
         gone.wait().unwrap();
@@ -668,6 +716,7 @@ mod tests {
         let stale = WorkerProcess {
             pid: other.id() as i32,
             pidfd: Some(pidfd),
+            forked: false,
         };
         assert!(!stale.signal(nix::sys::signal::Signal::SIGKILL));
         std::thread::sleep(std::time::Duration::from_millis(50));

@@ -514,6 +514,7 @@ impl LocalTools {
                     reset,
                     servers: Vec::new(),
                     progress: None,
+                    fork_from: None,
                 },
                 cancel,
             )

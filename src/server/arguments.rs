@@ -17,7 +17,14 @@ use serde_json::Value;
 use crate::session::RunRequest;
 
 /// The arguments `run_python` takes, as listed in its schema.
-pub(super) const RUN_ARGUMENTS: &[&str] = &["code", "session", "timeout_s", "reset", "servers"];
+pub(super) const RUN_ARGUMENTS: &[&str] = &[
+    "code",
+    "session",
+    "timeout_s",
+    "reset",
+    "servers",
+    "fork_from",
+];
 
 /// `run_python`'s arguments as the client sent them. Each field's deserializer names the field,
 /// what it must be and what it got; what serde cannot say (a missing `code`, an unknown argument,
@@ -36,6 +43,8 @@ struct RunArguments {
     reset: Option<bool>,
     #[serde(deserialize_with = "servers")]
     servers: Option<Vec<String>>,
+    #[serde(deserialize_with = "fork_from")]
+    fork_from: Option<String>,
     /// Anything else, refused by name.
     #[serde(flatten)]
     unknown: JsonObject,
@@ -55,6 +64,9 @@ fn reset<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
 }
 fn servers<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
     typed(d, "servers", "a list of server names")
+}
+fn fork_from<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    typed(d, "fork_from", "a session name")
 }
 
 /// `run_python_job`'s arguments. Other keys are ignored, as they always were.
@@ -181,6 +193,7 @@ pub fn parse_run_arguments(args: Option<&JsonObject>) -> Result<RunRequest, Stri
         reset: args.reset.unwrap_or(false),
         servers: args.servers.unwrap_or_default(),
         progress: None,
+        fork_from: args.fork_from,
     })
 }
 

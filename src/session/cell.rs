@@ -422,6 +422,7 @@ impl<'a> CellRun<'a> {
             Some(other) => {
                 let what = match other {
                     FromWorker::Ready { .. } => "ready",
+                    FromWorker::Forked { .. } => "forked",
                     _ => "fatal",
                 };
                 let v = Violation(format!("a `{what}` message in the middle of a run"));
@@ -519,6 +520,7 @@ impl<'a> CellRun<'a> {
                             body,
                             _slot: Some(slot),
                             _turn: turn,
+                            pass_fd: None,
                         })
                         .await;
                 }
@@ -766,6 +768,7 @@ fn answer_now(
                 body,
                 _slot: Some(slot),
                 _turn: None,
+                pass_fd: None,
             };
             if let Err(full_or_closed) = answers.try_send(answer) {
                 let answer = full_or_closed.into_inner();

@@ -40,6 +40,8 @@ pub(super) struct Outgoing {
     pub body: Bytes,
     pub _slot: Option<OwnedSemaphorePermit>,
     pub _turn: Option<OwnedSemaphorePermit>,
+    /// A descriptor passed with the frame (`SCM_RIGHTS`): a fork's session socket.
+    pub pass_fd: Option<std::os::fd::OwnedFd>,
 }
 
 /// What is known about whether the worker still runs.
@@ -71,6 +73,11 @@ pub(super) struct LiveWorker {
     /// Its read-only directory of the session's installed packages (`%pip install`), removed
     /// when the last holder lets go.
     pub packages_view: Option<Arc<crate::packages::View>>,
+    /// Where this worker's forks of its session live (its Landlock grant; see
+    /// docs/ARCHITECTURE.md, "Forking a session"); `None` where it cannot fork.
+    pub forks_area: Option<std::path::PathBuf>,
+    /// Landlock layers its domain holds (1 from its lockdown, one more per fork on its line).
+    pub landlock_layers: u32,
     outbox: mpsc::Sender<Outgoing>,
     /// `None` once the zygote's report was taken (or can no longer come).
     exit: Option<oneshot::Receiver<ExitInfo>>,
@@ -128,6 +135,8 @@ impl LiveWorker {
             image_budget_bytes,
             bind: None,
             packages_view: None,
+            forks_area: None,
+            landlock_layers: 1,
             outbox,
             exit: Some(exit),
             requests: Arc::new(Semaphore::new(MAX_INFLIGHT_REQUESTS)),
@@ -284,11 +293,21 @@ impl LiveWorker {
 
     /// Queues a frame for the worker without waiting.
     pub fn send(&self, body: Bytes) -> Result<(), SendError> {
+        self.send_passing(body, None)
+    }
+
+    /// Queues a frame with a descriptor passed along (a fork's session socket).
+    pub fn send_passing(
+        &self,
+        body: Bytes,
+        pass_fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<(), SendError> {
         self.outbox
             .try_send(Outgoing {
                 body,
                 _slot: None,
                 _turn: None,
+                pass_fd,
             })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => SendError::NotReading,
@@ -358,6 +377,47 @@ impl Drop for KillOnDrop {
 }
 
 /// The writer task: sends queued frames in order until the queue closes or the socket breaks.
+/// Writes one frame (length prefix and body) with `fd` passed on its first byte, after what
+/// the sink holds. The socket is non-blocking: each write waits until it is writable.
+async fn send_frame_passing(
+    sink: &mut FramedWrite<tokio::net::unix::OwnedWriteHalf, LengthDelimitedCodec>,
+    body: &[u8],
+    fd: std::os::fd::OwnedFd,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    SinkExt::<Bytes>::flush(sink).await?;
+    let mut bytes = (body.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(body);
+    let stream: &tokio::net::UnixStream = sink.get_ref().as_ref();
+    let mut sent = 0;
+    let fds = [fd.as_raw_fd()];
+    while sent < bytes.len() {
+        stream.writable().await?;
+        let cmsgs = if sent == 0 {
+            vec![nix::sys::socket::ControlMessage::ScmRights(&fds)]
+        } else {
+            Vec::new()
+        };
+        let iov = [std::io::IoSlice::new(&bytes[sent..])];
+        let tried = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            nix::sys::socket::sendmsg::<()>(
+                stream.as_raw_fd(),
+                &iov,
+                &cmsgs,
+                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(std::io::Error::from)
+        });
+        match tried {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 async fn write_frames_to_worker(
     mut sink: FramedWrite<tokio::net::unix::OwnedWriteHalf, LengthDelimitedCodec>,
     mut queued: mpsc::Receiver<Outgoing>,
@@ -366,12 +426,20 @@ async fn write_frames_to_worker(
         body,
         _slot: slot,
         _turn: turn,
+        pass_fd,
     }) = queued.recv().await
     {
         // The request slot frees as its answer leaves the queue, before the write: the worker
         // cannot see the answer (and reuse the slot) before the host counts the slot free, and
         // the queue still holds at most one answer per slot.
         drop(slot);
+        if let Some(fd) = pass_fd {
+            if let Err(e) = send_frame_passing(&mut sink, &body, fd).await {
+                tracing::debug!(error = %e, "writing to a worker failed; it is gone");
+                break;
+            }
+            continue;
+        }
         if let Err(e) = sink.send(body).await {
             tracing::debug!(error = %e, "writing to a worker failed; it is gone");
             break;

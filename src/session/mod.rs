@@ -33,6 +33,7 @@ use std::os::fd::AsFd;
 mod cell;
 mod dirs;
 mod font_cache;
+mod fork;
 mod live;
 mod outcome;
 mod pool;
@@ -97,6 +98,8 @@ pub struct Session {
     /// worker whose clock has not moved since the older one wrote nothing since (see
     /// `SessionManager::guard_free_disk`).
     disk_marks: Mutex<[Option<quota::WorkerMark>; 2]>,
+    /// The sessions it was forked from, nearest first (empty: not a fork).
+    lineage: Mutex<Vec<String>>,
 }
 
 impl Session {
@@ -116,6 +119,7 @@ impl Session {
             last_quota_walk: Mutex::new(Duration::ZERO),
             quota_mark: Mutex::new(None),
             disk_marks: Mutex::new([None, None]),
+            lineage: Mutex::new(Vec::new()),
         }
     }
 }
@@ -495,7 +499,15 @@ impl SessionManager {
             Some(t) => t,
             None => self.settings.default_timeout,
         };
-        let session = self.session(&req.session);
+        let mut fork_notes = None;
+        let session = match &req.fork_from {
+            Some(from) => {
+                let (session, notes) = self.fork_session(from, &req.session).await?;
+                fork_notes = Some(notes);
+                session
+            }
+            None => self.session(&req.session),
+        };
         // Read before the lock: a free-disk stop from here on skips this session (its lock is
         // taken), so this run acts on it (see `guard_free_disk`).
         let disk_stops_seen = self.disk_guard.stops.borrow().0;
@@ -547,6 +559,10 @@ impl SessionManager {
         }
         session.measure_soon();
         let mut session_state = crate::output::SessionState::Kept;
+        if let Some(mut notes) = fork_notes {
+            session_state = crate::output::SessionState::Forked;
+            notices.append(&mut notes);
+        }
         if state.worker.is_none() {
             if let Some(n) = state.pending_notice.take() {
                 notices.push(n);
@@ -590,6 +606,7 @@ impl SessionManager {
 
         let mut record = outcome.record;
         record.session = session.name.clone();
+        record.lineage = lock(&session.lineage).clone();
         link_outputs(
             &mut record,
             &session,

@@ -28,6 +28,7 @@ impl CellOutcome {
             exit_code: None,
             duration_ms: 0.0,
             session_state: crate::output::SessionState::Kept,
+            lineage: Vec::new(),
             notices: Vec::new(),
             stdout_truncated: out_cut,
             stderr_truncated: err_cut,

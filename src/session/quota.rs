@@ -385,7 +385,7 @@ impl SessionManager {
 
     /// Free bytes on the state dir's disk (`None` when the disk cannot be asked). Asked off the
     /// async runtime: a state dir on a hung network file system must not stall it.
-    async fn free_disk_bytes(&self) -> Option<u64> {
+    pub(super) async fn free_disk_bytes(&self) -> Option<u64> {
         let root = self.root.clone();
         tokio::task::spawn_blocking(move || {
             let st = nix::sys::statvfs::statvfs(&root).ok()?;

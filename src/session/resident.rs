@@ -96,14 +96,14 @@ pub(crate) fn session_children(worker: i32, zygote: i32) -> Vec<i32> {
 }
 
 /// The fields of `/proc/<pid>/stat` after the command name (which the process chooses, so they
-/// are read after its last `)`): state, parent, process group, ...
-fn stat_fields(pid: i32) -> Option<Vec<String>> {
+/// are read after its last `)`): state, parent, process group, session.
+pub(super) fn stat_fields(pid: i32) -> Option<Vec<String>> {
     let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
     let end = stat.iter().rposition(|&b| b == b')')?;
     let rest = std::str::from_utf8(&stat[end + 1..]).ok()?;
     Some(
         rest.split_ascii_whitespace()
-            .take(3)
+            .take(4)
             .map(str::to_string)
             .collect(),
     )
@@ -177,6 +177,51 @@ pub(crate) fn kill_children_of(pid: i32, zygote: i32) {
     });
 }
 
+/// SIGKILLs the zygote's children that belong to no live worker: a session's child that left
+/// its worker's process group (`setpgid(0, 0)`, which forked sessions need: SECURITY.md #194)
+/// and was orphaned is adopted by the zygote outside every worker's group, where nothing would
+/// count or end it. Spared: the workers, the orphans of a live worker's group (counted as its),
+/// the zygote's own children before they made their session (its session) or right after (a
+/// session leader, not yet reported), and a fork under way (`fork::FORKING`).
+fn kill_escaped_orphans(zygote: &crate::zygote::Zygote) {
+    // Forks under way first, then the live workers: a fork is listed live before it leaves
+    // `FORKING`, so it is always in one of the two.
+    let forking = lock(&super::fork::FORKING).clone();
+    let live: Vec<i32> = zygote
+        .live_workers()
+        .iter()
+        .map(WorkerProcess::pid)
+        .collect();
+    let zygote = zygote.pid();
+    let zygote_session = stat_fields(zygote).and_then(|f| f.get(3)?.parse::<i32>().ok());
+    for child in descendants_to_depth(zygote, 1) {
+        if live.contains(&child) {
+            continue;
+        }
+        let Some(fields) = stat_fields(child) else {
+            continue;
+        };
+        let field = |i: usize| fields.get(i).and_then(|f| f.parse::<i32>().ok());
+        let (group, session) = (field(2), field(3));
+        let spared = group.is_some_and(|g| live.contains(&g))
+            || session.is_none()
+            || session == zygote_session
+            || session == Some(child)
+            || session.is_some_and(|s| forking.contains(&s))
+            || fields.first().is_some_and(|s| s == "Z");
+        if !spared {
+            tracing::warn!(
+                pid = child,
+                "killing a session's process that left its worker's group"
+            );
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
 /// What a worker's child holds, in bytes: its proportional share of anonymous memory, resident
 /// and swapped (`Pss_Anon` + `SwapPss` of `/proc/<pid>/smaps_rollup`, so pages it shares with
 /// its siblings count once among them), and its page tables. The host can read it even for a
@@ -204,11 +249,18 @@ fn child_holds(pid: i32) -> Option<(u64, u64)> {
     Some(((pss + swap + tables) << 10, threads))
 }
 
-/// What worker `pid` and its descendants hold together: the worker's [`held_by`], plus each
-/// child's [`child_holds`] (its share of the pages it shares with the worker counts on both
-/// sides: an upper bound, never an undercount), and their threads.
-fn group_holds(pid: i32, children: &[i32]) -> Option<(u64, u64)> {
-    let (mut bytes, mut threads) = held_by(pid)?;
+/// What worker `pid` and its descendants hold together: the worker's [`held_by`] (a forked
+/// session's worker: its [`child_holds`], its share of what it shares copy-on-write with the
+/// session it was forked from, SECURITY.md #197), plus each child's [`child_holds`] (its share
+/// of the pages it shares with the worker counts on both sides: an upper bound, never an
+/// undercount), and their threads.
+fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
+    let own = if forked {
+        child_holds(pid).or_else(|| held_by(pid))
+    } else {
+        held_by(pid)
+    };
+    let (mut bytes, mut threads) = own?;
     for &child in children {
         if let Some((b, t)) = child_holds(child) {
             bytes = bytes.saturating_add(b);
@@ -297,7 +349,11 @@ impl SessionManager {
             return;
         }
         let zygote_pid = zygote.pid();
+        let sweep = zygote.clone();
         let read = tokio::task::spawn_blocking(move || {
+            if children_possible {
+                kill_escaped_orphans(&sweep);
+            }
             let base = anonymous_bytes(zygote_pid).unwrap_or(0);
             let held: Vec<(WorkerProcess, u64, u64)> = due
                 .into_iter()
@@ -310,7 +366,8 @@ impl SessionManager {
                     if !due && children.is_empty() {
                         return None;
                     }
-                    let (bytes, threads) = group_holds(worker.pid(), &children)?;
+                    let (bytes, threads) =
+                        group_holds(worker.pid(), worker.is_forked(), &children)?;
                     Some((worker, bytes, threads))
                 })
                 .collect();

@@ -86,6 +86,12 @@ impl SessionManager {
                 view.dir.display().to_string(),
             ));
         }
+        // Where this worker's forks of its session will live: granted now, since Landlock
+        // grants are fixed at lockdown (docs/ARCHITECTURE.md, "Forking a session").
+        let forks_area = self.new_forks_area();
+        if let (Some(area), Some(fs)) = (&forks_area, sandbox.filesystem.as_mut()) {
+            fs.read_write.push(area.clone());
+        }
         let spec = WorkerSpec {
             session: name.unwrap_or("").to_string(),
             scratch: scratch.to_path_buf(),
@@ -93,6 +99,7 @@ impl SessionManager {
             sandbox,
             mcp_servers: self.proxy.server_summaries(),
             image_budget_bytes: self.settings.image_budget,
+            forks_area: forks_area.clone(),
         };
         let spawn_started = Instant::now();
         let spawned = zygote
@@ -103,6 +110,7 @@ impl SessionManager {
         let mut worker = LiveWorker::new(spawned, slot, self.settings.image_budget)
             .map_err(|e| RunRefusal::WorkerStart(e.to_string()))?;
         worker.packages_view = packages_view;
+        worker.forks_area = forks_area;
         let budget = worker.image_budget_bytes;
         let max_frame = frame::max_worker_frame_bytes(budget);
         let pid = worker.pid();

@@ -72,7 +72,7 @@ def test_a_child_cannot_act_on_its_parent_another_session_or_the_host(box):
         f"        'kill_bystander': outcome(lambda: os.kill({other}, signal.SIGKILL)),\n"
         f"        'kill_host': outcome(lambda: os.kill({host}, 0)),\n"
         "        'setsid': outcome(os.setsid),\n"
-        "        'setpgid': outcome(lambda: os.setpgid(0, 0)),\n"
+        "        'setpgid': outcome(lambda: os.setpgid(0, parent)),\n"
         "        'exec': outcome(lambda: os.execv('/bin/true', ['true'])),\n"
         "        'own_limits': outcome(lambda: resource.getrlimit(resource.RLIMIT_NOFILE)),\n"
         "    }\n"

@@ -46,6 +46,10 @@ pub struct WorkerSpec {
     pub mcp_servers: Vec<serde_json::Value>,
     /// Inline images are downscaled to fit this many bytes.
     pub image_budget_bytes: u64,
+    /// Where this worker's forks of its session will live (granted read-write, made read-only
+    /// for the worker itself by its mode bits): `None` where sessions cannot fork.
+    #[serde(default)]
+    pub forks_area: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -208,9 +212,37 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
     if buf.len() < MAX_CONTROL_MESSAGE {
         buf.resize(MAX_CONTROL_MESSAGE, 0);
     }
-    // Room for four fds (every message carries at most one). Not nix's `recvmsg`: its control
-    // messages are an error when the kernel had to drop fds (`MSG_CTRUNC`), and the ones it did
-    // install would then be left open in this process, nobody's.
+    let (n, fds, flags) =
+        recv_with_fds(fd, buf).context("receiving on the zygote control socket")?;
+    if flags & libc::MSG_TRUNC != 0 {
+        anyhow::bail!("a control message over {MAX_CONTROL_MESSAGE} bytes arrived cut off");
+    }
+    if flags & libc::MSG_CTRUNC != 0 {
+        // The kernel dropped fds it could not install (this process is at its open-files
+        // limit, or more came than the four expected). The packet is whole, and the caller
+        // sees what is missing: a spawn request without its socket is refused, a worker
+        // whose pidfd is missing is signalled by pid.
+        tracing::warn!(
+            received = fds.len(),
+            "file descriptors passed with a control message were dropped (out of file \
+             descriptors? raise `ulimit -n`)"
+        );
+    }
+    if n == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some((&buf[..n], fds)))
+}
+
+/// One `recvmsg(2)` into `buf` with room for four passed fds (`MSG_CMSG_CLOEXEC`), retried on
+/// `EINTR`: the bytes read, the fds the kernel installed for us, and the message flags
+/// (`MSG_TRUNC`, `MSG_CTRUNC`). Not nix's `recvmsg`: its control messages are an error when the
+/// kernel had to drop fds (`MSG_CTRUNC`), and the ones it did install would then be left open
+/// in this process, nobody's.
+pub fn recv_with_fds(
+    fd: RawFd,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Vec<OwnedFd>, libc::c_int)> {
     let mut control = [0u64; 8];
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
@@ -233,7 +265,7 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
             if err.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(err).context("receiving on the zygote control socket");
+            return Err(err);
         }
         let mut fds = Vec::new();
         // The kernel filled `control` and set `msg_controllen`; the CMSG_* macros walk only
@@ -260,25 +292,7 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
             // SAFETY: the header after `c` within `control`, or null.
             c = unsafe { libc::CMSG_NXTHDR(&hdr, c) };
         }
-        if hdr.msg_flags & libc::MSG_TRUNC != 0 {
-            anyhow::bail!("a control message over {MAX_CONTROL_MESSAGE} bytes arrived cut off");
-        }
-        if hdr.msg_flags & libc::MSG_CTRUNC != 0 {
-            // The kernel dropped fds it could not install (this process is at its open-files
-            // limit, or more came than the four expected). The packet is whole, and the caller
-            // sees what is missing: a spawn request without its socket is refused, a worker
-            // whose pidfd is missing is signalled by pid.
-            tracing::warn!(
-                received = fds.len(),
-                "file descriptors passed with a control message were dropped (out of file \
-                 descriptors? raise `ulimit -n`)"
-            );
-        }
-        let n = n as usize;
-        if n == 0 && fds.is_empty() {
-            return Ok(None);
-        }
-        return Ok(Some((&buf[..n], fds)));
+        return Ok((n as usize, fds, hdr.msg_flags));
     }
 }
 

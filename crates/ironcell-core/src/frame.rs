@@ -61,6 +61,26 @@ pub enum ToWorker {
     /// The answer to a [`FromWorker::Request`]: `{"result": ...}` or
     /// `{"error": {"kind", "message"}}`.
     Response { id: u64, payload: serde_json::Value },
+    /// Fork this session into a new one (sent between cells, with the new session's socket
+    /// attached by `SCM_RIGHTS`). The worker answers [`FromWorker::Forked`]; the fork says
+    /// `ready` on its own socket.
+    Fork(ForkOrder),
+}
+
+/// Where each side of a fork lives afterwards (docs/ARCHITECTURE.md, "Forking a session"). The
+/// host made every directory; each is beneath the worker's forks area, which its Landlock
+/// domain grants, and each side narrows its domain to its own two.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkOrder {
+    /// The parent's session directory (its current path) and its next forks area.
+    pub parent_dir: std::path::PathBuf,
+    pub parent_forks: std::path::PathBuf,
+    /// The new session's directory (empty: the fork copies the parent's files into it) and its
+    /// forks area.
+    pub child_dir: std::path::PathBuf,
+    pub child_forks: std::path::PathBuf,
+    /// Variables that name the new session (`HOME`, `TMPDIR`, `PWD`, `IRONCELL_SESSION`).
+    pub env: Vec<(String, String)>,
 }
 
 /// What a pre-forked spare learns when the host hands it to a session: the host has renamed
@@ -106,6 +126,9 @@ pub enum FromWorker {
         /// How long the lockdown took (reported in `system://info` and by the benchmark).
         #[serde(default)]
         lockdown_us: u64,
+        /// A forked session's notes for its first result (what did not come along).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        notes: Vec<String>,
     },
     /// The worker could not set itself up and is about to exit.
     Fatal { message: String },
@@ -120,6 +143,9 @@ pub enum FromWorker {
         method: String,
         params: serde_json::Value,
     },
+    /// The parent's answer to [`ToWorker::Fork`]: `None` once the fork is made and the parent
+    /// narrowed to its own directory, else why not.
+    Forked { error: Option<String> },
     /// A cell finished. Everything it wrote was sent before this frame.
     Done {
         id: u64,
@@ -235,7 +261,17 @@ pub fn json_values(text: &[u8]) -> usize {
 /// Checks every field of a worker's message against its cap.
 pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result<(), Violation> {
     match msg {
-        FromWorker::Ready { missing_layers, .. } => {
+        FromWorker::Ready {
+            missing_layers,
+            notes,
+            ..
+        } => {
+            if notes.len() > 8 {
+                return violation(format!("`ready` lists {} notes", notes.len()));
+            }
+            for n in notes {
+                cap_chars("a fork's note", n, 4 * MAX_NAME_CHARS)?;
+            }
             if missing_layers.len() > 64 {
                 return violation(format!(
                     "`ready` lists {} missing layers",
@@ -251,6 +287,10 @@ pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result
             cap_chars("a fatal message", message, MAX_ERROR_FIELD_CHARS)
         }
         FromWorker::EpollListener {} => Ok(()),
+        FromWorker::Forked { error } => match error {
+            Some(e) => cap_chars("a fork's error", e, MAX_ERROR_FIELD_CHARS),
+            None => Ok(()),
+        },
         FromWorker::Request { method, params, .. } => {
             if method.is_empty()
                 || method.len() > 64
@@ -588,6 +628,37 @@ mod tests {
     }
 
     #[test]
+    fn a_forks_answer_and_notes_past_their_caps_are_violations() {
+        let long = "x".repeat(MAX_ERROR_FIELD_CHARS + 1);
+        let forked = FromWorker::Forked { error: Some(long) };
+        assert!(validate_from_worker(&forked, 0).is_err());
+        assert!(validate_from_worker(&FromWorker::Forked { error: None }, 0).is_ok());
+        let ready = |notes: Vec<String>| FromWorker::Ready {
+            pid: 1,
+            missing_layers: Vec::new(),
+            lockdown_us: 0,
+            notes,
+        };
+        assert!(validate_from_worker(&ready(vec!["ok".into(); 8]), 0).is_ok());
+        assert!(validate_from_worker(&ready(vec!["ok".into(); 9]), 0).is_err());
+        assert!(validate_from_worker(&ready(vec!["y".repeat(4 * MAX_NAME_CHARS + 1)]), 0).is_err());
+        // The order the host sends reads back as one.
+        let order = ToWorker::Fork(ForkOrder {
+            parent_dir: "/s/a".into(),
+            parent_forks: "/s/@forks-1/@next-1".into(),
+            child_dir: "/s/@forks-1/b-1".into(),
+            child_forks: "/s/@forks-1/@forks-1".into(),
+            env: vec![("HOME".into(), "/s/@forks-1/b-1".into())],
+        });
+        let json = serde_json::to_string(&order).unwrap();
+        assert!(json.starts_with(r#"{"op":"fork","#), "{json}");
+        let back: ToWorker = serde_json::from_str(&json).unwrap();
+        assert!(
+            matches!(back, ToWorker::Fork(o) if o.child_dir == std::path::Path::new("/s/@forks-1/b-1"))
+        );
+    }
+
+    #[test]
     fn a_done_frame_past_any_cap_is_a_violation() {
         let budget = 1000;
         assert!(validate_from_worker(&done(Some("x".repeat(20_000)), vec![]), budget).is_ok());
@@ -675,7 +746,8 @@ mod tests {
                 .prop_map(|(pid, missing_layers, lockdown_us)| FromWorker::Ready {
                     pid,
                     missing_layers,
-                    lockdown_us
+                    lockdown_us,
+                    notes: Vec::new(),
                 }),
             ".{0,60}".prop_map(|message| FromWorker::Fatal { message }),
             (any::<u64>(), "[a-z_/.]{0,10}", any::<bool>()).prop_map(|(id, method, obj)| {

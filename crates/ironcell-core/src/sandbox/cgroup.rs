@@ -98,6 +98,20 @@ fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
     }
 }
 
+/// Moves process `pid` (a forked session's worker, still in its parent's group) into a new
+/// pids group of its own beneath `parent`, capped at `max_tasks`: each session counts its own
+/// tasks (SECURITY.md #196). Done by the host, which may write the hierarchy.
+pub fn move_into_new_pids_group(parent: &Path, pid: i32, max_tasks: u64) -> io::Result<()> {
+    let dir = parent.join(format!("w{pid}"));
+    match std::fs::create_dir(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::write(dir.join("pids.max"), max_tasks.to_string())?;
+    std::fs::write(dir.join("cgroup.procs"), pid.to_string())
+}
+
 /// Removes the pids group of worker `pid` once it is gone (the zygote reaped it). The kernel
 /// refuses (EBUSY) to remove a group that still has tasks, so a pid already reused by a new
 /// worker in that group can never lose its cap; one reused before it joins finds the group gone

@@ -59,6 +59,19 @@ fn abi_from(v: i32) -> Result<ABI, LandlockError> {
 pub fn install_filesystem_landlock_rules_on_current_thread(
     grants: &FilesystemGrants,
 ) -> Result<(), LandlockError> {
+    restrict(grants, true)
+}
+
+/// A forked session's narrower layer (SECURITY.md #193), nested in the domain it inherited:
+/// the same handled rights and scopes, the same read-only grants, and read-write only beneath
+/// `grants.read_write` (its own directory and forks area). `no_new_privs` is already set, and
+/// the seccomp filter lets `prctl` set nothing here, so it is not asked again. The 17th layer
+/// fails (E2BIG): the fork is then refused.
+pub fn narrow_for_a_fork(grants: &FilesystemGrants) -> Result<(), LandlockError> {
+    restrict(grants, false)
+}
+
+fn restrict(grants: &FilesystemGrants, no_new_privs: bool) -> Result<(), LandlockError> {
     let abi = abi_from(grants.abi)?;
     let mut ruleset = Ruleset::default()
         .set_compatibility(CompatLevel::HardRequirement)
@@ -102,7 +115,7 @@ pub fn install_filesystem_landlock_rules_on_current_thread(
             created = created.add_rule(PathBeneath::new(fd, access))?;
         }
     }
-    let status = created.restrict_self()?;
+    let status = created.no_new_privs(no_new_privs).restrict_self()?;
     if status.ruleset != RulesetStatus::FullyEnforced {
         return Err(LandlockError::NotEnforced(status.ruleset));
     }

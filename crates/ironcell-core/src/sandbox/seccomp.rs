@@ -194,7 +194,7 @@ const REFUSED: &[libc::c_long] = &[
     libc::SYS_accept4, libc::SYS_execve, libc::SYS_execveat, libc::SYS_setpriority,
     libc::SYS_chroot, libc::SYS_setuid, libc::SYS_setgid, libc::SYS_setreuid, libc::SYS_setregid,
     libc::SYS_setresuid, libc::SYS_setresgid, libc::SYS_setgroups, libc::SYS_setsid,
-    libc::SYS_setpgid, libc::SYS_tkill, libc::SYS_truncate, libc::SYS_mknodat,
+    libc::SYS_tkill, libc::SYS_truncate, libc::SYS_mknodat,
     libc::SYS_sched_setaffinity, libc::SYS_sched_setscheduler, libc::SYS_capset,
     // File metadata (SECURITY.md #46). Landlock does not mediate mode, owner or times, so by
     // path these reach any file the uid owns (a root worker made a copy of a binary setuid;
@@ -391,6 +391,8 @@ fn allow_list(processes: Processes) -> Result<Rules, SeccompError> {
     always(&mut rules, REFUSED);
     always(&mut rules, REFUSED_LEGACY);
     always(&mut rules, UNSUPPORTED);
+    // Refused but for `setpgid(0, 0)` with children: the refusals filter decides.
+    always(&mut rules, &[libc::SYS_setpgid]);
     for &cmd in IOCTL_ALLOWED {
         when(&mut rules, libc::SYS_ioctl, vec![arg32(1, Op::Eq, cmd)?])?;
     }
@@ -414,10 +416,13 @@ fn allow_list(processes: Processes) -> Result<Rules, SeccompError> {
     // signals: its parent (and the worker) can still signal it, it cannot signal them or its
     // siblings (SECURITY.md #158). No rule is added, so no filesystem right can change.
     if processes == Processes::WithChildren {
+        // And a forked session (SECURITY.md #193) narrows its Landlock domain to its own
+        // directory, with rules: a new layer can only take rights away.
         always(
             &mut rules,
             &[
                 libc::SYS_landlock_create_ruleset,
+                libc::SYS_landlock_add_rule,
                 libc::SYS_landlock_restrict_self,
             ],
         );
@@ -467,6 +472,17 @@ fn refusals(processes: Processes) -> Result<Rules, SeccompError> {
     };
     always(&mut rules, REFUSED);
     always(&mut rules, REFUSED_LEGACY);
+    // A process group of its own is refused, except `setpgid(0, 0)` where sessions may fork:
+    // a forked session leaves its parent's group, so a kill of one group never ends the other
+    // (SECURITY.md #194). A child that leaves its worker's group the same way is still its
+    // descendant; orphaned, the host kills it (`resident::kill_escaped_orphans`).
+    match processes {
+        Processes::WithChildren => {
+            when(&mut rules, libc::SYS_setpgid, vec![arg32(0, Op::Ne, 0)?])?;
+            when(&mut rules, libc::SYS_setpgid, vec![arg32(1, Op::Ne, 0)?])?;
+        }
+        Processes::Alone { .. } => always(&mut rules, &[libc::SYS_setpgid]),
+    }
     // clone without CLONE_THREAD is fork(): refused, except glibc's plain fork when the worker
     // may have children. Threads are allowed, and only threads that share everything a pthread
     // shares: a thread without CLONE_FILES gets its own copy of the descriptor table, another
@@ -1610,13 +1626,15 @@ mod tests {
         for n in [libc::SYS_fork, libc::SYS_vfork] {
             assert_eq!(call(with, n, [0; 6]), eperm);
         }
-        for n in [
-            libc::SYS_execve,
-            libc::SYS_execveat,
-            libc::SYS_setsid,
-            libc::SYS_setpgid,
-        ] {
+        for n in [libc::SYS_execve, libc::SYS_execveat, libc::SYS_setsid] {
             assert_eq!(call(with, n, [0; 6]), eperm, "{n}");
+        }
+        // A group of its own (a forked session), and no other: not another's, not joining one.
+        assert_eq!(call(with, libc::SYS_setpgid, [0; 6]), ok);
+        assert_eq!(call(alone, libc::SYS_setpgid, [0; 6]), eperm);
+        for args in [[4321, 0], [0, 4321], [4321, 4321]] {
+            let args = [args[0], args[1], 0, 0, 0, 0];
+            assert_eq!(call(with, libc::SYS_setpgid, args), eperm, "{args:?}");
         }
         // A rule holding a pid would name the parent in a child: only 0 passes.
         assert_eq!(call(with, libc::SYS_prlimit64, [0, 7, 0, 0, 0, 0]), ok);
@@ -1673,12 +1691,12 @@ mod tests {
         assert_eq!(dumpable(alone, 1), enosys);
         for n in [
             libc::SYS_landlock_create_ruleset,
+            libc::SYS_landlock_add_rule,
             libc::SYS_landlock_restrict_self,
         ] {
             assert_eq!(call(with, n, [0; 6]), ok);
             assert_eq!(call(alone, n, [0; 6]), enosys);
         }
-        assert_eq!(call(with, libc::SYS_landlock_add_rule, [0; 6]), enosys);
         let deathsig = |v: u64| {
             call(
                 with,

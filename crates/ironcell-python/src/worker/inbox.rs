@@ -43,6 +43,8 @@ pub struct RunOrder {
     pub id: u64,
     pub code: String,
     pub bind: Option<frame::Binding>,
+    /// A fork of this session instead of a cell (`code` is empty); its socket came with it.
+    pub fork: Option<frame::ForkOrder>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -74,8 +76,10 @@ struct Shared {
     kick_w: OwnedFd,
     /// The thread that runs cells (and calls [`Inbox::next_run`]).
     main: std::thread::ThreadId,
-    /// The reader thread, once it runs.
-    reader: std::sync::OnceLock<std::thread::ThreadId>,
+    /// The reader thread, once it runs (a forked session's is a new one).
+    reader: Mutex<Option<std::thread::ThreadId>>,
+    /// The reader thread's own copy of the socket (a forked session puts its socket there).
+    reader_fd: std::sync::atomic::AtomicI32,
     /// The socket, for the main thread's reads (between cells, and in a [`MainWait`]).
     sock: UnixStream,
 }
@@ -132,19 +136,74 @@ impl Inbox {
             kick_r,
             kick_w,
             main: std::thread::current().id(),
-            reader: std::sync::OnceLock::new(),
+            reader: Mutex::new(None),
+            reader_fd: std::sync::atomic::AtomicI32::new(-1),
             sock: sock.try_clone().context("cloning the session socket")?,
         });
         let _ = SHARED.set(shared.clone());
-        let reader = sock.try_clone().context("cloning the session socket")?;
-        let thread_shared = shared.clone();
+        let inbox = Inbox { shared };
+        inbox.start_reader()?;
+        Ok(inbox)
+    }
+
+    /// Starts the reader thread on a copy of the socket.
+    fn start_reader(&self) -> anyhow::Result<()> {
+        let reader = self
+            .shared
+            .sock
+            .try_clone()
+            .context("cloning the session socket")?;
+        use std::os::fd::AsRawFd;
+        self.shared
+            .reader_fd
+            .store(reader.as_raw_fd(), std::sync::atomic::Ordering::Relaxed);
+        let thread_shared = self.shared.clone();
         std::thread::Builder::new()
             .name("session-reader".into())
             .spawn(move || read_while_a_cell_runs(&thread_shared, reader))
             .context("starting the session reader thread")?;
-        Ok(Inbox { shared })
+        Ok(())
     }
 
+    /// For a fork: the descriptors this inbox reads and wakes through (the socket, the reader
+    /// thread's copy of it, the wake-up pipe's ends), which the new session replaces with its
+    /// own under the same numbers.
+    pub(super) fn descriptors(&self) -> [std::os::fd::RawFd; 4] {
+        use std::os::fd::AsRawFd;
+        let s = &self.shared;
+        [
+            s.sock.as_raw_fd(),
+            s.reader_fd.load(std::sync::atomic::Ordering::Relaxed),
+            s.kick_r.as_raw_fd(),
+            s.kick_w.as_raw_fd(),
+        ]
+    }
+
+    /// For a fork: holds the inbox's lock across it, so the new session's copy is unlocked.
+    pub(super) fn hold(&self) -> Held<'_> {
+        Held(crate::lock(&self.shared.state))
+    }
+
+    /// In a forked session, whose descriptors are its own now ([`Inbox::descriptors`]): a new
+    /// reader thread (the parent's did not come along) reading its own copy of the socket.
+    pub(super) fn restart_reader_after_fork(&self) -> anyhow::Result<()> {
+        let old = self
+            .shared
+            .reader_fd
+            .load(std::sync::atomic::Ordering::Relaxed);
+        self.start_reader()?;
+        if old >= 0 {
+            // SAFETY: the old reader's copy, whose thread did not survive the fork.
+            unsafe { libc::close(old) };
+        }
+        Ok(())
+    }
+}
+
+/// The inbox's lock, held across a fork.
+pub(super) struct Held<'a>(#[allow(dead_code)] std::sync::MutexGuard<'a, State>);
+
+impl Inbox {
     /// Blocks (call it without the GIL) until the host sends the next cell, reading the socket
     /// itself once the reader thread has given it back; `None` once the host closed the
     /// session. When this returns a cell, the main thread holds the socket without reading it
@@ -184,7 +243,7 @@ impl Inbox {
         }
         loop {
             wait_readable(&shared.sock);
-            match read_one(&mut &shared.sock) {
+            match read_one(&shared.sock) {
                 Frame::Run(run) => {
                     let st = crate::lock(&shared.state);
                     if st.owner == Owner::Main {
@@ -237,7 +296,7 @@ impl MainWait {
             // This thread already reads (for an outer call, or as the reader thread running an
             // answer's callback): waiting for another reader here would wait forever.
             Owner::MainWaiting if me == shared.main => true,
-            Owner::Reader if shared.reader.get() == Some(&me) => true,
+            Owner::Reader if *crate::lock(&shared.reader) == Some(me) => true,
             _ => return None,
         };
         if !nested {
@@ -273,7 +332,7 @@ impl MainWait {
                     return Waited::Closed;
                 }
             }
-            match read_one(&mut &self.shared.sock) {
+            match read_one(&self.shared.sock) {
                 Frame::Run(run) => {
                     // Not sent during a cell; kept for the next `next_run` all the same.
                     crate::lock(&self.shared.state).queued.push_back(run);
@@ -317,9 +376,9 @@ fn busy(shared: &Shared, mut st: std::sync::MutexGuard<'_, State>) {
 }
 
 /// Body of the reader thread: reads and dispatches frames whenever it owns the socket.
-fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
+fn read_while_a_cell_runs(shared: &Shared, sock: UnixStream) {
     super::block_sigint_on_this_thread();
-    let _ = shared.reader.set(std::thread::current().id());
+    *crate::lock(&shared.reader) = Some(std::thread::current().id());
     loop {
         {
             let mut st = crate::lock(&shared.state);
@@ -347,7 +406,7 @@ fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
         let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
         let (frame_waiting, kicked) = (ready(&fds[0]), ready(&fds[1]));
         if frame_waiting {
-            match read_one(&mut sock) {
+            match read_one(&sock) {
                 Frame::Run(run) => {
                     crate::lock(&shared.state).queued.push_back(run);
                     shared.changed.notify_all();
@@ -370,10 +429,21 @@ fn read_while_a_cell_runs(shared: &Shared, mut sock: UnixStream) {
 }
 
 /// Reads one frame and hands a bridge answer to its waiter.
-fn read_one(sock: &mut impl std::io::Read) -> Frame {
-    match frame::read_frame(sock) {
+fn read_one(sock: &UnixStream) -> Frame {
+    match frame::read_frame(&mut FdReader(sock)) {
         Ok(Some((KIND_JSON, body))) => match serde_json::from_slice::<ToWorker>(&body) {
-            Ok(ToWorker::Run { id, code, bind }) => Frame::Run(RunOrder { id, code, bind }),
+            Ok(ToWorker::Run { id, code, bind }) => Frame::Run(RunOrder {
+                id,
+                code,
+                bind,
+                fork: None,
+            }),
+            Ok(ToWorker::Fork(order)) => Frame::Run(RunOrder {
+                id: 0,
+                code: String::new(),
+                bind: None,
+                fork: Some(order),
+            }),
             Ok(ToWorker::Response { id, payload }) => {
                 crate::bridge::resolve(id, payload.to_string());
                 Frame::Other
@@ -400,6 +470,30 @@ fn wait_readable(sock: &UnixStream) {
             Err(nix::errno::Errno::EINTR) => continue,
             _ => return,
         }
+    }
+}
+
+/// Descriptors the host passed with a frame (a fork's socket), for [`take_passed_fd`]. At most
+/// one is kept: the host passes one per `fork`, and the worker asks for it right after.
+static PASSED: Mutex<Option<OwnedFd>> = Mutex::new(None);
+
+/// The descriptor the host passed with the last frame, if any (a fork's socket).
+pub(super) fn take_passed_fd() -> Option<OwnedFd> {
+    crate::lock(&PASSED).take()
+}
+
+/// Reads the session socket with `recvmsg`, so a descriptor the host passes (a fork's socket)
+/// is kept, not dropped by a plain `read`.
+struct FdReader<'a>(&'a UnixStream);
+
+impl std::io::Read for FdReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let (n, fds, _) = ironcell_core::control::recv_with_fds(self.0.as_raw_fd(), buf)?;
+        if let Some(fd) = fds.into_iter().next() {
+            *crate::lock(&PASSED) = Some(fd);
+        }
+        Ok(n)
     }
 }
 

@@ -24,6 +24,7 @@
 //! - after: only now say `ready`, start the output pump and reader threads, and serve `run`
 //!   frames.
 
+mod fork;
 mod inbox;
 mod output_pump;
 
@@ -58,6 +59,9 @@ const SESSION_FD: RawFd = 3;
 extern "C" fn child_readable_by_the_host() {
     // SAFETY: prctl(2) with integer arguments only.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
+    if fork::FORKING_A_SESSION.load(std::sync::atomic::Ordering::Relaxed) {
+        return; // a forked session: it sets up its own (worker/fork.rs)
+    }
     if FORKED_FROM_MAIN_THREAD.load(std::sync::atomic::Ordering::Relaxed) {
         // SAFETY: as above.
         unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
@@ -301,6 +305,7 @@ fn serve_session(
     )
     .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
+    *crate::lock(&fork::FORKABLE) = Some(forkable(&spec, &private_tmp, zygote));
     if ironcell_core::sandbox::children_in_this_worker(&spec.sandbox, &private_tmp) {
         // SAFETY: registers a handler that runs in the child after fork(3), where it makes
         // one prctl(2) call, which is async-signal-safe.
@@ -324,6 +329,7 @@ fn serve_session(
             pid: std::process::id() as i32,
             missing_layers,
             lockdown_us,
+            notes: Vec::new(),
         },
     )?;
     // The threads start after `ready` (it is not delayed by them); anything written to fd 1 or
@@ -342,9 +348,20 @@ fn serve_session(
             (next, inbox)
         });
         inbox = back;
-        let Some(inbox::RunOrder { id, code, bind }) = next else {
+        let Some(inbox::RunOrder {
+            id,
+            code,
+            bind,
+            fork,
+        }) = next
+        else {
             return Ok(()); // the host closed the session
         };
+        if let Some(order) = fork {
+            // In the fork, this returns serving the new session on the same loop.
+            fork::fork_session(py, &runner, order, &inbox, &pump, &writer)?;
+            continue;
+        }
         if let Some(bind) = bind {
             bind_session(py, &runner, bind)?;
         }
@@ -354,6 +371,32 @@ fn serve_session(
         // GIL, so the bridge's reader thread can hand out answers while this write waits.
         py.detach(|| pump.drain_then(|| send_json(&writer, &done)))?;
     }
+}
+
+/// Whether this worker may fork sessions (SECURITY.md #193): where it may fork children and
+/// was given a forks area; else why not, for the host's refusal.
+fn forkable(
+    spec: &WorkerSpec,
+    private_tmp: &ironcell_core::sandbox::private_tmp::PrivateTmp,
+    zygote: nix::unistd::Pid,
+) -> Result<fork::Forkable, String> {
+    if !ironcell_core::sandbox::children_in_this_worker(&spec.sandbox, private_tmp) {
+        return Err("this session's worker may not fork (it needs Landlock ABI 6 or later and a mount namespace of its own: `ironcell doctor` says which is missing)".into());
+    }
+    let (Some(grants), Some(forks)) = (&spec.sandbox.filesystem, &spec.forks_area) else {
+        return Err("this session's worker was started without a forks area".into());
+    };
+    let shared_rw = grants
+        .read_write
+        .iter()
+        .filter(|p| **p != spec.scratch && *p != forks)
+        .cloned()
+        .collect();
+    Ok(fork::Forkable {
+        grants: grants.clone(),
+        shared_rw,
+        zygote,
+    })
 }
 
 /// A pre-forked spare's hand-off to its session (see [`frame::Binding`]). A failure ends the

@@ -47,12 +47,46 @@ impl OutputPump {
             stderr,
             writer,
         });
-        let thread_inner = inner.clone();
+        let pump = OutputPump { inner };
+        pump.start_thread()?;
+        Ok(pump)
+    }
+
+    fn start_thread(&self) -> anyhow::Result<()> {
+        let thread_inner = self.inner.clone();
         std::thread::Builder::new()
             .name("output-pump".into())
             .spawn(move || thread_inner.pump_forever())
             .context("starting the output pump thread")?;
-        Ok(OutputPump { inner })
+        Ok(())
+    }
+
+    /// For a fork: the read ends of the pipes it pumps, which the new session replaces with its
+    /// own under the same numbers.
+    pub(super) fn descriptors(&self) -> [std::os::fd::RawFd; 2] {
+        use std::os::fd::AsRawFd;
+        [self.inner.stdout.as_raw_fd(), self.inner.stderr.as_raw_fd()]
+    }
+
+    /// For a fork: holds the pump's lock across it (the pump thread takes it, then the socket's,
+    /// as this does), so the new session's copy is unlocked.
+    pub(super) fn hold(&self) -> anyhow::Result<std::sync::MutexGuard<'_, impl Sized>> {
+        self.inner
+            .lock
+            .lock()
+            .map_err(|_| anyhow!("output pump lock poisoned"))
+    }
+
+    /// In a forked session, whose pipes are its own now: a new pump thread (the parent's did
+    /// not come along).
+    pub(super) fn restart_after_fork(&self) -> anyhow::Result<()> {
+        for fd in [&self.inner.stdout, &self.inner.stderr] {
+            let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL)?;
+            let flags =
+                nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+            nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        }
+        self.start_thread()
     }
 
     /// Forwards everything still buffered in the pipes, then runs `then` before any newer output

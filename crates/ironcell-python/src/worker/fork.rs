@@ -1,0 +1,469 @@
+//! Forking a live session (docs/ARCHITECTURE.md, "Forking a session"; SECURITY.md #193-#199).
+//!
+//! The host sends `fork` between cells, with the new session's socket attached. The worker (A)
+//! forks twice, A → M → B, and M exits at once: B is orphaned, and the zygote, the child
+//! subreaper, adopts it, so B is the zygote's child like any worker (the zygote reaps it and
+//! reports its exit) and outlives A. glibc's `fork` takes the allocator's locks around each
+//! fork, and A holds its own (pump, socket, inbox) across it, so B's copy of A's heap is
+//! consistent although A has other threads; Python's are handled by `PyOS_*Fork*`.
+//!
+//! B then, while it has one thread:
+//! 1. leaves A's process group (`setpgid(0, 0)`) and dies with the zygote;
+//! 2. copies A's files into its own directory (bytes: the filter lets no reflink through);
+//! 3. narrows its Landlock domain to its own directory and forks area (one layer, with the
+//!    signal scope: it cannot signal A);
+//! 4. puts its own socket, pipes and wake-up pipe on the descriptor numbers A's objects use,
+//!    re-opens inherited files of A's directory on its copies, closes every other descriptor;
+//! 5. renames itself to its session (environment, cwd), restarts the reader and pump threads,
+//!    and says `ready` on its socket, then serves cells in the same loop A did.
+//!
+//! A meanwhile reaps M and narrows its own domain to its directory and its next forks area, so
+//! neither reaches the other's files from then on.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, anyhow};
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{FileStat, Mode};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use ironcell_core::frame::{ForkOrder, FromWorker};
+use ironcell_core::sandbox::landlock::FilesystemGrants;
+
+use super::inbox::Inbox;
+use super::output_pump::OutputPump;
+use super::{SESSION_FD, send_json};
+
+/// Set between a session fork and the new session's own setup: the `pthread_atfork` child
+/// handler then leaves the children's parent-death signal and signal-scope layer out (the new
+/// session sets up its own).
+pub(super) static FORKING_A_SESSION: AtomicBool = AtomicBool::new(false);
+
+/// What this worker needs to fork: its filesystem grants (read-only ones, and the read-write
+/// ones that are not its directory or forks area, which a fork keeps), and the zygote's pid.
+pub(super) struct Forkable {
+    pub grants: FilesystemGrants,
+    /// Read-write grants other than the session's directory and forks area.
+    pub shared_rw: Vec<PathBuf>,
+    pub zygote: nix::unistd::Pid,
+}
+
+/// Set at lockdown where this worker may fork sessions (`None`: it may not, and why).
+pub(super) static FORKABLE: Mutex<Option<Result<Forkable, String>>> = Mutex::new(None);
+
+/// The worker's side of one `fork` order. In A it answers `forked` and returns; in B it returns
+/// once B serves its own session (the loop continues in B with B's descriptors).
+pub(super) fn fork_session(
+    py: Python<'_>,
+    runner: &Bound<'_, PyModule>,
+    order: ForkOrder,
+    inbox: &Inbox,
+    pump: &OutputPump,
+    writer: &Arc<Mutex<std::os::unix::net::UnixStream>>,
+) -> anyhow::Result<()> {
+    let Some(socket) = super::inbox::take_passed_fd() else {
+        return answer(
+            writer,
+            Some("the fork order came without its socket".into()),
+        );
+    };
+    let (zygote, grants, shared_rw) = match &*crate::lock(&FORKABLE) {
+        Some(Ok(f)) => (f.zygote, f.grants.clone(), f.shared_rw.clone()),
+        Some(Err(why)) => return answer(writer, Some(why.clone())),
+        None => return answer(writer, Some("this worker cannot fork".into())),
+    };
+    let started = std::time::Instant::now();
+    // Held across both forks: B's copies of these locks are then unlocked when B drops them.
+    let pump_held = pump.hold()?;
+    let writer_held = crate::lock(writer);
+    let inbox_held = inbox.hold();
+    FORKING_A_SESSION.store(true, Ordering::Relaxed);
+    // SAFETY: the GIL is held by this thread; PyOS_BeforeFork takes CPython's fork locks.
+    unsafe { pyo3::ffi::PyOS_BeforeFork() };
+    // SAFETY: glibc's fork(2) (with its allocator locking); the child runs only the code below.
+    let middle = unsafe { libc::fork() };
+    if middle == 0 {
+        // M: fork B and end, so B is orphaned to the zygote (the subreaper).
+        // SAFETY: fork(2) in a single-threaded process.
+        let b = unsafe { libc::fork() };
+        if b != 0 {
+            // SAFETY: M ends at once, running nothing of the parent's.
+            unsafe { libc::_exit(if b > 0 { 0 } else { 1 }) };
+        }
+        // SAFETY: in B, right after fork, with the GIL held by this (only) thread.
+        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
+        drop((pump_held, writer_held, inbox_held));
+        let fds = (inbox.descriptors(), pump.descriptors());
+        let setup = become_the_fork(
+            py,
+            runner,
+            &order,
+            socket,
+            fds,
+            (&grants, &shared_rw),
+            zygote,
+        );
+        FORKING_A_SESSION.store(false, Ordering::Relaxed);
+        return match setup {
+            Ok(notes) => {
+                super::WORKER_PID.store(std::process::id(), Ordering::Relaxed);
+                inbox.restart_reader_after_fork()?;
+                pump.restart_after_fork()?;
+                send_json(
+                    writer,
+                    &FromWorker::Ready {
+                        pid: std::process::id() as i32,
+                        missing_layers: Vec::new(),
+                        lockdown_us: started.elapsed().as_micros() as u64,
+                        notes,
+                    },
+                )
+            }
+            Err(e) => {
+                let _ = send_json(
+                    writer,
+                    &FromWorker::Fatal {
+                        message: format!("{e:#}"),
+                    },
+                );
+                // SAFETY: B ends here, running none of A's destructors.
+                unsafe { libc::_exit(70) }
+            }
+        };
+    }
+    let fork_error = (middle < 0).then(std::io::Error::last_os_error);
+    // SAFETY: in A, after fork, with the GIL held.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
+    FORKING_A_SESSION.store(false, Ordering::Relaxed);
+    drop((pump_held, writer_held, inbox_held));
+    drop(socket);
+    if let Some(e) = fork_error {
+        return answer(writer, Some(format!("fork failed: {e}")));
+    }
+    let mut status = 0;
+    // SAFETY: waitpid(2) of M, this process's child, with a valid out-pointer.
+    while unsafe { libc::waitpid(middle, &mut status, 0) } < 0
+        && nix::errno::Errno::last() == nix::errno::Errno::EINTR
+    {}
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+        return answer(writer, Some("the second fork failed".into()));
+    }
+    // A keeps its directory and its next forks area, and loses the new session's.
+    let mine = narrowed(&grants, &shared_rw, &order.parent_dir, &order.parent_forks);
+    if let Err(e) = ironcell_core::sandbox::landlock::narrow_for_a_fork(&mine) {
+        return answer(
+            writer,
+            Some(format!("this session could not narrow its sandbox: {e}")),
+        );
+    }
+    answer(writer, None)
+}
+
+fn answer(
+    writer: &Arc<Mutex<std::os::unix::net::UnixStream>>,
+    error: Option<String>,
+) -> anyhow::Result<()> {
+    send_json(writer, &FromWorker::Forked { error })
+}
+
+/// The grants of one side of a fork: the same read-only ones, read-write beneath its own
+/// directory and forks area and the shared read-write grants.
+fn narrowed(
+    grants: &FilesystemGrants,
+    shared_rw: &[PathBuf],
+    dir: &Path,
+    forks: &Path,
+) -> FilesystemGrants {
+    let mut mine = grants.clone();
+    mine.read_write = vec![dir.to_path_buf(), forks.to_path_buf()];
+    mine.read_write.extend(shared_rw.iter().cloned());
+    mine
+}
+
+/// B's setup, steps 1-5 of the module's list. Returns notes for B's first result.
+fn become_the_fork(
+    py: Python<'_>,
+    runner: &Bound<'_, PyModule>,
+    order: &ForkOrder,
+    socket: OwnedFd,
+    fds: ([RawFd; 4], [RawFd; 2]),
+    (grants, shared_rw): (&FilesystemGrants, &[PathBuf]),
+    zygote: nix::unistd::Pid,
+) -> anyhow::Result<Vec<String>> {
+    // Step 1: a process group of its own, then wait to be the zygote's (M ends at once).
+    nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0))
+        .context("setpgid(0, 0)")?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while nix::unistd::getppid() != zygote {
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!("the fork was not adopted by the zygote");
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+    super::die_with_zygote(zygote)?;
+    // SAFETY: prctl(2) with integer arguments: dumpable, so the host reads its memory counters.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
+
+    // Step 2: the files, into a directory that must still be empty: anything in it was put
+    // there by the parent after the host made it (a hard link to one of the parent's files
+    // would let the two sides write one inode), and the fork is refused.
+    let planted = std::fs::read_dir(&order.child_dir)
+        .context("listing the fork's directory")?
+        .next()
+        .is_some();
+    if planted {
+        anyhow::bail!("the fork's directory was not empty when the fork began");
+    }
+    let mut copied = HashMap::new();
+    let mut notes = Vec::new();
+    copy_tree(
+        &order.parent_dir,
+        &order.child_dir,
+        &mut copied,
+        &mut notes,
+        0,
+    )
+    .context("copying the session's files")?;
+
+    // Step 3: the sandbox, narrowed to this session's own directory and forks area.
+    let mine = narrowed(grants, shared_rw, &order.child_dir, &order.child_forks);
+    ironcell_core::sandbox::landlock::narrow_for_a_fork(&mine)
+        .map_err(|e| anyhow!("narrowing the fork's sandbox: {e}"))?;
+
+    // Step 4: descriptors. The socket first (fd 3, where the writer and the bridge write).
+    super::move_fd_to(socket, SESSION_FD)?;
+    let mut keep: Vec<RawFd> = vec![SESSION_FD];
+    let (reopened, closed) = replace_descriptors(&copied, fds, &mut keep)?;
+    if reopened > 0 {
+        notes.push(format!(
+            "{reopened} open file(s) of the parent session now read and write this session's copies"
+        ));
+    }
+    if closed > 0 {
+        notes.push(format!(
+            "{closed} descriptor(s) of the parent session (pipes, sockets, files open for writing elsewhere) were closed here; objects that used them raise OSError"
+        ));
+    }
+    // Step 5: the session's name, environment and cwd, and a clear `/tmp` refusal.
+    let env = PyDict::new(py);
+    for (k, v) in &order.env {
+        env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
+    }
+    runner
+        .call_method1(
+            "became_a_fork",
+            (env, order.child_dir.display().to_string()),
+        )
+        .map_err(|e| anyhow!("binding the fork to its session: {e}"))?;
+    Ok(notes)
+}
+
+/// Points B's pipes and wake-up pipe at fresh ones under the numbers A's objects use, puts the
+/// session socket on the inbox's numbers too, re-opens inherited files of A's directory on B's
+/// copies, and closes every other descriptor from 3 up. Returns (re-opened, closed).
+fn replace_descriptors(
+    copied: &HashMap<(u64, u64), PathBuf>,
+    (inbox_fds, pump_fds): ([RawFd; 4], [RawFd; 2]),
+    keep: &mut Vec<RawFd>,
+) -> anyhow::Result<(usize, usize)> {
+    // The socket, on the inbox's copy and the reader thread's copy.
+    for fd in [inbox_fds[0], inbox_fds[1]] {
+        if fd >= 0 {
+            dup_onto(SESSION_FD, fd)?;
+            keep.push(fd);
+        }
+    }
+    let (kick_r, kick_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    dup_onto(kick_r.as_raw_fd(), inbox_fds[2])?;
+    dup_onto(kick_w.as_raw_fd(), inbox_fds[3])?;
+    keep.extend([inbox_fds[2], inbox_fds[3]]);
+    for (pump_fd, out) in pump_fds
+        .into_iter()
+        .zip([libc::STDOUT_FILENO, libc::STDERR_FILENO])
+    {
+        let (r, w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+        dup_onto(r.as_raw_fd(), pump_fd)?;
+        dup_onto(w.as_raw_fd(), out)?;
+        keep.push(pump_fd);
+    }
+    drop((kick_r, kick_w));
+    let mut reopened = 0;
+    let mut closed = 0;
+    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft.min(1 << 16) as RawFd)
+        .unwrap_or(1024);
+    for fd in 3..limit {
+        if keep.contains(&fd) {
+            continue;
+        }
+        // SAFETY: fcntl(2) F_GETFD on a descriptor number: EBADF when none is open there.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if flags < 0 {
+            continue;
+        }
+        // SAFETY: fstat(2) into a zeroed stat buffer for an open descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let stat_ok = unsafe { libc::fstat(fd, &mut st) } == 0;
+        let kind = st.st_mode & libc::S_IFMT;
+        let copy = copied.get(&(st.st_dev, st.st_ino));
+        if stat_ok && kind == libc::S_IFREG && copy.is_some() {
+            if reopen_on(fd, copy.unwrap_or(&PathBuf::new())).is_ok() {
+                reopened += 1;
+                continue;
+            }
+        } else if stat_ok && (kind == libc::S_IFCHR || kind == libc::S_IFREG) {
+            // A device (/dev/null) or a file outside A's directory: kept when only read.
+            // SAFETY: fcntl(2) F_GETFL on an open descriptor.
+            let mode = unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_ACCMODE;
+            if kind == libc::S_IFCHR || mode == libc::O_RDONLY {
+                continue;
+            }
+        }
+        // SAFETY: closes a descriptor this process inherited from A and does not keep.
+        unsafe { libc::close(fd) };
+        closed += 1;
+    }
+    Ok((reopened, closed))
+}
+
+/// Opens `path` as `fd` was opened (access mode, append), at the same offset, on `fd`'s number.
+fn reopen_on(fd: RawFd, path: &Path) -> anyhow::Result<()> {
+    // SAFETY: fcntl(2) F_GETFL on an open descriptor.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    let keep = flags & (libc::O_ACCMODE | libc::O_APPEND);
+    // SAFETY: lseek(2) asking the offset only.
+    let offset = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
+    let new = nix::fcntl::open(
+        path,
+        OFlag::from_bits_truncate(keep) | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    if offset > 0 {
+        // SAFETY: lseek(2) on the descriptor just opened.
+        unsafe { libc::lseek(new.as_raw_fd(), offset, libc::SEEK_SET) };
+    }
+    // Keep fd's own close-on-exec flag: dup3 with it.
+    // SAFETY: fcntl(2) F_GETFD on an open descriptor.
+    let cloexec = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+    dup_onto(new.as_raw_fd(), fd)?;
+    if !cloexec {
+        // SAFETY: clears FD_CLOEXEC, which dup_onto set, on a descriptor this process owns.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, 0) };
+    }
+    Ok(())
+}
+
+/// `dup3(from, to, O_CLOEXEC)`, unless they are the same number.
+fn dup_onto(from: RawFd, to: RawFd) -> anyhow::Result<()> {
+    if from == to {
+        return Ok(());
+    }
+    // SAFETY: dup3(2) onto a descriptor number this process controls; errno read at once.
+    if unsafe { libc::dup3(from, to, libc::O_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("dup3 onto fd {to}"));
+    }
+    Ok(())
+}
+
+/// Deepest directory nesting copied (the quota's walk bounds it too).
+const MAX_DEPTH: usize = 64;
+
+/// Copies the tree `from` into the existing directory `to`: directories, regular files (their
+/// bytes, mode bits 0o777) and symlinks (as links), never following one; the host's own
+/// `.ironcell` folder (run spills) stays behind. Records each copied file's (device, inode) →
+/// its copy, for re-opening inherited descriptors.
+fn copy_tree(
+    from: &Path,
+    to: &Path,
+    copied: &mut HashMap<(u64, u64), PathBuf>,
+    notes: &mut Vec<String>,
+    depth: usize,
+) -> anyhow::Result<()> {
+    if depth > MAX_DEPTH {
+        notes.push(format!(
+            "folders nested deeper than {MAX_DEPTH} were not copied"
+        ));
+        return Ok(());
+    }
+    let dir = nix::dir::Dir::open(
+        from,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| format!("opening {}", from.display()))?;
+    let names: Vec<CString> = {
+        let mut dir = dir;
+        dir.iter()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_owned())
+            .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+            .collect()
+    };
+    for name in names {
+        if depth == 0 && name.as_bytes() == b".ironcell" {
+            continue;
+        }
+        let os_name = std::ffi::OsStr::from_bytes(name.as_bytes());
+        let (src, dst) = (from.join(os_name), to.join(os_name));
+        let st: FileStat =
+            match nix::sys::stat::fstatat(nix::fcntl::AT_FDCWD, &src, AtFlags::AT_SYMLINK_NOFOLLOW)
+            {
+                Ok(st) => st,
+                Err(_) => continue,
+            };
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => {
+                nix::unistd::mkdir(&dst, Mode::from_bits_truncate(0o700))?;
+                copy_tree(&src, &dst, copied, notes, depth + 1)?;
+            }
+            libc::S_IFREG => {
+                copy_file(&src, &dst, st.st_mode & 0o777)?;
+                copied.insert((st.st_dev, st.st_ino), dst);
+            }
+            libc::S_IFLNK => {
+                if let Ok(target) = nix::fcntl::readlink(&src) {
+                    let _ = nix::unistd::symlinkat(target.as_os_str(), nix::fcntl::AT_FDCWD, &dst);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn copy_file(src: &Path, dst: &Path, mode: u32) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let from = nix::fcntl::open(
+        src,
+        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| format!("opening {}", src.display()))?;
+    let to = nix::fcntl::open(
+        dst,
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(mode),
+    )
+    .with_context(|| format!("creating {}", dst.display()))?;
+    let mut from = std::fs::File::from(from);
+    let mut to = std::fs::File::from(to);
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", src.display())),
+        };
+        to.write_all(&buf[..n])
+            .with_context(|| format!("writing {}", dst.display()))?;
+    }
+}

@@ -1,0 +1,468 @@
+//! Forking a live session (`run_python` with `fork_from`): the host's side. The worker's is
+//! crates/ironcell-python/src/worker/fork.rs; docs/ARCHITECTURE.md, "Forking a session", has
+//! the whole picture and SECURITY.md #193-#199 the argument.
+//!
+//! Every worker that may fork is granted, at lockdown, a *forks area*: an empty directory the
+//! host made (`@forks-N`, mode 0555, so the worker cannot write in it itself; `fchmod` and
+//! `chmod` are refused by its filter). Landlock grants are fixed at lockdown, so a fork's
+//! directory must lie beneath a grant its parent already holds. For a fork the host makes three
+//! directories in the parent's area (the child's directory, the child's forks area, the
+//! parent's next forks area); the worker forks, and each side narrows its domain to its own
+//! two. Each fork thus costs each side one Landlock layer of the kernel's 16.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::sync::atomic::AtomicU64;
+
+use super::*;
+
+/// Numbers the forks areas of this server (their names only).
+static FORKS_AREAS: AtomicU64 = AtomicU64::new(0);
+
+/// The most Landlock layers a forked session's domain may hold: each fork adds one to both
+/// sides, the kernel allows 16, and a session's own children take one more each.
+pub(super) const MAX_FORK_LAYERS: u32 = 12;
+
+/// How long a fork may take to say `ready` (it copies the parent's files first).
+const FORK_READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Lineages with a fork under way (their Unix session ids: a fork stays in its parent's
+/// session): the orphan sweep spares their fork, which is the zygote's child in a group of its
+/// own before the host knows it (`resident.rs`).
+pub(super) static FORKING: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// What a fork needs of its parent, read under the parent's lock.
+struct Parent {
+    pid: i32,
+    forks_area: PathBuf,
+    layers: u32,
+    dir: PathBuf,
+    lineage: Vec<String>,
+    packages_view: Option<Arc<crate::packages::View>>,
+}
+
+impl SessionManager {
+    /// Each forked session and its lineage (nearest parent first), by name.
+    pub fn forked_sessions(&self) -> Vec<(String, Vec<String>)> {
+        let mut forks: Vec<(String, Vec<String>)> = lock(&self.sessions)
+            .values()
+            .filter_map(|s| {
+                let lineage = lock(&s.lineage).clone();
+                (!lineage.is_empty()).then(|| (s.name.clone(), lineage))
+            })
+            .collect();
+        forks.sort();
+        forks
+    }
+
+    /// How many forks a line of forks may hold.
+    pub fn max_fork_depth(&self) -> u32 {
+        MAX_FORK_LAYERS - 1
+    }
+
+    /// A new forks area for a worker about to be spawned, where sessions can fork here (`None`
+    /// elsewhere: a fork is then refused with the reason).
+    pub(super) fn new_forks_area(&self) -> Option<PathBuf> {
+        let tmp =
+            crate::sandbox::private_tmp::host_status(self.settings.private_tmp, self.state_dir());
+        self.sandbox.children(&tmp).ok()?;
+        let n = FORKS_AREAS.fetch_add(1, Ordering::Relaxed);
+        let dir = self.root.join(format!("@forks-{n}"));
+        match std::fs::DirBuilder::new().mode(0o555).create(&dir) {
+            Ok(()) => Some(dir),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot make a forks area");
+                None
+            }
+        }
+    }
+
+    /// Makes session `to` a fork of session `from` as `from`'s last run left it, with a live
+    /// worker, or says why not. Returns the new session and the notes for its first result.
+    ///
+    /// Long on purpose: the checks in the order a fork could fail them, then the exchange with
+    /// the parent's worker and the new one, each step ending in its own refusal.
+    pub(super) async fn fork_session(
+        &self,
+        from: &str,
+        to: &str,
+    ) -> Result<(Arc<Session>, Vec<String>), RunRefusal> {
+        let refuse = |why: String| Err(RunRefusal::Fork(why));
+        if !valid_session_name(from) {
+            return Err(RunRefusal::InvalidSession(from.to_string()));
+        }
+        if from == to {
+            return refuse(format!("session {to:?} cannot be a fork of itself"));
+        }
+        if lock(&self.sessions).contains_key(to) {
+            return refuse(format!(
+                "session {to:?} exists already; fork into a new session name"
+            ));
+        }
+        let Some(parent) = lock(&self.sessions).get(from).cloned() else {
+            return refuse(format!(
+                "there is no session {from:?} (run code in it first)"
+            ));
+        };
+        // The parent's lock: its running cell ends first, and it runs nothing while it forks.
+        let mut state = parent.state.lock().await;
+        let alive = state
+            .worker
+            .as_mut()
+            .is_some_and(|w| matches!(w.liveness(), Liveness::Alive));
+        let Some(worker) = state.worker.as_mut().filter(|_| alive) else {
+            return refuse(format!(
+                "session {from:?} has no live Python process (its state is gone); run code in it first"
+            ));
+        };
+        let Some(forks_area) = worker.forks_area.clone() else {
+            let tmp = crate::sandbox::private_tmp::host_status(
+                self.settings.private_tmp,
+                self.state_dir(),
+            );
+            let why = self.sandbox.children(&tmp).err().unwrap_or_else(|| {
+                "its worker started before forking was possible; reset it first".into()
+            });
+            return refuse(format!("sessions cannot fork here: {why}"));
+        };
+        if worker.landlock_layers + 1 > MAX_FORK_LAYERS {
+            return refuse(format!(
+                "session {from:?} is {} forks deep; a line of forks holds at most {} (each fork \
+                 takes a Landlock layer on both sides, and the kernel allows 16)",
+                worker.landlock_layers - 1,
+                MAX_FORK_LAYERS - 1
+            ));
+        }
+        let Ok(slot) = self.session_slots.clone().try_acquire_owned() else {
+            return refuse(format!(
+                "all {} live-session slots are taken (IRONCELL_MAX_SESSIONS); end or reset a \
+                 session, or raise the cap",
+                self.settings.max_sessions
+            ));
+        };
+        let p = Parent {
+            pid: worker.pid(),
+            forks_area,
+            layers: worker.landlock_layers,
+            dir: parent.scratch.clone(),
+            lineage: lock(&parent.lineage).clone(),
+            packages_view: worker.packages_view.clone(),
+        };
+        self.fork_fits_on_disk(&p.dir)
+            .await
+            .map_err(RunRefusal::Fork)?;
+        let (child_dir, child_forks, parent_forks) = make_fork_dirs(&p.forks_area, to)
+            .map_err(|e| RunRefusal::Fork(format!("making the fork's directories: {e}")))?;
+        let (host_sock, child_sock) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| RunRefusal::Fork(format!("making the fork's socket: {e}")))?;
+        let order = ToWorker::Fork(frame::ForkOrder {
+            parent_dir: p.dir.clone(),
+            parent_forks: parent_forks.clone(),
+            child_dir: child_dir.clone(),
+            child_forks: child_forks.clone(),
+            env: spawn::session_environment(to, &child_dir),
+        });
+        let body = frame::json_body(&order)
+            .map_err(|e| RunRefusal::Fork(format!("encoding the fork order: {e}")))?;
+        // The lineage's session id (the first worker's pid: no worker may `setsid`), and when the
+        // order went out: the fork's process is checked against both.
+        let lineage_sid = resident::stat_fields(p.pid)
+            .and_then(|f| f.get(3)?.parse::<i32>().ok())
+            .ok_or_else(|| RunRefusal::Fork(format!("session {from:?}'s worker is gone")))?;
+        let ordered_at = boot_ticks_now();
+        let started = Instant::now();
+        lock(&FORKING).push(lineage_sid);
+        let _forking = NotForking(lineage_sid);
+        if worker.send_passing(body, Some(child_sock.into())).is_err() {
+            return refuse(format!("session {from:?}'s worker is not reading"));
+        }
+        match parent_answer(worker).await {
+            Ok(()) => {
+                worker.forks_area = Some(parent_forks);
+                worker.landlock_layers = p.layers + 1;
+            }
+            Err(why) => {
+                // A parent that failed to narrow keeps the fork's directory in reach: it goes.
+                if let Some(w) = state.worker.take() {
+                    w.kill().await;
+                }
+                state.pending_notice = Some(format!(
+                    "this session's worker was stopped after a failed fork: {why}"
+                ));
+                return refuse(why);
+            }
+        }
+        drop(state);
+        let answered_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let zygote = self
+            .current_zygote()
+            .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
+        let budget = self.settings.image_budget;
+        let (pid, notes, host_sock) = tokio::task::spawn_blocking(move || {
+            let (pid, notes) = read_ready(&host_sock, budget)?;
+            Ok::<_, String>((pid, notes, host_sock))
+        })
+        .await
+        .map_err(|e| RunRefusal::Fork(e.to_string()))?
+        .map_err(RunRefusal::Fork)?;
+        let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let pidfd =
+            verified_fork(pid, lineage_sid, ordered_at, &zygote).map_err(RunRefusal::Fork)?;
+        let (process, exit) = zygote
+            .adopt(pid, pidfd)
+            .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
+        if let Some(parent_dir) = &self.sandbox.pids_cgroup_parent {
+            let max = self.sandbox.policy.limits.threads.saturating_add(1);
+            if let Err(e) = crate::sandbox::cgroup::move_into_new_pids_group(parent_dir, pid, max) {
+                tracing::warn!(pid, error = %e, "a fork stays in its parent's pids group");
+            }
+        }
+        let spawned = crate::zygote::SpawnedWorker {
+            process,
+            socket: host_sock,
+            exit,
+        };
+        let mut live = LiveWorker::new(spawned, slot, budget)
+            .map_err(|e| RunRefusal::Fork(format!("taking the fork: {e}")))?;
+        live.forks_area = Some(child_forks);
+        live.landlock_layers = p.layers + 1;
+        live.packages_view = p.packages_view;
+        let mut lineage = vec![from.to_string()];
+        lineage.extend(p.lineage);
+        let session = Arc::new(Session::new(to.to_string(), child_dir));
+        *lock(&session.lineage) = lineage;
+        session.state.lock().await.worker = Some(live);
+        {
+            let mut table = lock(&self.sessions);
+            if table.contains_key(to) {
+                return refuse(format!("session {to:?} was made meanwhile"));
+            }
+            table.insert(to.to_string(), session.clone());
+        }
+        tracing::debug!(
+            from,
+            to,
+            pid,
+            answered_ms,
+            ready_ms,
+            taken_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "session forked"
+        );
+        Ok((session, notes))
+    }
+
+    /// Refuses a fork whose copy of `dir` would not fit the scratch quota or the disk.
+    async fn fork_fits_on_disk(&self, dir: &Path) -> Result<(), String> {
+        let quota = self.sandbox.scratch_quota_bytes();
+        let dir = dir.to_path_buf();
+        let used = tokio::task::spawn_blocking(move || {
+            let fd = host_fs::open_session_dir(&dir).map_err(|e| e.to_string())?;
+            match host_fs::usage(fd.as_fd(), quota) {
+                Usage::Measured { bytes, .. } => Ok(bytes),
+                Usage::Over { bytes, .. } => Err(format!(
+                    "the session's files take over {} MiB, past a session's quota of {} MiB",
+                    bytes >> 20,
+                    quota >> 20
+                )),
+                Usage::Unmeasurable(why) => Err(format!("its files cannot be measured: {why}")),
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        let floor = self.settings.min_free_disk_bytes;
+        if let Some(free) = self.free_disk_bytes().await
+            && free < used.saturating_add(floor)
+        {
+            return Err(format!(
+                "copying its files ({} MiB) would leave less than {} MiB free on the state \
+                 directory's disk (IRONCELL_MIN_FREE_DISK)",
+                used >> 20,
+                floor >> 20
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Takes the worker's pid off [`FORKING`] when the fork is done, however it ends.
+struct NotForking(i32);
+
+impl Drop for NotForking {
+    fn drop(&mut self) {
+        let mut forking = lock(&FORKING);
+        if let Some(i) = forking.iter().position(|&p| p == self.0) {
+            forking.swap_remove(i);
+        }
+    }
+}
+
+/// Makes the fork's directories in the parent's forks area (0555: made writable for the
+/// moment it takes, then checked to hold only them): the child's directory (0700), its forks
+/// area and the parent's next one (0555). Their names are unpredictable, so nothing the parent
+/// made beforehand is taken for them.
+fn make_fork_dirs(area: &Path, to: &str) -> std::io::Result<(PathBuf, PathBuf, PathBuf)> {
+    let tag: u64 = rand_tag();
+    let child = area.join(format!("{to}-{tag:016x}"));
+    let child_forks = area.join(format!("@forks-{tag:016x}"));
+    let parent_forks = area.join(format!("@next-{tag:016x}"));
+    std::fs::set_permissions(area, std::fs::Permissions::from_mode(0o755))?;
+    let made = (|| {
+        std::fs::DirBuilder::new().mode(0o700).create(&child)?;
+        std::fs::DirBuilder::new()
+            .mode(0o555)
+            .create(&child_forks)?;
+        std::fs::DirBuilder::new().mode(0o555).create(&parent_forks)
+    })();
+    std::fs::set_permissions(area, std::fs::Permissions::from_mode(0o555))?;
+    made?;
+    // Each area serves one fork (the parent moves on to its next area), so anything else in it
+    // is what the parent slipped in while it was writable: it goes.
+    let ours = [&child, &child_forks, &parent_forks];
+    for entry in std::fs::read_dir(area)?.flatten() {
+        let path = entry.path();
+        if !ours.contains(&&path) {
+            let _ = host_fs::remove_tree(&path);
+        }
+    }
+    Ok((child, child_forks, parent_forks))
+}
+
+/// 64 unpredictable bits (the kernel's random pool).
+fn rand_tag() -> u64 {
+    let mut buf = [0u8; 8];
+    if nix::errno::Errno::result(
+        // SAFETY: getrandom(2) into a local buffer of the length given.
+        unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) },
+    )
+    .is_err()
+    {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        return t ^ u64::from(std::process::id());
+    }
+    u64::from_ne_bytes(buf)
+}
+
+/// Waits (30 s at most) for the parent's `forked` answer; its output is logged, requests its
+/// threads send meanwhile are answered with an error.
+async fn parent_answer(worker: &mut LiveWorker) -> Result<(), String> {
+    let budget = worker.image_budget_bytes;
+    let wait = async {
+        loop {
+            let f = match worker.frames.next().await {
+                Some(Ok(f)) => f,
+                _ => return Err("the parent's worker ended during the fork".to_string()),
+            };
+            match frame::decode_worker_frame(&f, budget) {
+                Ok(WorkerFrame::Message(FromWorker::Forked { error: None })) => return Ok(()),
+                Ok(WorkerFrame::Message(FromWorker::Forked { error: Some(e) })) => return Err(e),
+                Ok(WorkerFrame::Stdout(_)) | Ok(WorkerFrame::Stderr(_)) => {}
+                Ok(WorkerFrame::Message(FromWorker::Request { id, .. })) => {
+                    let payload = serde_json::json!({"error": {"kind": "busy",
+                        "message": "the session is being forked; try again"}});
+                    if let Ok(body) = frame::json_body(&ToWorker::Response { id, payload }) {
+                        let _ = worker.send(body);
+                    }
+                }
+                Ok(WorkerFrame::Message(_)) => {
+                    return Err("the parent's worker sent something other than `forked`".into());
+                }
+                Err(v) => return Err(v.to_string()),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .unwrap_or_else(|_| Err("the parent's worker did not answer the fork within 30 s".into()))
+}
+
+/// Clock ticks since boot now (`/proc/uptime`, to its hundredth of a second), rounded down.
+fn boot_ticks_now() -> u64 {
+    // SAFETY: sysconf(3) with a valid name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0, |secs| ((secs - 0.02).max(0.0) * hz) as u64)
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22).
+fn start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let end = stat.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(&stat[end + 1..]).ok()?;
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+/// Reads the fork's first frame (blocking, on its own socket): `ready` with its pid and notes,
+/// or why it failed.
+fn read_ready(
+    sock: &std::os::unix::net::UnixStream,
+    budget: u64,
+) -> Result<(i32, Vec<String>), String> {
+    use std::io::Read;
+    let _ = sock.set_read_timeout(Some(FORK_READY_TIMEOUT));
+    let mut sock = sock;
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len)
+        .map_err(|e| format!("the fork did not become ready: {e}"))?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > frame::max_worker_frame_bytes(budget) {
+        return Err("the fork's first frame is too large".into());
+    }
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body)
+        .map_err(|e| format!("the fork did not become ready: {e}"))?;
+    let _ = sock.set_read_timeout(None);
+    match frame::decode_worker_frame(&body, budget) {
+        Ok(WorkerFrame::Message(FromWorker::Ready { pid, notes, .. })) => Ok((pid, notes)),
+        Ok(WorkerFrame::Message(FromWorker::Fatal { message })) => Err(message),
+        Ok(_) => Err("the fork sent something other than `ready`".into()),
+        Err(v) => Err(v.to_string()),
+    }
+}
+
+/// The fork's process, checked by the kernel's word, never the worker's: `pid` must be the
+/// zygote's child, lead its own process group, be in the parent's Unix session (`lineage_sid`,
+/// which only the lineage's processes can be: no worker may `setsid`), have started after the
+/// fork was ordered (`ordered_at`, in clock ticks since boot) and be no worker yet. Checked
+/// again after its pidfd is open, so the pidfd is that very process.
+fn verified_fork(
+    pid: i32,
+    lineage_sid: i32,
+    ordered_at: u64,
+    zygote: &crate::zygote::Zygote,
+) -> Result<OwnedFd, String> {
+    let check = || -> Result<(), String> {
+        let fields = resident::stat_fields(pid).ok_or("the fork's process is gone")?;
+        let field = |i: usize| fields.get(i).and_then(|f| f.parse::<i32>().ok());
+        let (ppid, group, sid) = (field(1), field(2), field(3));
+        if ppid != Some(zygote.pid()) || group != Some(pid) || sid != Some(lineage_sid) {
+            return Err(format!(
+                "process {pid} is not a fork of this session (parent {ppid:?}, group {group:?}, session {sid:?})"
+            ));
+        }
+        if start_ticks(pid).is_none_or(|t| t < ordered_at) {
+            return Err(format!("process {pid} is older than the fork"));
+        }
+        if zygote.live_workers().iter().any(|w| w.pid() == pid) {
+            return Err(format!("process {pid} is a worker already"));
+        }
+        Ok(())
+    };
+    check()?;
+    // SAFETY: pidfd_open(2) with integer arguments; the fd it returns is owned below.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if raw < 0 {
+        return Err(format!(
+            "cannot open the fork's process: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a fresh fd nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    check()?;
+    Ok(pidfd)
+}

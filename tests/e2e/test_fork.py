@@ -1,0 +1,201 @@
+"""Forking a live session (`run_python` with `fork_from`; docs/SECURITY.md #193-#199): the new
+session starts as a copy of the parent at the end of its last run (variables, imports, open
+files, files), after which the two evolve apart and neither can reach or act on the other.
+Attacked from inside both sides, as root and as `nobody`."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+
+from conftest import pid_alive, wait_until
+from test_sandbox import USERS, Sandboxed
+
+
+@pytest.fixture(scope="module", params=USERS)
+def box(request):
+    b = Sandboxed(request.param, IRONCELL_MAX_SESSIONS="40")
+    status = b.srv.info()["sandbox"]["child_processes"]
+    if not status.startswith("allowed"):
+        b.close()
+        pytest.skip(f"sessions cannot fork on this host: {status}")
+    yield b
+    b.close()
+
+
+def value(rec: dict):
+    assert rec["status"] == "ok", (rec.get("error"), rec.get("notices"))
+    return None if rec["result"] is None else ast.literal_eval(rec["result"])
+
+
+def fork(b: Sandboxed, parent: str, child: str, code: str = "1", **args) -> dict:
+    """The first run of `child`, forked from `parent` (which inherits the test prelude)."""
+    r = b.srv.call(code, session=child, fork_from=parent, **args)
+    b.sessions.add(child)
+    return r
+
+
+def test_a_fork_starts_with_the_parents_state_and_files_then_each_goes_its_own_way(box):
+    # Through `/tmp` where it is the session's own directory (not when the state dir is in /tmp).
+    tmp = "/tmp/" if box.private_tmp_is_namespace() else ""
+    value(box.run(
+        "import json, tempfile\nx = [1, 2, 3]\nos.makedirs('d/e', exist_ok=True)\n"
+        f"open('d/e/deep.txt', 'w').write('deep')\nopen('{tmp}via-tmp.txt', 'w').write('tmp')\n"
+        "log = open('log.txt', 'a'); log.write('a1\\n'); log.flush()\n"
+        "reader = open('d/e/deep.txt')\n(os.getpid(), os.getcwd())", session="parent"))
+    r = fork(box, "parent", "kid",
+             "x.append(4); log.write('b1\\n'); log.flush()\n"
+             "(x, json.dumps({'k': 1}), open('d/e/deep.txt').read(), open('via-tmp.txt').read(),"
+             " reader.read(), open('log.txt').read(), tempfile.gettempdir() == os.getcwd(), os.getcwd())")
+    assert not r["isError"], r["content"][0]["text"]
+    rec = r["structuredContent"]
+    assert rec["session_state"] == "forked" and rec["lineage"] == ["parent"], rec
+    got = value(rec)
+    assert got[:7] == ([1, 2, 3, 4], '{"k": 1}', "deep", "tmp", "deep", "a1\nb1\n", True), got
+    kid_dir = got[7]
+    # The parent saw none of it: its list, its file (and the shared-looking handle) are its own.
+    parent_dir = value(box.run("log.write('a2\\n'); log.flush()\n(x, open('log.txt').read(), os.getcwd())",
+                               session="parent"))
+    assert parent_dir[:2] == ([1, 2, 3], "a1\na2\n"), parent_dir
+    assert kid_dir != parent_dir[2]
+    value(box.run("open('late.txt', 'w').write('parent only')", session="parent"))
+    assert value(box.run("(os.path.exists('late.txt'), open('log.txt').read())", session="kid")) == (False, "a1\nb1\n")
+    # `/tmp` by path is refused in the fork, with the reason; the session directory is the way.
+    if tmp:
+        assert "a forked session has no /tmp" in box.run("open('/tmp/x', 'w')", session="kid")["error"]["message"]
+        assert value(box.run("open('/tmp/via-tmp.txt').read()", session="parent")) == "tmp"
+    # system://info names the lineage.
+    forks = {f["name"]: f["lineage"] for f in box.srv.info()["sessions"]["forks"]}
+    assert forks["kid"] == ["parent"] and "parent" not in forks, forks
+
+
+def test_neither_side_can_reach_or_act_on_the_other(box):
+    ppid, pdir = value(box.run("(os.getpid(), os.getcwd())", session="p2"))
+    fork(box, "p2", "k2")
+    kpid, kdir = value(box.run("(os.getpid(), os.getcwd())", session="k2"))
+    attacks = (
+        "import resource, signal\n"
+        "other_pid, other_dir = {pid}, {dir!r}\n"
+        "(outcome(lambda: open(other_dir + '/x', 'w')),"
+        " outcome(lambda: os.listdir(other_dir)),"
+        " outcome(lambda: open(other_dir + '/../../' + os.path.basename(other_dir) + '/y', 'w')),"
+        " outcome(lambda: os.kill(other_pid, 0)),"
+        " outcome(lambda: os.kill(other_pid, signal.SIGKILL)),"
+        " outcome(lambda: resource.prlimit(other_pid, resource.RLIMIT_NOFILE, (16, 16))),"
+        " outcome(lambda: os.setpgid(0, other_pid)),"
+        " outcome(lambda: open(os.path.dirname(os.getcwd()) + '/planted', 'w')))"
+    )
+    for me, other_pid, other_dir in (("k2", ppid, pdir), ("p2", kpid, kdir)):
+        got = value(box.run(attacks.format(pid=other_pid, dir=other_dir), session=me))
+        assert all(g == "PermissionError:13" or g == "PermissionError:1" for g in got), (me, got)
+    assert pid_alive(ppid) and pid_alive(kpid)
+    assert value(box.run("'fine'", session="p2")) == value(box.run("'fine'", session="k2")) == "fine"
+
+
+def test_timing_out_resetting_or_killing_one_leaves_the_other(box):
+    value(box.run("state = 'kept'", session="p3"))
+    fork(box, "p3", "k3")
+    rec = box.run("while True: pass", session="k3", timeout_s=1)
+    assert rec["status"] == "timeout", rec
+    assert value(box.run("state", session="p3")) == "kept"
+    rec = box.run("os.kill(os.getpid(), 9)", session="p3")
+    assert rec["session_state"] == "lost", rec
+    assert value(box.run("state", session="k3")) == "kept"
+    value(box.run("state = 'again'", session="p3"))
+    fork(box, "p3", "k3b")
+    box.run("1", session="p3", reset=True)
+    assert value(box.run("state", session="k3b")) == "again"
+
+
+def test_forks_of_forks_work_to_the_stated_depth_then_are_refused_with_the_reason(box):
+    value(box.run("depth = 0", session="f0"))
+    n = 0
+    while True:
+        r = fork(box, f"f{n}", f"f{n + 1}", "depth += 1\ndepth")
+        if r["isError"]:
+            break
+        assert value(r["structuredContent"]) == n + 1
+        n += 1
+        assert n < 20
+    text = r["content"][0]["text"]
+    assert n == 11 and "forks deep" in text and "Landlock layer" in text, (n, text)
+    lineage = box.srv.call("1", session="f11")["structuredContent"]["lineage"]
+    assert lineage == [f"f{i}" for i in range(10, -1, -1)]
+    # A session forks more than once; each fork is a sibling of the others.
+    fork(box, "f0", "g1")
+    assert value(box.run("depth", session="g1")) == 0
+
+
+def test_refusals_say_why(box):
+    cases = [
+        ({"session": "r1", "fork_from": "nosuch"}, "there is no session"),
+        ({"session": "r1", "fork_from": "r1"}, "fork of itself"),
+    ]
+    value(box.run("1", session="r0"))
+    value(box.run("1", session="taken"))
+    cases.append(({"session": "taken", "fork_from": "r0"}, "exists already"))
+    for args, words in cases:
+        r = box.srv.call("1", **args)
+        assert r["isError"] and words in r["content"][0]["text"], (args, r)
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_fork_past_the_live_session_cap_is_refused_not_evicting(user):
+    b = Sandboxed(user, IRONCELL_MAX_SESSIONS="2")
+    try:
+        if not b.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
+            pytest.skip("sessions cannot fork here")
+        value(b.run("a = 1", session="one"))
+        value(b.run("b = 2", session="two"))
+        r = fork(b, "one", "three")
+        assert r["isError"] and "live-session slots are taken" in r["content"][0]["text"], r
+        assert value(b.run("(a, 'kept')", session="one")) == (1, "kept")
+        assert value(b.run("b", session="two")) == 2
+    finally:
+        b.close()
+
+
+def test_a_session_that_used_up_its_landlock_layers_cannot_fork_and_is_stopped(box):
+    got = value(box.run(
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nn = 0\n"
+        "attr = (ctypes.c_uint64 * 3)(0, 0, 2)\n"
+        "while n < 40:\n"
+        "    fd = libc.syscall(444, ctypes.byref(attr), 24, 0)\n"
+        "    if fd < 0 or libc.syscall(446, fd, 0) != 0:\n        break\n"
+        "    os.close(fd); n += 1\n"
+        "n", session="layers"))
+    assert 0 < got <= 15
+    r = fork(box, "layers", "layers-kid")
+    assert r["isError"] and "cannot fork" in r["content"][0]["text"], r
+    rec = box.run("1", session="layers")
+    assert rec["session_state"] in ("restarted", "new") or "failed fork" in json.dumps(rec), rec
+
+
+def test_a_child_that_leaves_its_group_dies_once_orphaned(box):
+    # A child forked from a thread of a child (no parent-death signal) makes a group of its own
+    # (allowed: forks need it) and is orphaned; the host kills it, as nothing would count it.
+    pid = value(box.run(
+        "import threading, time\nr, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    def t():\n"
+        "        if os.fork() == 0:\n"
+        "            os.setpgid(0, 0); os.write(w, str(os.getpid()).encode()); time.sleep(120); os._exit(0)\n"
+        "    th = threading.Thread(target=t); th.start(); th.join(); time.sleep(0.5); os._exit(0)\n"
+        "os.close(w); pid = int(os.read(r, 64)); os.wait(); pid", session="escape"))
+    assert wait_until(lambda: not pid_alive(pid), timeout=10), pid
+    assert value(box.run("'still here'", session="escape")) == "still here"
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_below_landlock_abi_6_a_fork_is_refused_up_front_with_the_reason(user):
+    b = Sandboxed(user, abi_max=5)
+    try:
+        value(b.run("a = 1", session="one"))
+        r = fork(b, "one", "two")
+        text = r["content"][0]["text"]
+        assert r["isError"] and "sessions cannot fork here" in text and "ABI 5" in text, text
+        assert value(b.run("a", session="one")) == 1
+    finally:
+        b.close()
