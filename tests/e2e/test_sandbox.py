@@ -1219,10 +1219,18 @@ def test_43_two_hundred_concurrent_calls_are_bounded_and_cancel_cleanly(state_di
         time.sleep(0.5)
     assert r["structuredContent"]["result"] == "'after the storm'", r
     zygote = int(ast.literal_eval(srv.call("import os\nos.getppid()", session="s0")["structuredContent"]["result"]))
-    children = [p for p in os.listdir("/proc") if p.isdigit() and
-                Path(f"/proc/{p}/stat").exists() and
-                Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(zygote)]
-    assert len(children) <= 4, children
+    def zygote_children():
+        out = []
+        for p in os.listdir("/proc"):
+            try:
+                if p.isdigit() and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(zygote):
+                    out.append(p)
+            except OSError:
+                pass
+        return out
+    # The font-cache builder (no session slot, about a second; it starts once the first run has
+    # answered) may still be one more: the four slots' workers are what must stay.
+    assert wait_until(lambda: len(zygote_children()) <= 4, timeout=30), zygote_children()
     srv.close()
 
 

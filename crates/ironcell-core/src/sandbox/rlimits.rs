@@ -85,6 +85,11 @@ pub fn apply_worker_limits(limits: &WorkerLimits, count: TaskCount) -> std::io::
             tasks_now,
         ),
     };
+    // Never above the hard limit, which only CAP_SYS_RESOURCE may raise: with hundreds of
+    // sessions the sum passed it and every new worker failed with EPERM (a lower cap only
+    // narrows; for real uid 0 the kernel never checks it).
+    let (_, hard_nproc) = Resource::NPROC.get()?;
+    let nproc = nproc.min(hard_nproc);
     Resource::NPROC.set(nproc, nproc)?;
     Resource::MEMLOCK.set(0, 0)?;
     let (_, hard) = Resource::SIGPENDING.get()?;
