@@ -513,15 +513,15 @@ fn run_python_tool(default_timeout_s: f64, proxies: bool) -> Tool {
     let description = "Run Python in a persistent sandboxed session (no network): variables \
 and files persist (fork_from copies them), the last expression's value is returned, top-level \
 await works. Call the \
-user's other MCP servers from the code: await runtime.search_tool_docs('query'), await \
+user's other MCP servers in code: await runtime.search_tool_docs('query'), await \
 mcp_<server>.<tool>(**args). Manual: ironcell://manual";
     let schema = json!({
         "type": "object",
         "properties": {
             "code": {"type": "string"},
             "session": {"type": "string", "description": "Session name (default \"default\")"},
-            "timeout_s": {"type": "number", "description": format!("Wall-clock limit in seconds (default {default_timeout_s:.0})")},
-            "reset": {"type": "boolean", "description": "Start the session over first"},
+            "timeout_s": {"type": "number", "description": format!("Seconds allowed (default {default_timeout_s:.0})")},
+            "reset": {"type": "boolean", "description": "Restart the session first"},
             "servers": {"type": "array", "items": {"type": "string"}, "description": "MCP servers to pre-start"},
             "fork_from": {"type": "string"}
         },
