@@ -34,7 +34,10 @@
 //! - [`memory`]: `save_memory`/`load_memory` values, stored by the host per user.
 //! - [`proxy`]: the user's other MCP servers: config, upstream clients, rules, search.
 //! - [`router`]: where a worker's bridge requests go (parsed once into
-//!   [`ironcell_core::bridge::Request`]): the proxy, memory, local tools, change tracking.
+//!   [`ironcell_core::bridge::Request`]): the proxy, memory, local tools, change tracking,
+//!   packages, a session file's times.
+//! - [`epoll_gate`]: each session's epoll additions, counted against its share of the uid's
+//!   watches (the worker's seccomp user-notification listener).
 //! - [`audit`]: the audit log of runs and proxied calls.
 //! - [`packages`]: `%pip install` in a cell: host-side resolution with pip, wheels checked and
 //!   unpacked into a content-addressed store, linked read-only into the session's worker.
