@@ -253,32 +253,16 @@ impl LiveWorker {
         buf: &mut [u8],
         fds: &mut Vec<std::os::fd::OwnedFd>,
     ) -> std::io::Result<bool> {
-        use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-        use std::os::fd::{AsRawFd, FromRawFd};
+        use std::os::fd::AsRawFd;
         let sock: &tokio::net::UnixStream = self.frames.get_ref().as_ref();
         let mut filled = 0;
         while filled < buf.len() {
             sock.readable().await?;
             let got = sock.try_io(tokio::io::Interest::READABLE, || {
-                let mut iov = [std::io::IoSliceMut::new(&mut buf[filled..])];
-                let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
-                let msg = recvmsg::<()>(
-                    sock.as_raw_fd(),
-                    &mut iov,
-                    Some(&mut space),
-                    MsgFlags::MSG_CMSG_CLOEXEC,
-                )?;
-                for cmsg in msg.cmsgs()? {
-                    if let ControlMessageOwned::ScmRights(received) = cmsg {
-                        // SAFETY: the kernel just installed these descriptors for us.
-                        fds.extend(
-                            received
-                                .into_iter()
-                                .map(|fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }),
-                        );
-                    }
-                }
-                Ok(msg.bytes)
+                let (n, received, _) =
+                    ironcell_core::control::recv_with_fds(sock.as_raw_fd(), &mut buf[filled..])?;
+                fds.extend(received);
+                Ok(n)
             });
             match got {
                 Ok(0) if filled == 0 => return Ok(false),

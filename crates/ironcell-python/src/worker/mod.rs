@@ -210,27 +210,13 @@ pub fn run_worker_process(
 /// Hands the epoll gate's listener to the host (a frame with the descriptor attached), then
 /// closes this process's copy: code in the session must never answer its own calls.
 fn send_epoll_listener(listener: OwnedFd) -> std::io::Result<()> {
-    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     let body = serde_json::to_vec(&FromWorker::EpollListener {})?;
     let mut bytes = Vec::with_capacity(body.len() + 5);
     frame::write_frame(&mut bytes, KIND_JSON, &body)?;
-    let fds = [listener.as_raw_fd()];
-    let iov = [std::io::IoSlice::new(&bytes)];
-    let sent = sendmsg::<()>(
-        SESSION_FD,
-        &iov,
-        &[ControlMessage::ScmRights(&fds)],
-        MsgFlags::MSG_NOSIGNAL,
-        None,
-    )?;
-    drop(listener);
-    if sent == bytes.len() {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(
-            "the epoll listener's frame went out in part",
-        ))
-    }
+    // One small frame on a fresh socket goes out whole, the descriptor with it.
+    ironcell_core::control::send_message(SESSION_FD, &bytes, Some(listener.as_raw_fd()))
+        .map_err(std::io::Error::other)
+    // `listener` is closed here: no code in the session may answer its own calls.
 }
 
 fn serve_session(
