@@ -681,14 +681,20 @@ async def main():
     assert ast.literal_eval(rec["result"]) == (share, "ENOSPC"), rec
 
 
+@pytest.mark.parametrize("abi", [1, 3, 5])
 @pytest.mark.parametrize("user", USERS)
-def test_115_the_epoll_gate_does_not_depend_on_landlock(user):
-    # The gate is seccomp's: at Landlock ABI 1 (no scopes, no children) it counts the same.
-    b = Sandboxed(user, abi_max=1)
+def test_115_the_epoll_gate_and_set_times_hold_on_older_landlock(user, abi):
+    # The gate is seccomp's and set_times the host's: at older Landlock ABIs (no scopes, no
+    # children) they hold the same, and a host file's times stay refused.
+    b = Sandboxed(user, abi_max=abi)
     try:
         share = _epoll_info(b)["per_session"]
         rec = b.run(EPOLL_FILL, session="epoll-fill")
         assert ast.literal_eval(rec["result"]) == (share, "ENOSPC"), rec
+        victim = host_file_owned_by(b.user)
+        before = victim.stat().st_mtime_ns
+        assert b.outcome(f"os.utime({str(victim)!r}, (5, 5))") == "PermissionError:1"
+        assert victim.stat().st_mtime_ns == before
     finally:
         b.close()
 
