@@ -23,6 +23,17 @@ fi
 echo "== ruff (the Python in python/, scripts/, tests/)"
 if [[ ! -x "$H/venv/bin/ruff" ]]; then "$H/venv/bin/pip" install -q 'ruff==0.14.6'; fi
 "$H/venv/bin/ruff" check python scripts tests
+# The replica tests run Debian's HAProxy and validate deploy/kubernetes (tests/e2e/test_replicas.py).
+if [[ ! -x "$H/venv/bin/kubernetes-validate" ]]; then "$H/venv/bin/pip" install -q 'kubernetes-validate==1.37.0'; fi
+if [[ -z "$QUICK" ]] && ! command -v haproxy >/dev/null && [[ ! -x /usr/sbin/haproxy ]]; then
+  echo "== installing HAProxy (the load balancer tests/e2e/test_replicas.py runs)"
+  sudo=(); ((EUID == 0)) || sudo=(sudo)
+  if command -v apt-get >/dev/null; then "${sudo[@]}" apt-get update -qq && "${sudo[@]}" apt-get install -y -qq haproxy
+  elif command -v dnf >/dev/null; then "${sudo[@]}" dnf install -y -q haproxy
+  elif command -v apk >/dev/null; then "${sudo[@]}" apk add -q haproxy
+  else echo "no apt-get, dnf or apk here: install haproxy yourself (test_replicas.py needs it)" >&2
+  fi
+fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== the mcp module's pure logic (plain CPython, no host)"
