@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: formatting, clippy, Rust unit tests, the mcp module's plain-CPython tests,
 # and the end-to-end suite that starts the real binary and drives it with real MCP clients (the
-# official Python SDK) and real peers. Installs the test peers on first use
+# official Python SDK) and real peers. Installs the test peers (and HAProxy) on first use
 # (scripts/install_test_peers.sh; needs npm and PyPI once).
 #   --quick           the quick tier: formatting, ruff, the host's and the core's unit tests
 #                     (the MCP handler's among them), the mcp module's tests, and one smoke
