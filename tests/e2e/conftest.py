@@ -129,7 +129,20 @@ def shared_tmp_dir(base: str = "/tmp") -> Path:
 
     d = Path(tempfile.mkdtemp(prefix="ironcell-test-", dir=base))
     d.chmod(0o777)
+    _SHARED_TMP_DIRS.append(d)
     return d
+
+
+# Removed when the run ends (IRONCELL_KEEP_TEST_DIRS=1 keeps them for a post-mortem).
+_SHARED_TMP_DIRS: list[Path] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("IRONCELL_KEEP_TEST_DIRS") == "1":
+        return
+    for d in _SHARED_TMP_DIRS:
+        # --one-file-system: a mount a failed test left inside is not descended into.
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(d)], stderr=subprocess.DEVNULL, check=False)
 
 
 class RawServer:
