@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Proves the ironcell binary works on a system whose only Python is not the host's: a Debian root
 # filesystem made with debootstrap from the Debian package registry, holding one Python and its
-# libpython and no other Python, with ironcell run inside it through chroot. Two suites:
+# libpython and no other Python, with ironcell run inside it through chroot. Three suites:
 #   trixie (default)  Debian 13, python3.13 only (issue 9)
 #   sid               Debian unstable, python3.14 only (issue 44): 3.14 defaults multiprocessing
 #                     to the `forkserver` start method, which execs a server process. This root
 #                     also has Debian's `python3` package (/usr/bin/python3 -> python3.14), which
 #                     is how ironcell finds it: its search by name stops at python3.13.
+#   noble             Ubuntu 24.04 LTS, python3.12 only (where most Claude Code users on Linux
+#                     are), from the Ubuntu archive; Debian's debootstrap has no noble script, so
+#                     Ubuntu's common one (gutsy) is used, with the archive key taken from
+#                     noble's ubuntu-keyring package. (Ubuntu's AppArmor limit on user namespaces
+#                     is a host policy, not the root's: it is not exercised here.)
 #
 # Usage (as root):
-#   scripts/check_other_distro.sh [--suite trixie|sid] [ROOTFS_DIR]
+#   scripts/check_other_distro.sh [--suite trixie|sid|noble] [ROOTFS_DIR]
 #
 #   ROOTFS_DIR              where the rootfs lives (default $IRONCELL_ROOTFS, else
 #                           /var/tmp/ironcell-SUITE). Made on the first run (about 2 minutes:
@@ -19,6 +24,7 @@
 #                           copied into the rootfs as /usr/local/bin/ironcell on every run
 #   IRONCELL_DEBIAN_MIRROR  Debian mirror for debootstrap (default: the first non-security URI in
 #                           this machine's apt sources, else http://deb.debian.org/debian)
+#   IRONCELL_UBUNTU_MIRROR  Ubuntu mirror for --suite noble (default http://archive.ubuntu.com/ubuntu)
 #   IRONCELL_REBUILD=1      throw the rootfs away and make it again
 #
 # Checks, all inside `chroot ROOTFS_DIR` with a clean environment
@@ -50,19 +56,20 @@ SUITE=trixie
 ARGS=()
 while (($#)); do
   case $1 in
-    --suite) (($# >= 2)) || die "--suite needs a value (trixie or sid)"; SUITE=$2; shift 2 ;;
+    --suite) (($# >= 2)) || die "--suite needs a value (trixie, sid or noble)"; SUITE=$2; shift 2 ;;
     --suite=*) SUITE=${1#--suite=}; shift ;;
     -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
-    -*) die "unknown option $1 (usage: $0 [--suite trixie|sid] [ROOTFS_DIR])" ;;
+    -*) die "unknown option $1 (usage: $0 [--suite trixie|sid|noble] [ROOTFS_DIR])" ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
-((${#ARGS[@]} <= 1)) || die "one ROOTFS_DIR at most (usage: $0 [--suite trixie|sid] [ROOTFS_DIR])"
+((${#ARGS[@]} <= 1)) || die "one ROOTFS_DIR at most (usage: $0 [--suite trixie|sid|noble] [ROOTFS_DIR])"
 # Per suite: its only Python, the packages debootstrap adds, how its os-release names it.
 case $SUITE in
   trixie) PYVER=3.13 EXTRA="" DISTRO="Debian 13 trixie" OS_MATCH='trixie*' ;;
   sid) PYVER=3.14 EXTRA="" DISTRO="Debian sid (unstable)" OS_MATCH='*/sid*' ;;
-  *) die "unknown suite '$SUITE' (trixie or sid)" ;;
+  noble) PYVER=3.12 EXTRA="t64" DISTRO="Ubuntu 24.04 noble" OS_MATCH='noble (Ubuntu 24.04*' ;;
+  *) die "unknown suite '$SUITE' (trixie, sid or noble)" ;;
 esac
 PYTHON=python$PYVER
 INCLUDE=$PYTHON,lib$PYTHON$EXTRA
@@ -98,6 +105,27 @@ apt_mirror() {
   echo "${uri:-http://deb.debian.org/debian}"
 }
 MIRROR=${IRONCELL_DEBIAN_MIRROR:-$(apt_mirror)}
+DEBOOTSTRAP_ARGS=()
+if [[ $SUITE == noble ]]; then
+  MIRROR=${IRONCELL_UBUNTU_MIRROR:-http://archive.ubuntu.com/ubuntu}
+  DEBOOTSTRAP_SCRIPT=/usr/share/debootstrap/scripts/gutsy
+  [[ -f $DEBOOTSTRAP_SCRIPT ]] || die "debootstrap has no Ubuntu script ($DEBOOTSTRAP_SCRIPT)"
+fi
+
+# noble's archive key, from its ubuntu-keyring package (Debian ships none): the package's path
+# comes from the archive's package index; the key then checks the Release file debootstrap reads.
+ubuntu_keyring() {
+  local dir=$1 deb
+  command -v xz >/dev/null || die "--suite noble needs xz (apt-get install xz-utils)"
+  deb=$(curl -fsS "$MIRROR/dists/noble/main/binary-amd64/Packages.xz" | xz -dc \
+    | awk '/^Package: / { p = ($2 == "ubuntu-keyring") } p && /^Filename:/ && !n++ { print $2 }') \
+    || die "could not read noble's package index from $MIRROR"
+  [[ -n $deb ]] || die "noble's package index names no ubuntu-keyring"
+  curl -fsS -o "$dir/keyring.deb" "$MIRROR/$deb" || die "could not fetch $MIRROR/$deb"
+  dpkg-deb -x "$dir/keyring.deb" "$dir/x"
+  [[ -f $dir/x/usr/share/keyrings/ubuntu-archive-keyring.gpg ]] || die "$deb holds no ubuntu-archive-keyring.gpg"
+  echo "$dir/x/usr/share/keyrings/ubuntu-archive-keyring.gpg"
+}
 
 # Every mount point at or below $1, deepest first (mountinfo field 5 is the mount point).
 mounts_under() {
@@ -141,8 +169,13 @@ else
   mkdir -p "$PARTIAL"
   echo "== debootstrap --variant=minbase --include=$INCLUDE $SUITE $PARTIAL $MIRROR"
   start=$SECONDS
-  if ! debootstrap --variant=minbase --include="$INCLUDE" \
-      "$SUITE" "$PARTIAL" "$MIRROR" >"$PARTIAL.log" 2>&1; then
+  if [[ $SUITE == noble ]]; then
+    mkdir -p "$PARTIAL.keyring"
+    keyring=$(ubuntu_keyring "$PARTIAL.keyring") || exit 2
+    DEBOOTSTRAP_ARGS=(--keyring="$keyring" --components=main)
+  fi
+  if ! debootstrap --variant=minbase --include="$INCLUDE" "${DEBOOTSTRAP_ARGS[@]}" \
+      "$SUITE" "$PARTIAL" "$MIRROR" ${DEBOOTSTRAP_SCRIPT:+"$DEBOOTSTRAP_SCRIPT"} >"$PARTIAL.log" 2>&1; then
     tail -n 30 "$PARTIAL.log" >&2
     unmount_under "$PARTIAL"
     die "debootstrap failed (log: $PARTIAL.log)"
@@ -152,6 +185,7 @@ else
   echo "suite=$SUITE mirror=$MIRROR made=$(date -u +%FT%TZ)" >"$PARTIAL/$MARKER"
   mv "$PARTIAL" "$ROOT"
   mv "$PARTIAL.log" "$ROOT.debootstrap.log"
+  rm -rf "$PARTIAL.keyring"
   echo "== debootstrap done in ${DEBOOTSTRAP_SECS}s (log: $ROOT.debootstrap.log)"
 fi
 
