@@ -1,0 +1,459 @@
+"""The catalogue's attacks against forked sessions (docs/SECURITY.md #221-#228): a fork (B) of a
+warm session (A) and A itself after the fork are refused everything a fresh session is refused,
+run from one table; and the widenings a fork needs are attacked: forking to escape a limit, to
+reach the other side, to pin the parent, the zygote or the host, to exhaust Landlock layers or the
+uid's kernel memory. As root and as `nobody`; test_fork.py holds the fork's own behaviour."""
+
+from __future__ import annotations
+
+import ast
+import os
+import socket
+import time
+
+import pytest
+
+from conftest import pid_alive
+from test_sandbox import (BPF_PROGRAMS, PROBE_PID, REFUSED_FOR_ANOTHER, USERS, Listener,
+                          Sandboxed)
+
+
+def forks_allowed(b: Sandboxed) -> bool:
+    return b.srv.info()["sandbox"]["child_processes"].startswith("allowed")
+
+
+def start(user: str, abi: int | None = None, **env: str) -> Sandboxed:
+    b = Sandboxed(user, abi_max=abi, **{"IRONCELL_MAX_SESSIONS": "40", **env})
+    if not forks_allowed(b):
+        b.close()
+        pytest.skip("sessions cannot fork on this host")
+    return b
+
+
+def value(rec: dict):
+    assert rec["status"] == "ok", (rec.get("error"), rec.get("notices"))
+    return None if rec["result"] is None else ast.literal_eval(rec["result"])
+
+
+def fork(b: Sandboxed, parent: str, child: str, code: str = "1", **args) -> dict:
+    r = b.srv.call(code, session=child, fork_from=parent, **args)
+    b.sessions.add(child)
+    return r
+
+
+def pid_and_dir(b: Sandboxed, session: str) -> tuple[int, str]:
+    return value(b.run("(os.getpid(), os.getcwd())", session=session))
+
+
+def send(b: Sandboxed, tool: str, args: dict) -> int:
+    """Sends a tools/call without waiting; `collect` gathers the answers."""
+    rid = b.srv.next_id
+    b.srv.next_id += 1
+    b.srv.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {"name": tool, "arguments": args}})
+    return rid
+
+
+def collect(b: Sandboxed, ids: set[int], got: dict[int, dict], timeout: float = 120.0) -> list[int]:
+    """Reads answers until every id in `ids` is in `got`; returns the ids in the order answered."""
+    order = []
+    deadline = time.monotonic() + timeout
+    while not ids <= got.keys():
+        msg = b.srv.read(max(0.01, deadline - time.monotonic()))
+        if msg.get("id") is not None and "result" in msg:
+            got[msg["id"]] = msg["result"]
+            order.append(msg["id"])
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# #221: one table of the catalogue's attacks, run in a fresh session, in B and in A after the fork
+# ---------------------------------------------------------------------------------------------
+
+# What each side runs: `OTHER` is the other side of the fork (for the fresh session, another
+# session), `BYSTANDER` a session outside the fork. Calls seccomp answers by killing the process
+# are made in a child of the session (`in_child`), so one cell runs the whole table.
+ATTACKS = PROBE_PID + BPF_PROGRAMS + r'''
+import errno, fcntl, resource, signal, socket, stat, struct, subprocess, sysconfig, termios
+libc.syscall.restype = ctypes.c_long
+libc.mmap.restype = ctypes.c_ssize_t
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+OTHER_PID, OTHER_DIR, BYSTANDER_PID, BYSTANDER_DIR, HOST_PID, PORT, UDP_PORT, ABSTRACT = ARGS
+ZYGOTE = os.getppid()
+REFUSED = REFUSED_TABLE
+
+def in_child(nr, *args):
+    """The system call in a child: how it ended (killed by a signal, an errno, or ok)."""
+    pid = os.fork()
+    if pid == 0:
+        ctypes.set_errno(0)
+        rc = libc.syscall(nr, *args)
+        os._exit(200 if rc == 0 and nr == 56 else (0 if rc >= 0 else min(ctypes.get_errno(), 199)))
+    _, st = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(st):
+        return f"signal:{os.WTERMSIG(st)}"
+    c = os.WEXITSTATUS(st)
+    return "ok" if c == 0 else ("a clone ran" if c == 200 else "errno:" + errno.errorcode.get(c, str(c)))
+
+def raw(nr, *args):
+    ctypes.set_errno(0)
+    rc = libc.syscall(nr, *args)
+    return "ok" if rc >= 0 else "errno:" + errno.errorcode.get(ctypes.get_errno(), "?")
+
+def foreign_dirs_writable():
+    """Every descriptor number held that names a directory other than the session's own, and
+    through which a file could be made (what guessing descriptors would find)."""
+    own, reached = os.stat("."), []
+    for fd in range(1024):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
+            try:
+                os.close(os.open("fd-guess", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+                reached.append(fd)
+            except OSError:
+                pass
+    return reached
+
+def flood(make, limit=5000):
+    """Makes descriptors until refused: (how many, errno name); gives them back."""
+    made = []
+    try:
+        while len(made) < limit:
+            made.append(make())
+    except OSError as e:
+        err = errno.errorcode.get(e.errno)
+    else:
+        err = None
+    for fd in made:
+        os.close(fd)
+    return (len(made) <= resource.getrlimit(resource.RLIMIT_NOFILE)[0], err)
+
+def timerfd():
+    fd = libc.syscall(283, 1, 0)  # timerfd_create(CLOCK_MONOTONIC, 0)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "timerfd_create")
+    return fd
+
+def timers():
+    class Event(ctypes.Structure):
+        _fields_ = [('value', ctypes.c_long), ('signo', ctypes.c_int), ('notify', ctypes.c_int),
+                    ('pad', ctypes.c_char * 48)]
+    event, made = Event(0, signal.SIGRTMIN, 1), []
+    while len(made) < 5000:
+        t = ctypes.c_void_p()
+        if libc.timer_create(1, ctypes.byref(event), ctypes.byref(t)) != 0:
+            break
+        made.append(t)
+    err = errno.errorcode.get(ctypes.get_errno())
+    for t in made:
+        libc.timer_delete(t)
+    return (len(made) <= 1024, err)
+
+if not os.path.lexists("link-to-passwd"):
+    os.symlink("/etc/passwd", "link-to-passwd")
+open("s.sh", "w").write("#!/bin/sh\necho pwned > pwned\n")
+r, w = os.pipe()
+a, b = socket.socketpair()
+page = libc.mmap(None, 4096, 3, 0x22, -1, 0)
+ATTACK = {
+    # Filesystem (#1-#10, #46), the other side's and another session's directories (#7, #193)
+    "etc_passwd": lambda: open("/etc/passwd").read(),
+    "list_root": lambda: os.listdir("/"),
+    "list_home_root": lambda: os.listdir("/root"),
+    "symlink_out": lambda: open("link-to-passwd").read(),
+    "hard_link_out": lambda: os.link("/etc/passwd", "hard-link"),
+    "proc_zygote": lambda: open(f"/proc/{ZYGOTE}/environ").read(),
+    "proc_other": lambda: open(f"/proc/{OTHER_PID}/status").read(),
+    "proc_host": lambda: open(f"/proc/{HOST_PID}/cmdline").read(),
+    "stat_proc_other": lambda: os.stat(f"/proc/{OTHER_PID}"),
+    "write_var_tmp": lambda: open("/var/tmp/ironcell-fork-escape", "w"),
+    "write_stdlib": lambda: open(os.__file__, "a"),
+    "write_site_pth": lambda: open(os.path.join(sysconfig.get_paths()["purelib"], "evil.pth"), "w"),
+    "other_list": lambda: os.listdir(OTHER_DIR),
+    "other_read": lambda: open(OTHER_DIR + "/secret.txt").read(),
+    "other_write": lambda: open(OTHER_DIR + "/planted", "w"),
+    "other_dotdot": lambda: open(OTHER_DIR + "/../" + os.path.basename(OTHER_DIR) + "/planted", "w"),
+    "other_rename_into": lambda: os.rename("s.sh", OTHER_DIR + "/moved"),
+    "bystander_list": lambda: os.listdir(BYSTANDER_DIR),
+    "beside_own_dir": lambda: open(os.path.dirname(os.getcwd()) + "/planted", "w"),
+    "chmod_exec": lambda: os.chmod("s.sh", 0o755),
+    "foreign_dir_fds": foreign_dirs_writable,
+    # Network (#12-#16)
+    "tcp_connect": lambda: socket.create_connection(("127.0.0.1", PORT), timeout=2),
+    "udp_send": lambda: socket.socket(2, 2).sendto(b"x", ("127.0.0.1", UDP_PORT)),
+    "abstract_unix": lambda: socket.socket(1).connect(ABSTRACT),
+    "netlink": lambda: socket.socket(16, 3, 0),
+    "packet": lambda: socket.socket(17, 3, 0),
+    # Programs (#10, #19)
+    "subprocess": lambda: subprocess.run(["id"]),
+    "execv": lambda: os.execv("/bin/sh", ["sh", "-c", "echo pwned > pwned"]),
+    "exec_script": lambda: os.execv("./s.sh", ["s.sh"]),
+    # Signals, limits and groups of the other side, another session, the zygote, the host (#20,
+    # #21, #47, #140, #158, #194)
+    "kill_other": lambda: os.kill(OTHER_PID, signal.SIGKILL),
+    "kill_other_group": lambda: os.kill(-OTHER_PID, signal.SIGKILL),
+    "kill_bystander": lambda: os.kill(BYSTANDER_PID, signal.SIGKILL),
+    "kill_zygote": lambda: os.kill(ZYGOTE, 0),
+    "kill_host": lambda: os.kill(HOST_PID, 0),
+    "kill_init": lambda: os.kill(1, 0),
+    "tgkill_other": lambda: raw(234, OTHER_PID, OTHER_PID, signal.SIGKILL),
+    "sigqueue_other": lambda: raw(129, OTHER_PID, signal.SIGUSR1, ctypes.byref(ctypes.create_string_buffer(128))),
+    "fsetown_other": lambda: fcntl.fcntl(r, fcntl.F_SETOWN, OTHER_PID),
+    "pidfd_open_other": lambda: in_child(434, OTHER_PID, 0),
+    "prlimit_other": lambda: resource.prlimit(OTHER_PID, resource.RLIMIT_NOFILE, (16, 16)),
+    "prlimit_zygote": lambda: resource.prlimit(ZYGOTE, resource.RLIMIT_NOFILE),
+    "prlimit_host": lambda: resource.prlimit(HOST_PID, resource.RLIMIT_AS, (1 << 20, 1 << 20)),
+    "raise_hard_nofile": lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1] + 1,) * 2),
+    "setpriority_other": lambda: os.setpriority(os.PRIO_PROCESS, OTHER_PID, 19),
+    "affinity_other": lambda: raw(203, OTHER_PID, 8, ctypes.byref(ctypes.c_uint64(1))),
+    "setpgid_join_other": lambda: os.setpgid(0, OTHER_PID),
+    "setpgid_move_other": lambda: os.setpgid(OTHER_PID, 0),
+    "setsid": os.setsid,
+    "clone_parent": lambda: in_child(56, 0x8000 | 17, 0, 0, 0, 0),
+    "probe_other": lambda: probe(OTHER_PID) == REFUSED,
+    "probe_zygote": lambda: probe(ZYGOTE) == REFUSED,
+    "probe_host": lambda: probe(HOST_PID) == REFUSED,
+    "tiocsti": lambda: fcntl.ioctl(0, termios.TIOCSTI, b"x"),
+    # Killed by seccomp (#22, #23, #56)
+    "ptrace_other": lambda: in_child(101, 16, OTHER_PID, 0, 0),
+    "process_vm_readv_other": lambda: in_child(310, OTHER_PID, 0, 0, 0, 0, 0),
+    "process_madvise_other": lambda: in_child(440, 0, 0, 0, 0, 0),
+    "kcmp_other": lambda: in_child(312, OTHER_PID, os.getpid(), 0, 0, 0),
+    "pidfd_getfd": lambda: in_child(438, 0, 0, 0),
+    "setns": lambda: in_child(308, 0, 0),
+    "unshare_user": lambda: in_child(272, 0x10000000),
+    "unshare_mount": lambda: in_child(272, 0x20000),
+    "mount": lambda: in_child(165, 0, 0, 0, 0, 0),
+    "fsopen": lambda: in_child(430, 0, 0),
+    "open_tree": lambda: in_child(428, -100, 0, 0),
+    "pivot_root": lambda: in_child(155, 0, 0),
+    "open_by_handle_at": lambda: in_child(304, 0, 0, 0),
+    "keyctl": lambda: in_child(250, 0, 0),
+    "add_key": lambda: in_child(248, 0, 0, 0, 0, 0),
+    "bpf": lambda: in_child(321, 0, 0, 0),
+    "perf_event_open": lambda: in_child(298, 0, 0, -1, -1, 0),
+    "userfaultfd": lambda: in_child(323, 0),
+    "io_uring_setup": lambda: in_child(425, 1, 0),
+    # Kernel memory no rlimit counts (#48, #112, #117, #120, #122, #127, #129, #131, #132)
+    "memfd": lambda: os.memfd_create("grow"),
+    "shared_anonymous": lambda: (libc.mmap(None, 4096, 3, 0x21, -1, 0), ctypes.get_errno()),
+    "mlock": lambda: (libc.mlock(ctypes.c_void_p(page), 4096), ctypes.get_errno()),
+    "socket_buffer": lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30),
+    "descriptors_in_flight": lambda: a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))]),
+    "splice": lambda: os.splice(r, w, 1),
+    "filters": lambda: BPF_RESULT,
+    "huge_pages_off": lambda: libc.prctl(42, 0, 0, 0, 0),
+    "inotify": lambda: in_child(294, 0),
+    "fanotify": lambda: in_child(300, 0, 0),
+    "eventfd_flood": lambda: flood(lambda: os.eventfd(0)),
+    "timerfd_flood": lambda: flood(timerfd),
+    "posix_timers": timers,
+}
+{name: outcome(f) for name, f in ATTACK.items()}
+'''
+
+SIGSYS = "ok:'signal:31'"
+REFUSED_THE_SAME = {
+    "etc_passwd": "PermissionError:13", "list_root": "PermissionError:13", "list_home_root": "PermissionError:13",
+    "symlink_out": "PermissionError:13", "hard_link_out": {"PermissionError:13", "PermissionError:1", "OSError:18"},
+    "proc_zygote": {"PermissionError:13", "FileNotFoundError:2"},
+    "proc_other": {"PermissionError:13", "FileNotFoundError:2"},
+    "proc_host": {"PermissionError:13", "FileNotFoundError:2"},
+    "stat_proc_other": "FileNotFoundError:2",
+    "write_var_tmp": "PermissionError:13", "write_stdlib": "PermissionError:13", "write_site_pth": "PermissionError:13",
+    "other_list": "PermissionError:13", "other_read": "PermissionError:13", "other_write": "PermissionError:13",
+    "other_dotdot": "PermissionError:13", "other_rename_into": {"PermissionError:13", "OSError:18"},
+    "bystander_list": "PermissionError:13", "beside_own_dir": "PermissionError:13",
+    "chmod_exec": "PermissionError:1", "foreign_dir_fds": "ok:[]",
+    "tcp_connect": "PermissionError:1", "udp_send": "PermissionError:1", "abstract_unix": "PermissionError:1",
+    "netlink": "PermissionError:1", "packet": "PermissionError:1",
+    "subprocess": "PermissionError:1", "execv": "PermissionError:1", "exec_script": "PermissionError:1",
+    "kill_other": "PermissionError:1", "kill_other_group": "PermissionError:1", "kill_bystander": "PermissionError:1",
+    "kill_zygote": "PermissionError:1", "kill_host": "PermissionError:1", "kill_init": "PermissionError:1",
+    "tgkill_other": "ok:'errno:EPERM'", "sigqueue_other": "ok:'errno:ENOSYS'",
+    "fsetown_other": "PermissionError:1", "pidfd_open_other": SIGSYS,
+    "prlimit_other": "PermissionError:1", "prlimit_zygote": "PermissionError:1", "prlimit_host": "PermissionError:1",
+    "raise_hard_nofile": {"ValueError:None", "PermissionError:1"},
+    "setpriority_other": "PermissionError:1", "affinity_other": "ok:'errno:EPERM'",
+    "setpgid_join_other": "PermissionError:1", "setpgid_move_other": "PermissionError:1", "setsid": "PermissionError:1",
+    "clone_parent": "ok:'errno:EPERM'",
+    "probe_other": "ok:True", "probe_zygote": "ok:True", "probe_host": "ok:True",
+    "tiocsti": "PermissionError:1",
+    "ptrace_other": SIGSYS, "process_vm_readv_other": SIGSYS, "process_madvise_other": SIGSYS, "kcmp_other": SIGSYS,
+    "pidfd_getfd": SIGSYS, "setns": SIGSYS, "unshare_user": SIGSYS, "unshare_mount": SIGSYS, "mount": SIGSYS,
+    "fsopen": SIGSYS, "open_tree": SIGSYS, "pivot_root": SIGSYS, "open_by_handle_at": SIGSYS, "keyctl": SIGSYS,
+    "add_key": SIGSYS, "bpf": SIGSYS, "perf_event_open": SIGSYS, "userfaultfd": SIGSYS, "io_uring_setup": SIGSYS,
+    "memfd": "PermissionError:1", "shared_anonymous": "ok:(-1, 1)", "mlock": "ok:(-1, 1)",
+    "socket_buffer": "PermissionError:1", "descriptors_in_flight": "PermissionError:1", "splice": "OSError:38",
+    "filters": "ok:(1, 38, 1, 1, 0)", "huge_pages_off": "ok:1",
+    "inotify": "ok:'errno:ENOSYS'", "fanotify": "ok:'errno:ENOSYS'",
+    "eventfd_flood": "ok:(True, 'EMFILE')", "timerfd_flood": "ok:(True, 'EMFILE')",
+    "posix_timers": "ok:(True, 'EAGAIN')",
+}
+
+
+class Pair:
+    """One server with a warm session A (state, open files, a symlink planted before the fork), a
+    fork B of it, a bystander session and a fresh one; `pids`/`dirs` by session."""
+
+    def __init__(self, user: str, abi: int | None = None):
+        self.box = start(user, abi)
+        self.pids, self.dirs = {}, {}
+        b = self.box
+        value(b.run("1", session="bystander"))
+        value(b.run(
+            "import json, collections\nstate = collections.Counter('forked')\n"
+            "open('secret.txt', 'w').write('A only')\nkept = open('kept.txt', 'a'); kept.write('a1'); kept.flush()\n"
+            "reader = open('secret.txt')\ndir_fd = os.open('.', os.O_RDONLY | os.O_DIRECTORY)\n"
+            "os.symlink('/etc/passwd', 'link-to-passwd')\nlen(state)", session="A"))
+        r = fork(b, "A", "B", "state['b'] += 1\nsorted(state.items())")
+        assert not r["isError"], r["content"][0]["text"]
+        for s in ("A", "B", "bystander"):
+            self.pids[s], self.dirs[s] = pid_and_dir(b, s)
+        value(b.run("1", session="fresh"))
+        self.pids["fresh"], self.dirs["fresh"] = pid_and_dir(b, "fresh")
+
+    def close(self):
+        self.box.close()
+
+
+@pytest.fixture(scope="module", params=USERS)
+def pair(request):
+    p = Pair(request.param)
+    yield p
+    p.close()
+
+
+def run_the_table(p: Pair, me: str, other: str, listener: Listener, abstract: str) -> dict:
+    args = (p.pids[other], p.dirs[other], p.pids["bystander"], p.dirs["bystander"], p.box.srv.proc.pid,
+            listener.port, listener.udp_port, "\0" + abstract)
+    code = ATTACKS.replace("ARGS", repr(args)).replace("REFUSED_TABLE", repr(REFUSED_FOR_ANOTHER))
+    return value(p.box.run(code, session=me, timeout_s=120))
+
+
+def mismatches(got: dict) -> dict:
+    out = {}
+    for name, want in REFUSED_THE_SAME.items():
+        if (got.get(name) not in want) if isinstance(want, set) else got.get(name) != want:
+            out[name] = got.get(name)
+    extra = set(got) - set(REFUSED_THE_SAME)
+    assert not extra, extra
+    return out
+
+
+def the_catalogue_holds_in_a_fork(p: Pair) -> None:
+    listener = Listener()
+    abstract = f"ironcell-fork-catalogue-{os.getpid()}-{p.box.user}"
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind("\0" + abstract)
+    unix.listen(1)
+    unix.settimeout(0.5)
+    try:
+        seen = {me: run_the_table(p, me, other, listener, abstract)
+                for me, other in (("fresh", "bystander"), ("B", "A"), ("A", "B"))}
+        # The reference first: a fresh session is refused each, as the catalogue says.
+        assert mismatches(seen["fresh"]) == {}, seen["fresh"]
+        assert mismatches(seen["B"]) == {}, seen["B"]
+        assert mismatches(seen["A"]) == {}, seen["A"]
+        assert seen["B"] == seen["fresh"] and seen["A"] == seen["fresh"]
+        assert not listener.tcp_got_connection() and not listener.udp_got_datagram()
+        with pytest.raises(socket.timeout):
+            unix.accept()
+    finally:
+        listener.tcp.close()
+        listener.udp.close()
+        unix.close()
+    # Every process is alive and every session keeps its own state.
+    assert all(pid_alive(p.pids[s]) for s in ("A", "B", "bystander", "fresh")) and p.box.srv.proc.poll() is None
+    assert value(p.box.run("sorted(state.items())[:2], open('secret.txt').read()", session="A")) == \
+        ([("d", 1), ("e", 1)], "A only")
+    assert value(p.box.run("state['b'], os.path.exists('pwned')", session="B")) == (1, False)
+
+
+def test_221_the_catalogues_attacks_are_refused_in_a_fork_and_its_parent_as_in_a_fresh_session(pair):
+    the_catalogue_holds_in_a_fork(pair)
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_221_the_same_at_landlock_abi_6(user):
+    # ABI 6 is the oldest at which sessions may fork (signal and abstract-socket scopes).
+    p = Pair(user, abi=6)
+    try:
+        the_catalogue_holds_in_a_fork(p)
+    finally:
+        p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# #222: nothing of one side is held by the other (descriptors, pipes, sockets, /tmp)
+# ---------------------------------------------------------------------------------------------
+
+def held_objects(pid: int) -> tuple[set, set]:
+    """What a process holds, seen from outside: the files (device, inode) its descriptors name,
+    and its pipes and sockets by the kernel's name."""
+    files, channels = set(), set()
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{n}")
+            st = os.stat(f"/proc/{pid}/fd/{n}")
+        except FileNotFoundError:
+            continue
+        if target.startswith(("pipe:", "socket:", "anon_inode:")):
+            channels.add(target)
+        else:
+            files.add((st.st_dev, st.st_ino))
+    return files, channels
+
+
+def tree(pid: int) -> set:
+    """(device, inode) of a session directory and everything in it, walked from outside."""
+    root = f"/proc/{pid}/cwd"
+    found = {(os.stat(root).st_dev, os.stat(root).st_ino)}
+    for d, dirs, names in os.walk(root):
+        for n in dirs + names:
+            st = os.lstat(os.path.join(d, n))
+            found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def test_222_neither_side_holds_a_descriptor_of_the_others_files_nor_reaches_its_tmp(pair):
+    b = pair.box
+    a_pid, b_pid = pair.pids["A"], pair.pids["B"]
+    a_files, a_channels = held_objects(a_pid)
+    b_files, b_channels = held_objects(b_pid)
+    # A held its directory, two of its files and the host's pipes and socket when it forked.
+    assert len(a_files) >= 3 and a_channels, (a_files, a_channels)
+    assert not b_files & tree(a_pid) and not a_files & tree(b_pid), "a descriptor names the other side's file"
+    assert not (a_channels & b_channels) - {"anon_inode:[eventfd]", "anon_inode:[eventpoll]"}, (a_channels, b_channels)
+    # What B's code holds under A's names leads to B's copies or nowhere; A's later writes, by
+    # path and through its descriptors, reach nothing of B's.
+    value(b.run("open('secret.txt', 'w').write('A changed'); kept.write('a2'); kept.flush()\n"
+                "open('a-later.txt', 'w').close()", session="A"))
+    got = value(b.run(
+        "reader.seek(0)\n"
+        "(reader.read(), outcome(lambda: os.open('via-dir-fd', os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=dir_fd)),"
+        " outcome(lambda: 'a-later.txt' in os.listdir(dir_fd)), sorted(os.listdir('.')), open('kept.txt').read())",
+        session="B"))
+    assert got[0] == "A only" and got[4] == "a1", got
+    assert not got[1].startswith("ok") and got[2] != "ok:True" and "a-later.txt" not in got[3], got
+    assert value(b.run("(os.path.exists('via-dir-fd'), open('kept.txt').read())", session="A")) == (False, "a1a2")
+    if not b.private_tmp_is_namespace():
+        return
+    # /tmp (the parent's directory in the mount namespace B inherited): refused in Python with
+    # the reason, and by C code (no Python hook) by the kernel, for A's later file too.
+    value(b.run("open('/tmp/a-after-fork.txt', 'w').write('A')", session="A"))
+    rec = b.run("open('/tmp/a-after-fork.txt').read()", session="B")
+    assert rec["status"] == "error" and "a forked session has no /tmp" in rec["error"]["message"], rec
+    got = value(b.run(
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "def c_open(path, flags):\n"
+        "    ctypes.set_errno(0)\n    fd = libc.open(path, flags, 0o600)\n"
+        "    return 'ok' if fd >= 0 else ctypes.get_errno()\n"
+        "[c_open(b'/tmp/a-after-fork.txt', os.O_RDONLY), c_open(b'/tmp/from-b', os.O_CREAT | os.O_WRONLY),"
+        " c_open(b'/tmp', os.O_RDONLY | os.O_DIRECTORY), c_open(b'/tmp/../tmp/secret.txt', os.O_RDONLY)]",
+        session="B"))
+    assert got == [13, 13, 13, 13], got
+    in_a_tmp = value(b.run("os.listdir('/tmp')", session="A"))
+    assert "a-after-fork.txt" in in_a_tmp and "from-b" not in in_a_tmp, in_a_tmp
