@@ -15,7 +15,7 @@ import pytest
 
 from conftest import pid_alive
 from test_sandbox import (BPF_PROGRAMS, PROBE_PID, REFUSED_FOR_ANOTHER, USERS, Listener,
-                          Sandboxed)
+                          Sandboxed, with_scratch_quota)
 
 
 def forks_allowed(b: Sandboxed) -> bool:
@@ -457,3 +457,62 @@ def test_222_neither_side_holds_a_descriptor_of_the_others_files_nor_reaches_its
     assert got == [13, 13, 13, 13], got
     in_a_tmp = value(b.run("os.listdir('/tmp')", session="A"))
     assert "a-after-fork.txt" in in_a_tmp and "from-b" not in in_a_tmp, in_a_tmp
+
+
+# ---------------------------------------------------------------------------------------------
+# #223: forking to escape a limit (memory, scratch quota, the task cap)
+# ---------------------------------------------------------------------------------------------
+
+def test_223_a_fork_has_its_own_memory_limit_and_shares_none_of_its_parents(pair):
+    b = pair.box
+    limit = b.srv.info()["sandbox"]["limits"]["memory_bytes"]
+    value(b.run(f"big = bytearray({int(limit * 0.45)}); big[::4096] = b'a' * len(big[::4096])", session="mem-a"))
+    fork(b, "mem-a", "mem-b")
+    # B writes every page of its copy (now its own memory), and cannot take more than its limit.
+    assert value(b.run("big[::4096] = b'b' * len(big[::4096]); set(big[::4096])", session="mem-b")) == {ord("b")}
+    rec = b.run(f"more = bytearray({int(limit * 0.6)})", session="mem-b")
+    assert rec["status"] == "error" and rec["error"]["type"] == "MemoryError", rec
+    assert value(b.run("len(big)", session="mem-b")) == int(limit * 0.45)
+    # A keeps its bytes, and the room its own limit leaves it.
+    assert value(b.run(f"more = bytearray({int(limit * 0.3)}); set(big[::4096])", session="mem-a")) == {ord("a")}
+    b.srv.call("1", session="mem-b", reset=True)
+    b.srv.call("1", session="mem-a", reset=True)
+
+
+def test_223_a_forks_children_stop_at_its_task_cap(pair):
+    b = pair.box
+    cap = b.srv.info()["sandbox"]["limits"]["threads"]
+    value(b.run("1", session="bomb-a"))
+    fork(b, "bomb-a", "bomb-b")
+    n, err = value(b.run(
+        "import errno, time\nn, err = 0, None\n"
+        "try:\n"
+        "    while n < 5000:\n"
+        "        if os.fork() == 0:\n            time.sleep(60); os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError as e:\n    err = errno.errorcode[e.errno]\n"
+        "(n, err)", session="bomb-b", timeout_s=60))
+    assert err == "EAGAIN" and 0 < n <= cap, (n, err, cap)
+    assert value(b.run("'unaffected'", session="bystander")) == "unaffected"
+    b.srv.call("1", session="bomb-b", reset=True)
+    assert value(b.run("'still here'", session="bomb-a")) == "still here"
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_223_a_fork_has_its_own_scratch_quota_counting_its_copy(user):
+    b = with_scratch_quota(user, 16, IRONCELL_MAX_SESSIONS="40")
+    try:
+        if not forks_allowed(b):
+            pytest.skip("sessions cannot fork here")
+        value(b.run("open('ten', 'wb').write(b'a' * (10 << 20))\nstate = 'A'", session="q-a"))
+        r = fork(b, "q-a", "q-b", "os.path.getsize('ten')")
+        assert value(r["structuredContent"]) == 10 << 20
+        # B's copy counts: 8 MiB more passes B's 16 MiB, not A's.
+        rec = b.run("import time\nfor i in range(128):\n    open(f'b{i}', 'wb').write(b'b' * 65536)\ntime.sleep(5)",
+                    session="q-b")
+        assert rec["status"] == "scratch_quota", rec
+        assert value(b.run("(state, os.path.getsize('ten'), len(os.listdir('.')))", session="q-a")) == ("A", 10 << 20, 1)
+        value(b.run("open('four', 'wb').write(b'a' * (4 << 20))", session="q-a"))
+        assert value(b.run("__import__('os').listdir('.')", session="q-b")) == []
+    finally:
+        b.close()
