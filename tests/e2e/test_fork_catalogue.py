@@ -611,3 +611,89 @@ def test_225_a_fork_is_told_which_of_its_parents_threads_it_lost(pair):
     value(b.run("stop.set()", session="threads-told"))
     rec = r["structuredContent"]
     assert r["isError"] or "thread" in " ".join(rec.get("notices", [])), rec
+
+
+# ---------------------------------------------------------------------------------------------
+# #227: Landlock layers, which a session that may fork is allowed to add
+# ---------------------------------------------------------------------------------------------
+
+# A layer handling every filesystem right of ABI 1-7 and granting all of them beneath `/`: a
+# layer can only take rights away, so the fork gains nothing. Returns what the calls answered.
+WIDEN = r'''
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+class Ruleset(ctypes.Structure):
+    _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+class Beneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+ALL = (1 << 16) - 1
+ruleset = libc.syscall(444, ctypes.byref(Ruleset(ALL, 0, 0)), ctypes.sizeof(Ruleset), 0)
+root = os.open("/", os.O_PATH)
+added = libc.syscall(445, ruleset, 1, ctypes.byref(Beneath(ALL, root)), 0)
+restricted = libc.syscall(446, ruleset, 0)
+(ruleset >= 0, added, restricted)
+'''
+
+STACK = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nn = 0\n"
+    "attr = (ctypes.c_uint64 * 3)(0, 0, 2)\n"
+    "while n < 40:\n"
+    "    fd = libc.syscall(444, ctypes.byref(attr), 24, 0)\n"
+    "    if fd < 0 or libc.syscall(446, fd, 0) != 0:\n        break\n"
+    "    os.close(fd); n += 1\n"
+    "n"
+)
+
+
+@pytest.fixture(scope="module", params=USERS)
+def layers_box(request):
+    b = start(request.param)
+    yield b
+    b.close()
+
+
+def test_227_a_layer_of_the_forks_own_that_grants_everything_widens_nothing(layers_box):
+    b = layers_box
+    _, a_dir = pid_and_dir(b, "wide-a")
+    fork(b, "wide-a", "wide-b")
+    assert value(b.run(WIDEN, session="wide-b")) == (True, 0, 0)
+    got = value(b.run(
+        f"[outcome(lambda: open('/etc/passwd').read()), outcome(lambda: os.listdir({a_dir!r})),"
+        f" outcome(lambda: open({a_dir!r} + '/planted', 'w')), outcome(lambda: open('/var/tmp/wide', 'w')),"
+        " outcome(lambda: os.listdir('/')), outcome(lambda: os.kill(os.getppid(), 0)),"
+        " outcome(lambda: open('mine', 'w').write('x'))]", session="wide-b"))
+    assert got == ["PermissionError:13"] * 5 + ["PermissionError:1", "ok:1"], got
+
+
+def test_227_forks_of_one_session_stop_at_its_layers_with_the_reason_and_a_reset_gives_them_back(layers_box):
+    b = layers_box
+    value(b.run("x = 'A'", session="siblings"))
+    n = 0
+    while n < 20:
+        r = fork(b, "siblings", f"sib{n}", "x")
+        if r["isError"]:
+            break
+        n += 1
+    text = r["content"][0]["text"]
+    assert n == b.srv.info()["sessions"]["max_fork_depth"] == 11 and "Landlock layer" in text, (n, text)
+    assert value(b.run("x", session="siblings")) == "A" and value(b.run("x", session="sib10")) == "A"
+    b.srv.call("1", session="siblings", reset=True)
+    assert not fork(b, "siblings", "sib-after-reset")["isError"]
+    for i in range(n):
+        b.srv.call("1", session=f"sib{i}", reset=True)
+
+
+def test_227_a_fork_that_used_up_its_own_layers_cannot_fork_and_its_parent_still_can(layers_box):
+    b = layers_box
+    value(b.run("1", session="stack-a"))
+    fork(b, "stack-a", "stack-b")
+    n = value(b.run(STACK, session="stack-b"))
+    assert 0 < n < 16, n
+    r = fork(b, "stack-b", "stack-c")
+    assert r["isError"] and "cannot fork" in r["content"][0]["text"], r
+    rec = b.run("1", session="stack-b")
+    assert rec["session_state"] in ("restarted", "new") or "failed fork" in str(rec), rec
+    # The parent's layers are its own: it forks as before.
+    r = fork(b, "stack-a", "stack-d", "'forked'")
+    assert not r["isError"] and value(r["structuredContent"]) == "forked", r
