@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive
-from test_sandbox import (BPF_PROGRAMS, PROBE_PID, REFUSED_FOR_ANOTHER, USERS, Listener,
+from conftest import pid_alive, wait_until
+from test_sandbox import (BPF_PROGRAMS, EPOLL_FILL, PROBE_PID, REFUSED_FOR_ANOTHER, USERS, Listener,
                           Sandboxed, with_scratch_quota)
 
 
@@ -697,3 +697,45 @@ def test_227_a_fork_that_used_up_its_own_layers_cannot_fork_and_its_parent_still
     # The parent's layers are its own: it forks as before.
     r = fork(b, "stack-a", "stack-d", "'forked'")
     assert not r["isError"] and value(r["structuredContent"]) == "forked", r
+
+
+# ---------------------------------------------------------------------------------------------
+# #228: the uid's kernel memory through forks; forks below Landlock ABI 6
+# ---------------------------------------------------------------------------------------------
+
+def test_228_forks_of_forks_take_no_more_epoll_watches_than_a_session_may(pair):
+    # Epoll watches are kernel memory the whole uid shares (#115, #200). Whether a fork shares
+    # its parent's share or gets its own, no side of a fork takes more than one share, and they
+    # come back when the sides are gone.
+    b = pair.box
+    epoll = b.srv.info()["sandbox"]["epoll_watches"]
+    share, before = epoll["per_session"], epoll["held"]
+    assert value(b.run(EPOLL_FILL, session="ep-a")) == (share, "ENOSPC")
+    fork(b, "ep-a", "ep-b")
+    fork(b, "ep-b", "ep-c")
+    sides = ("ep-a", "ep-b", "ep-c")
+    for s in sides[1:]:
+        added, err = value(b.run(EPOLL_FILL, session=s))
+        assert added <= share and err == "ENOSPC", (s, added, err)
+    held = b.srv.info()["sandbox"]["epoll_watches"]["held"]
+    assert share <= held - before <= len(sides) * share, (held, before, share)
+    for s in sides:
+        b.srv.call("1", session=s, reset=True)
+    assert wait_until(lambda: b.srv.info()["sandbox"]["epoll_watches"]["held"] <= before, timeout=30)
+
+
+@pytest.mark.parametrize("abi", [1, 3, 4])
+@pytest.mark.parametrize("user", USERS)
+def test_228_below_landlock_abi_6_a_fork_is_refused_up_front_with_the_reason(user, abi):
+    # test_fork.py holds ABI 5; on older kernels the refusal is the same, and nothing is left.
+    b = Sandboxed(user, abi_max=abi)
+    try:
+        value(b.run("a = 1", session="one"))
+        r = fork(b, "one", "two", "a")
+        text = r["content"][0]["text"]
+        assert r["isError"] and "sessions cannot fork here" in text and f"ABI {abi}" in text, text
+        assert value(b.run("a", session="one")) == 1
+        assert [f["name"] for f in b.srv.info()["sessions"]["forks"]] == []
+        assert b.run("'a' in globals()", session="two")["result"] == "False"
+    finally:
+        b.close()
