@@ -23,8 +23,8 @@ def forks_allowed(b: Sandboxed) -> bool:
     return b.srv.info()["sandbox"]["child_processes"].startswith("allowed")
 
 
-def start(user: str, abi: int | None = None, **env: str) -> Sandboxed:
-    b = Sandboxed(user, abi_max=abi, **{"IRONCELL_MAX_SESSIONS": "40", **env})
+def start(user: str, abi: int | None = None, base: str = "/tmp", **env: str) -> Sandboxed:
+    b = Sandboxed(user, abi_max=abi, base=base, **{"IRONCELL_MAX_SESSIONS": "40", **env})
     if not forks_allowed(b):
         b.close()
         pytest.skip("sessions cannot fork on this host")
@@ -299,11 +299,11 @@ class Pair:
     """One server with a warm session A (state, open files, a symlink planted before the fork), a
     fork B of it, a bystander session and a fresh one; `pids`/`dirs` by session."""
 
-    def __init__(self, user: str, abi: int | None = None):
-        self.box = start(user, abi)
+    def __init__(self, user: str, abi: int | None = None, base: str = "/tmp"):
+        self.box = start(user, abi, base)
         self.pids, self.dirs = {}, {}
         b = self.box
-        value(b.run("1", session="bystander"))
+        value(b.run("open('secret.txt', 'w').write('bystander only')", session="bystander"))
         value(b.run(
             "import json, collections\nstate = collections.Counter('forked')\n"
             "open('secret.txt', 'w').write('A only')\nkept = open('kept.txt', 'a'); kept.write('a1'); kept.flush()\n"
@@ -320,9 +320,12 @@ class Pair:
         self.box.close()
 
 
-@pytest.fixture(scope="module", params=USERS)
+# Beneath /tmp sessions have no /tmp of their own; beneath /var/tmp, as with the default state
+# directory, each has a private /tmp (a mount namespace), which a fork inherits and must not use.
+@pytest.fixture(scope="module", params=[(u, base) for u in USERS for base in ("/tmp", "/var/tmp")],
+                ids=lambda p: f"{p[0]}-state-in-{p[1].strip('/').replace('/', '-')}")
 def pair(request):
-    p = Pair(request.param)
+    p = Pair(*request.param[:1], base=request.param[1])
     yield p
     p.close()
 
@@ -559,8 +562,10 @@ def test_225_a_fork_ordered_while_its_parent_runs_waits_for_the_run_and_pins_not
     value(b.run("x = 1", session="busy"))
     # The parent's cell waits for a file the test writes; meanwhile a fork of it is ordered, and
     # other sessions (an existing one, a new one, a fork of another session) are served.
-    running = send(b, "run_python", {"code": "import time\nwhile not os.path.exists('go'):\n    time.sleep(0.01)\n"
+    running = send(b, "run_python", {"code": "import time\nopen('started', 'w').close()\n"
+                                             "while not os.path.exists('go'):\n    time.sleep(0.01)\n"
                                              "x = 2\n'released'", "session": "busy"})
+    assert wait_until(lambda: os.path.exists(f"/proc/{a_pid}/cwd/started"), timeout=30)
     forked = send(b, "run_python", {"code": "x", "session": "busy-kid", "fork_from": "busy"})
     b.sessions.add("busy-kid")
     others = {send(b, "run_python", {"code": "'served'", "session": s}) for s in ("bystander", "brand-new")}
@@ -569,7 +574,7 @@ def test_225_a_fork_ordered_while_its_parent_runs_waits_for_the_run_and_pins_not
     got: dict[int, dict] = {}
     collect(b, others, got)
     assert all(got[i]["structuredContent"]["result"] == "'served'" for i in others), [got[i] for i in others]
-    assert running not in got and forked not in got, "the parent's cell or its fork ended before it was released"
+    assert running not in got and forked not in got, ("ended before it was released", got.get(running), got.get(forked))
     Path(f"/proc/{a_pid}/cwd/go").touch()
     order = collect(b, {running, forked}, got)
     assert got[running]["structuredContent"]["result"] == "'released'"

@@ -35,11 +35,13 @@ USERS = ["root", "nobody"]
 
 
 class Sandboxed:
-    """One server (as a given user, optionally with a capped Landlock ABI) and helpers."""
+    """One server (as a given user, optionally with a capped Landlock ABI) and helpers. Its state
+    directory is beneath `base`: beneath /tmp sessions have no private /tmp (it is refused, with
+    the reason); `base="/var/tmp"` gives them one, as the default state directory does."""
 
-    def __init__(self, as_user: str, abi_max: int | None = None, **env: str):
+    def __init__(self, as_user: str, abi_max: int | None = None, base: str = "/tmp", **env: str):
         self.user = as_user
-        self.dir = shared_tmp_dir()
+        self.dir = shared_tmp_dir(base)
         (self.dir / "state").mkdir(mode=0o777)
         os.chmod(self.dir / "state", 0o777)
         if abi_max is not None:
