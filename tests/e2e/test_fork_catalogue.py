@@ -853,3 +853,75 @@ os.register_at_fork(after_in_child=hook)
     if not r["isError"]:
         assert value(r["structuredContent"]) in (None, "PermissionError:13", "FileNotFoundError:2"), r
     assert value(b.run("os.path.exists('leaked')", session="hooked")) is False
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_223_a_fork_whose_copy_would_pass_the_disk_floor_is_refused_with_the_numbers(user):
+    # A floor above any disk: a fork with files to copy is refused with the reason, up front.
+    b = start(user, IRONCELL_MIN_FREE_DISK="1000000g")
+    try:
+        value(b.run("open('data', 'wb').write(b'd' * (3 << 20))", session="disk-a"))
+        r = fork(b, "disk-a", "disk-b")
+        text = r["content"][0]["text"]
+        assert r["isError"] and "copying its files (3 MiB)" in text and "IRONCELL_MIN_FREE_DISK" in text, text
+        assert [f["name"] for f in b.srv.info()["sessions"]["forks"]] == []
+    finally:
+        b.close()
+
+
+def group_members(pgid: int) -> set[int]:
+    """The live processes of a process group, from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def fork_stuck_in_a_hook(b: Sandboxed) -> tuple[int, int, str]:
+    """A session whose at-fork hook never returns in the child, and a fork of it ordered: the
+    session's pid, the stuck process, the fork's background job."""
+    a_pid, _ = pid_and_dir(b, "hang")
+    value(b.run("import time\nos.register_at_fork(after_in_child=lambda: time.sleep(3600))\nx = 1", session="hang"))
+    r = fork(b, "hang", "hang-kid", "x")
+    rec = r["structuredContent"]
+    assert rec["status"] == "running", r
+    stuck = group_members(a_pid) - {a_pid}
+    assert len(stuck) == 1, stuck
+    return a_pid, stuck.pop(), rec["job"]
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_225_a_fork_whose_at_fork_hook_never_returns_pins_nobody_and_dies_with_its_parent(user):
+    b = start(user, IRONCELL_WAIT_BUDGET="2s")
+    try:
+        a_pid, stuck, _ = fork_stuck_in_a_hook(b)
+        assert value(b.run("x", session="hang")) == 1
+        assert value(b.run("'served'", session="other")) == "served"
+        assert not fork(b, "other", "other-kid")["isError"]
+        b.srv.call("1", session="hang", reset=True)
+        assert wait_until(lambda: not pid_alive(stuck), timeout=30), stuck
+    finally:
+        b.close()
+
+
+@pytest.mark.xfail(strict=True, reason="OPEN (issue-52 tests): cancelling the job of a fork that never becomes "
+                   "ready leaves it running; after 120 s it fails with 'Resource temporarily unavailable' and the "
+                   "stuck process lives on with its parent")
+@pytest.mark.parametrize("user", USERS)
+def test_225_cancelling_a_fork_that_never_becomes_ready_ends_it(user):
+    b = start(user, IRONCELL_WAIT_BUDGET="2s")
+    try:
+        _, stuck, job = fork_stuck_in_a_hook(b)
+        r = b.srv.request("tools/call", {"name": "run_python_job", "arguments": {"job": job, "action": "cancel"}},
+                          timeout=60)["result"]
+        assert r["structuredContent"]["status"] != "running", r
+        assert wait_until(lambda: not pid_alive(stuck), timeout=30), stuck
+        assert value(b.run("x", session="hang")) == 1
+    finally:
+        b.close()
