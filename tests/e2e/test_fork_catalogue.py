@@ -380,6 +380,17 @@ def test_221_the_catalogues_attacks_are_refused_in_a_fork_and_its_parent_as_in_a
     the_catalogue_holds_in_a_fork(pair)
 
 
+def test_221_a_call_seccomp_kills_for_ends_the_fork_alone(pair):
+    # The table makes these calls in children; made by the fork itself, it ends the fork only.
+    b = pair.box
+    value(b.run("kept = 'parent'", session="sigsys-a"))
+    fork(b, "sigsys-a", "sigsys-b")
+    a_pid, _ = pid_and_dir(b, "sigsys-a")
+    rec = b.run(f"import ctypes\nctypes.CDLL(None).syscall(101, 16, {a_pid}, 0, 0)", session="sigsys-b")
+    assert rec["status"] == "crashed" and "SIGSYS" in rec["error"]["message"], rec
+    assert pid_alive(a_pid) and value(b.run("kept", session="sigsys-a")) == "parent"
+
+
 @pytest.mark.parametrize("user", USERS)
 def test_221_the_same_at_landlock_abi_6(user):
     # ABI 6 is the oldest at which sessions may fork (signal and abstract-socket scopes).
