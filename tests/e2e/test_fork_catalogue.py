@@ -940,3 +940,20 @@ def test_225_cancelling_a_fork_that_never_becomes_ready_ends_it(user):
         assert value(b.run("x", session="hang")) == 1
     finally:
         b.close()
+
+
+@pytest.mark.xfail(strict=True, reason="OPEN (issue-52 tests): a fork stuck before it becomes ready has no "
+                   "parent-death signal yet (worker/fork.rs sets it after the at-fork hooks): it outlives a "
+                   "server that is killed, with its parent's pre-fork sandbox")
+@pytest.mark.parametrize("user", USERS)
+def test_225_a_fork_that_never_became_ready_dies_with_a_killed_server(user):
+    b = start(user, IRONCELL_WAIT_BUDGET="2s")
+    _, stuck, _ = fork_stuck_in_a_hook(b)
+    b.srv.proc.kill()
+    b.srv.proc.wait()
+    try:
+        # The session's own processes are gone within a second of the server.
+        assert wait_until(lambda: not pid_alive(stuck), timeout=5), stuck
+    finally:
+        if pid_alive(stuck):
+            os.kill(stuck, 9)
