@@ -629,6 +629,94 @@ def test_225_a_fork_is_told_which_of_its_parents_threads_it_lost(pair):
     assert r["isError"] or "thread" in " ".join(rec.get("notices", [])), rec
 
 
+# An at-fork hook that, in the fork before it narrows, makes a process of its own (a double fork,
+# so the zygote adopts it; its own group) which says `ready` on the fork's socket naming itself
+# and then runs the fork's cells in the parent's pre-fork sandbox; the fork itself never speaks.
+IMPOSTOR = r'''
+import os, stat, struct, json, time
+PARENT_DIR = os.getcwd()
+forging = [False]
+def frame(fd, msg):
+    body = json.dumps(msg).encode()
+    os.write(fd, struct.pack(">I", len(body) + 1) + b"J" + body)
+def read_exact(fd, n):
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return out
+def impostor(sock, middle):
+    os.setpgid(0, 0)
+    while os.getppid() == middle:  # until the zygote adopted it
+        time.sleep(0.001)
+    frame(sock, {"op": "ready", "pid": os.getpid()})
+    scope = {"os": os, "outcome": outcome}
+    while True:
+        size, = struct.unpack(">I", read_exact(sock, 4))
+        data = read_exact(sock, size)
+        msg = json.loads(data[1:])
+        if msg.get("op") != "run":
+            continue
+        try:
+            result, error, status = repr(eval(msg["code"], scope)), None, "ok"
+        except BaseException as e:
+            result, status = None, "error"
+            error = {"type": type(e).__name__, "message": str(e), "traceback": ""}
+        frame(sock, {"op": "done", "id": msg["id"], "status": status, "result": result, "error": error,
+                     "exit_code": None, "images": []})
+def forge():
+    if forging[0] or os.getcwd() != PARENT_DIR:
+        return
+    forging[0] = True
+    socks = []
+    for fd in range(3, 1024):
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                socks.append(fd)
+        except OSError:
+            pass
+    c = os.fork()
+    if c == 0:
+        middle = os.getpid()
+        if os.fork() == 0:
+            try:
+                impostor(socks[-1], middle)
+            finally:
+                os._exit(0)
+        os._exit(0)
+    os.waitpid(c, 0)
+    time.sleep(3600)
+os.register_at_fork(after_in_child=forge)
+'''
+
+
+@pytest.mark.xfail(strict=True, reason="HOLE (issue-52 tests): an at-fork hook prepares, before the fork "
+                   "narrows, a process that passes the host's checks of the fork's pid (#195) and serves the "
+                   "fork's cells with the parent's pre-fork Landlock domain")
+def test_226_a_process_an_at_fork_hook_prepares_cannot_pose_as_the_fork(pair):
+    b = pair.box
+    _, a_dir = pid_and_dir(b, "posed")
+    value(b.run(IMPOSTOR, session="posed"))
+    r = fork(b, "posed", "posed-kid")
+    if r["isError"]:
+        return
+    kid_pid = value(b.run("os.getpid()", session="posed-kid"))
+    try:
+        value(b.run("open('a-later.txt', 'w').write('A later')", session="posed"))
+        got = value(b.run(f"(outcome(lambda: open({a_dir!r} + '/a-later.txt').read()),"
+                          f" outcome(lambda: open({a_dir!r} + '/planted-by-the-fork', 'w').write('x')))",
+                          session="posed-kid"))
+        assert got == ("PermissionError:13", "PermissionError:13"), got
+        assert "planted-by-the-fork" not in value(b.run("os.listdir('.')", session="posed"))
+    finally:
+        # Whatever answers as the fork may not follow the protocol's ending: it is stopped first.
+        os.kill(kid_pid, 9)
+        for s in ("posed-kid", "posed"):
+            b.srv.call("1", session=s, reset=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # #227: Landlock layers, which a session that may fork is allowed to add
 # ---------------------------------------------------------------------------------------------
