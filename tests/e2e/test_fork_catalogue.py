@@ -325,7 +325,7 @@ class Pair:
 @pytest.fixture(scope="module", params=[(u, base) for u in USERS for base in ("/tmp", "/var/tmp")],
                 ids=lambda p: f"{p[0]}-state-in-{p[1].strip('/').replace('/', '-')}")
 def pair(request):
-    p = Pair(*request.param[:1], base=request.param[1])
+    p = Pair(request.param[0], base=request.param[1])
     yield p
     p.close()
 
