@@ -2,13 +2,16 @@
 # the control socket on fd 3, ironcell's extension module (a sealed memfd) on fd 4 and this
 # script (a sealed memfd) on fd 5, which the one-line loader reads, closes and runs.
 # It loads the extension and hands over to it; any failure is reported on the control socket
-# so the host can name the problem instead of seeing a silent exit.
-import json
-import socket
+# so the host can name the problem instead of seeing a silent exit. It imports nothing it does
+# not need on the way (`socket` and `json` only to fail): each import is part of a server's start.
+# PRELOAD LOG_FILTER [CODE_CACHE]: the last is the directory of the compiled runner and `mcp`.
 import sys
 
 
 def _fail(message):
+    import json
+    import socket
+
     try:
         ctl = socket.socket(fileno=3)
         ctl.send(json.dumps({"op": "failed", "message": message}).encode())
@@ -27,9 +30,8 @@ if _impl != "cpython":
     _fail("%s is %s %s; ironcell needs CPython 3.9 or newer. %s" % (sys.executable, _impl, _version, _fix))
 if sys.version_info < (3, 9):
     _fail("%s is Python %s; ironcell needs CPython 3.9 or newer. %s" % (sys.executable, _version, _fix))
-import sysconfig  # noqa: E402
-
-if sysconfig.get_config_var("Py_GIL_DISABLED"):
+# Free-threaded builds exist from 3.13 on; `sysconfig` is not imported for the others.
+if sys.version_info >= (3, 13) and __import__("sysconfig").get_config_var("Py_GIL_DISABLED"):
     _fail(
         "%s is a free-threaded build of Python %s, which cannot load stable-ABI extensions such as "
         "ironcell's; use the regular build of the same version (e.g. python3.13 rather than "
@@ -52,4 +54,4 @@ except BaseException as e:  # noqa: BLE001 - every failure must reach the host
     )
 
 _preload = [m for m in sys.argv[1].split(",") if m.strip()]
-_bridge.zygote_main(_preload, sys.argv[2])
+_bridge.zygote_main(_preload, sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

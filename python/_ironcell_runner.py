@@ -12,15 +12,17 @@ What a cell gets:
 """
 
 import ast
-import asyncio
-import inspect
 import signal
 import sys
-import traceback
 import types
 
+# `asyncio`, `inspect` and `traceback` are imported where used (a cell with `await`, an error):
+# `asyncio` alone took ~25 ms of a server's start on a quiet machine (`ssl`, `socket`,
+# `concurrent.futures`, `logging`). The zygote imports them after its first fork (WARM_IMPORTS).
 CELL_FILENAME = "<cell>"
-_ASYNCIO_DIR = __import__("os").path.dirname(asyncio.__file__)
+# Where asyncio's own modules live, beside `os` in the standard library (not imported for this).
+_ASYNCIO_DIR = __import__("os").path.join(__import__("os").path.dirname(__import__("os").__file__), "asyncio")
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
 MAX_RESULT_CHARS = 20_000
 MAX_TRACEBACK_FRAMES = 12
 
@@ -260,9 +262,7 @@ def _set_environment(env, replace=True):
 def _prepare_worker_template():
     """The session-independent part of a worker's setup, in the zygote (before `gc.freeze()`),
     so that no worker pays for it or copies the pages it writes: `__main__`, the SIGINT handler,
-    the captured streams' Python objects, the `mcp` globals for no servers; then one dry run of
-    the per-worker code paths (environment, options, the image scan, a cell) on throwaway values
-    in an empty directory, so they are already warm in every fork (`_warm_worker_paths`)."""
+    the captured streams' Python objects, the `mcp` globals for no servers."""
     import mcp
 
     # A real __main__ so pickle, dataclasses and multiprocessing-style lookups find user code.
@@ -277,7 +277,8 @@ def _prepare_worker_template():
         setattr(sys, name, stream)
         setattr(sys, "__%s__" % name, stream)
     _configure_servers(mcp, "[]")
-    _warm_worker_paths(WARM_PATH_ROUNDS)
+    # The dry runs (`_warm_worker_paths`) wait for `zygote_warm_paths`, after the zygote reported
+    # ready: ~10 ms of a server's start, and a first worker runs those paths once anyway.
 
 
 _quieted_fork_hooks = []  # (function, its own code), while the zygote keeps them quiet
@@ -503,8 +504,8 @@ def _warn_unawaited_globals():
     coroutine = types.CoroutineType
     for k, v in list(_globals().items()):
         # The type first: a global's own attribute hooks never run here.
-        if (type(v) is coroutine and inspect.getcoroutinestate(v) == inspect.CORO_CREATED
-                and id(v) not in _reported_coroutines):
+        if (type(v) is coroutine and id(v) not in _reported_coroutines
+                and __import__("inspect").getcoroutinestate(v) == "CORO_CREATED"):
             _reported_coroutines[id(v)] = weakref.ref(v, lambda _, i=id(v): _dead_reported.add(i))
             _warn_unawaited(v, f"it is stored in `{k}`")
 
@@ -547,6 +548,8 @@ def _remember_function_sources(code):
 
 
 def _run_awaitable(obj):
+    import asyncio
+
     global _loop
     if _loop is None or _loop.is_closed():
         _loop = asyncio.new_event_loop()
@@ -575,6 +578,8 @@ def _user_frames(stack):
 
 
 def _short_traceback(exc):
+    import traceback
+
     # A negative limit keeps only the innermost frames, without formatting a deep recursion's
     # hundred thousand others first.
     tb_exc = traceback.TracebackException.from_exception(exc, limit=-(MAX_TRACEBACK_FRAMES + 24))
@@ -879,7 +884,7 @@ def run_cell(code, run_id=0):
             out["error"] = {
                 "type": type(exc).__name__,
                 "message": str(exc),
-                "traceback": "".join(traceback.format_exception_only(type(exc), exc)),
+                "traceback": "".join(__import__("traceback").format_exception_only(type(exc), exc)),
             }
             return out
         last = None
@@ -889,14 +894,15 @@ def run_cell(code, run_id=0):
         g = _globals()
         body = compile(tree, CELL_FILENAME, "exec", flags=flags, dont_inherit=True)
         value = eval(body, g)
-        if inspect.iscoroutine(value):
+        coroutine = types.CoroutineType
+        if isinstance(value, coroutine):
             _run_awaitable(value)
         if last is not None:
             expr = compile(last, CELL_FILENAME, "eval", flags=flags, dont_inherit=True)
             value = eval(expr, g)
-            if inspect.iscoroutine(value) and expr.co_flags & inspect.CO_COROUTINE:
+            if isinstance(value, coroutine) and expr.co_flags & _CO_COROUTINE:
                 value = _run_awaitable(value)
-            elif inspect.iscoroutine(value):
+            elif isinstance(value, coroutine):
                 _warn_unawaited(value, "the cell's last expression")
                 value.close()
                 value = None

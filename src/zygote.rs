@@ -41,6 +41,10 @@ static EXTENSION: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libironcell_
 /// The script the zygote interpreter runs: load the extension from fd 4, call `zygote_main`.
 const BOOT_SOURCE: &str = include_str!("../python/_ironcell_boot.py");
 
+/// The state dir's subdirectory where the zygote keeps the runner's and the `mcp` module's
+/// compiled code between starts (`code_cache.rs` in ironcell-python; SECURITY.md #211).
+pub const CODE_CACHE_DIR: &str = "code-cache";
+
 /// The environment the zygote is exec'd with: nothing from the host but these fixed values.
 pub fn zygote_environment() -> Vec<(&'static str, &'static str)> {
     vec![
@@ -279,6 +283,7 @@ impl Zygote {
         preload: &[String],
         log_filter: &str,
         pids_groups: Option<&Path>,
+        code_cache: &Path,
     ) -> anyhow::Result<Zygote> {
         let (host_end, zygote_end) = socketpair(
             AddressFamily::Unix,
@@ -307,6 +312,7 @@ impl Zygote {
             .arg(BOOT_LOADER)
             .arg(preload.join(","))
             .arg(log_filter)
+            .arg(code_cache)
             .env_clear()
             .envs(zygote_environment())
             .stdin(Stdio::null())

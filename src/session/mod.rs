@@ -230,6 +230,7 @@ impl SessionManager {
                     &settings.preload,
                     &crate::cli::log_filter(),
                     sandbox.pids_cgroup_parent.as_deref(),
+                    &state_dir.join(crate::zygote::CODE_CACHE_DIR),
                 )?))
             }
             Err(e) => {
@@ -408,6 +409,7 @@ impl SessionManager {
                     &self.settings.preload,
                     &crate::cli::log_filter(),
                     self.sandbox.pids_cgroup_parent.as_deref(),
+                    &self.state_dir().join(crate::zygote::CODE_CACHE_DIR),
                 )?);
                 // Workers given the shared font cache expect pyplot imported: ask again before
                 // any spawn request reaches the new zygote (its report is only logged).

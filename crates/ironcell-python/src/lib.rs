@@ -17,6 +17,7 @@
 
 pub mod arenas;
 pub mod bridge;
+mod code_cache;
 pub mod scrub;
 pub mod worker;
 pub mod zygote;

@@ -16,7 +16,7 @@
 use std::ffi::CString;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow};
 use ironcell_core::control::{
@@ -63,13 +63,19 @@ const MCP_MODULE_SOURCE: &str = include_str!("../../../python/mcp/__init__.py");
 /// for each spawn request until the host closes the control socket. Called by the boot script
 /// with the GIL held; never returns while the host lives.
 #[pyfunction]
-#[pyo3(signature = (preload, log_filter))]
-pub fn zygote_main(py: Python<'_>, preload: Vec<String>, log_filter: String) -> PyResult<()> {
+#[pyo3(signature = (preload, log_filter, code_cache=None))]
+pub fn zygote_main(
+    py: Python<'_>,
+    preload: Vec<String>,
+    log_filter: String,
+    code_cache: Option<PathBuf>,
+) -> PyResult<()> {
     init_logging(&log_filter);
-    run(py, &preload).map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("{e:#}")))
+    run(py, &preload, code_cache.as_deref())
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("{e:#}")))
 }
 
-fn run(py: Python<'_>, preload: &[String]) -> anyhow::Result<()> {
+fn run(py: Python<'_>, preload: &[String], code_cache: Option<&Path>) -> anyhow::Result<()> {
     // SAFETY: the host placed the control socket at fd 3 before exec; nothing else owns it.
     let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
     set_parent_death_signal()?;
@@ -78,7 +84,7 @@ fn run(py: Python<'_>, preload: &[String]) -> anyhow::Result<()> {
     let chunked_arenas = crate::arenas::install();
     tracing::debug!(chunked_arenas, "pymalloc arenas in 2 MiB chunks");
     let started = std::time::Instant::now();
-    let ready = match warm_up_interpreter(py, preload) {
+    let ready = match warm_up_interpreter(py, preload, code_cache) {
         Ok(facts) => ZygoteEvent::Ready {
             python_version: facts.version,
             prefix: facts.prefix,
@@ -197,21 +203,36 @@ struct InterpreterFacts {
     python_paths: Vec<PathBuf>,
 }
 
-fn warm_up_interpreter(py: Python<'_>, preload: &[String]) -> anyhow::Result<InterpreterFacts> {
-    use pyo3::types::PyModule;
+fn warm_up_interpreter(
+    py: Python<'_>,
+    preload: &[String],
+    code_cache: Option<&Path>,
+) -> anyhow::Result<InterpreterFacts> {
     let sys = py.import("sys").map_err(|e| anyhow!("{e}"))?;
     // `-I` ignores PYTHONDONTWRITEBYTECODE: say it here, so no worker writes `__pycache__`.
     sys.setattr("dont_write_bytecode", true)
         .map_err(|e| anyhow!("{e}"))?;
     let source = CString::new(RUNNER_SOURCE)?;
-    let runner = PyModule::from_code(py, &source, c"_ironcell_runner.py", c"_ironcell_runner")
-        .map_err(|e| anyhow!("loading the cell runner: {e}"))?;
+    let runner = crate::code_cache::module_from_code(
+        py,
+        &source,
+        c"_ironcell_runner.py",
+        c"_ironcell_runner",
+        code_cache,
+    )
+    .map_err(|e| anyhow!("loading the cell runner: {e}"))?;
     sys.getattr("modules")
         .and_then(|m| m.set_item("_ironcell_runner", &runner))
         .map_err(|e| anyhow!("{e}"))?;
     let source = CString::new(MCP_MODULE_SOURCE)?;
-    let mcp = PyModule::from_code(py, &source, c"<ironcell>/mcp/__init__.py", c"mcp")
-        .map_err(|e| anyhow!("loading the mcp module: {e}"))?;
+    let mcp = crate::code_cache::module_from_code(
+        py,
+        &source,
+        c"<ironcell>/mcp/__init__.py",
+        c"mcp",
+        code_cache,
+    )
+    .map_err(|e| anyhow!("loading the mcp module: {e}"))?;
     sys.getattr("modules")
         .and_then(|m| m.set_item("mcp", &mcp))
         .map_err(|e| anyhow!("{e}"))?;
