@@ -945,7 +945,9 @@ class Bench:
 
     def start_rows(self) -> None:
         """Server start -> first result, each start after a pause (a client starts its servers
-        once, not in a loop), beside a fresh `python3 -c` after the same pause."""
+        once, not in a loop), beside a fresh `python3 -c` after the same pause. All in one state
+        dir, as a user's starts are: the first compiles the runner and `mcp` module and keeps
+        them in its code cache, the others load them from there."""
         starts, peer = [], []
         for _ in range(self.n_start):
             time.sleep(START_PAUSE_S)
