@@ -179,6 +179,8 @@ impl Requests for Router {
         }
     }
 
+    /// Long on purpose: one short arm per request kind (the bridge contract's `Request`), each
+    /// with the turns and room it holds.
     fn answer(&self, caller: Caller, request: Request) -> BoxFuture<'static, Option<Answer>> {
         let Caller {
             session,

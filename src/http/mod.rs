@@ -227,9 +227,10 @@ async fn resolve(addr: &str) -> anyhow::Result<(SocketAddr, bool)> {
     Ok((first, all.iter().all(|a| a.ip().is_loopback())))
 }
 
-/// `ironcell serve --http ADDR:PORT`: until SIGTERM or SIGINT (then a drain). Long (~95
-/// lines) because it wires the stack in order, each step a call: flags, state, the worlds, the
-/// rmcp service, the gate, the routes, the listener, the background tasks, the drain.
+/// `ironcell serve --http ADDR:PORT`: until SIGTERM or SIGINT (then a drain).
+///
+/// Long on purpose: it wires the stack in order, each step a call: flags, state, the worlds,
+/// the rmcp service, the gate, the routes, the listener, the background tasks, the drain.
 pub async fn serve(settings: Settings, args: ServeArgs, exe: PathBuf) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let addr = args.http.clone().unwrap_or_default();

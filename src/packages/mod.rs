@@ -177,6 +177,11 @@ impl Packages {
         outcome.map_err(|(kind, message)| BridgeError::new(kind, message))
     }
 
+    /// One install of `mcp.install`, checked at each step.
+    ///
+    /// Long on purpose: the steps in the order they happen (checks, the session's turn, resolve,
+    /// the user's approval, download, hash check, link), each returning its refusal and writing the
+    /// audit record; split, the halves would pass the turn guards and the record between them.
     async fn install_checked(
         &self,
         session: &str,

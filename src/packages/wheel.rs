@@ -241,6 +241,9 @@ struct Plan {
 }
 
 /// Reads and checks the whole central directory and RECORD; writes nothing.
+///
+/// Long on purpose: one pass over the entries, then the `.dist-info` and RECORD checks against
+/// what that pass saw (names, sizes, directories); each check is a few lines over shared state.
 fn plan<R: Read + std::io::Seek>(
     zip: &mut zip::ZipArchive<R>,
     stdlib: &BTreeSet<String>,

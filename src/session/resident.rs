@@ -328,6 +328,9 @@ impl SessionManager {
 
     /// One look: reads every live worker that is due (see the module's doc) and kills those
     /// past the limit.
+    ///
+    /// Long on purpose: one tick in order (which workers are due, their reading on a blocking
+    /// thread, then the verdicts); the due list and the marks are state the steps share.
     pub(super) async fn watch_memory(&self) {
         let Some(zygote) = lock(&self.zygote).clone() else {
             return;
