@@ -35,12 +35,19 @@
 //! no-network, no-signals-out and no-device-ioctl protections on kernels whose Landlock cannot,
 //! and the no-metadata-change protection on every kernel (no Landlock ABI mediates it).
 
+mod compiled;
+mod program;
+
 use std::collections::BTreeMap;
 
 use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
-    SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch,
+    BpfProgram, SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond, SeccompRule,
+    TargetArch,
 };
+
+pub use self::compiled::CompiledWorkerFilters;
+use self::program::searched_program;
+pub use self::program::{merge_stacked, stacked_worker_filters};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
@@ -358,6 +365,9 @@ const PRCTL_ALLOWED: &[u64] = &[
     libc::PR_GET_THP_DISABLE as u64,
 ];
 
+/// The allow-list: the calls ordinary Python makes, some only with the arguments it uses.
+///
+/// Long on purpose: the policy's table, one rule per call or group, read top to bottom.
 #[allow(clippy::unnecessary_cast)]
 fn allow_list(processes: Processes) -> Result<Rules, SeccompError> {
     let mut rules = Rules::new();
@@ -459,6 +469,9 @@ fn allow_list(processes: Processes) -> Result<Rules, SeccompError> {
     Ok(rules)
 }
 
+/// The refusals: calls answered EPERM, some only with the arguments that reach out.
+///
+/// Long on purpose: the policy's table, one rule per call or group, read top to bottom.
 #[allow(clippy::unnecessary_cast)]
 fn refusals(processes: Processes) -> Result<Rules, SeccompError> {
     let mut rules = Rules::new();
@@ -729,300 +742,6 @@ pub fn build_filters(processes: Processes) -> Result<Vec<BpfProgram>, SeccompErr
     Ok(vec![searched_program(processes)?])
 }
 
-/// The answer for a system call number whose verdict does not depend on its arguments, or
-/// `Conditional` for one whose does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ByNumber {
-    Allow,
-    Refuse,
-    Unsupported,
-    Unknown,
-    Kill,
-    Conditional,
-}
-
-/// The four programs as one, laid out for the kernel's cost: seccompiler compares the system
-/// call number with each listed call in turn (about 2,200 instructions for the four), and the
-/// kernel converts and JIT-compiles every instruction of every filter each worker installs, and
-/// runs the filter on every system call. Here a binary search over the call number (runs of
-/// numbers with the same verdict) answers every call whose verdict does not depend on its
-/// arguments; the few that do (ioctl, fcntl, prctl, clone, kill, tgkill, prlimit64,
-/// socketpair, setsockopt) jump to seccompiler's programs for just those calls, merged by
-/// [`merge_stacked`].
-fn searched_program(processes: Processes) -> Result<BpfProgram, SeccompError> {
-    let arch = arch()?;
-    let allowed = allow_list(processes)?;
-    let unsupported = unsupported()?;
-    let refused = refusals(processes)?;
-    let killed = kill_list();
-    let conditional: std::collections::BTreeSet<i64> = allowed
-        .iter()
-        .chain(&unsupported)
-        .chain(&refused)
-        .filter(|(_, rules)| !rules.is_empty())
-        .map(|(&nr, _)| nr)
-        .collect();
-    let by_number = |nr: i64| {
-        if killed.contains_key(&nr) {
-            ByNumber::Kill
-        } else if conditional.contains(&nr) {
-            ByNumber::Conditional
-        } else if refused.contains_key(&nr) {
-            ByNumber::Refuse
-        } else if unsupported.contains_key(&nr) {
-            ByNumber::Unsupported
-        } else if allowed.contains_key(&nr) {
-            ByNumber::Allow
-        } else {
-            ByNumber::Unknown
-        }
-    };
-    let highest = allowed
-        .keys()
-        .chain(unsupported.keys())
-        .chain(refused.keys())
-        .chain(killed.keys())
-        .copied()
-        .max()
-        .unwrap_or(0);
-    if !(0..0x4000_0000).contains(&highest) {
-        return Err(SeccompError::Merge("a system call number out of range"));
-    }
-    // Runs of numbers with the same answer: (first number, answer); the last run reaches
-    // u32::MAX (x32 and unknown numbers: ENOSYS, as the allow-list answers).
-    let mut runs: Vec<(u32, ByNumber)> = Vec::new();
-    for nr in 0..=highest + 1 {
-        let answer = by_number(nr);
-        if runs.last().is_none_or(|&(_, a)| a != answer) {
-            runs.push((nr as u32, answer));
-        }
-    }
-    let only = |rules: &Rules| -> Rules {
-        rules
-            .iter()
-            .filter(|(nr, _)| conditional.contains(nr))
-            .map(|(&nr, r)| (nr, r.clone()))
-            .collect()
-    };
-    let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
-    let eperm = SeccompAction::Errno(libc::EPERM as u32);
-    let eopnotsupp = SeccompAction::Errno(libc::EOPNOTSUPP as u32);
-    let conditional_part = merge_stacked(&[
-        BpfProgram::try_from(SeccompFilter::new(
-            only(&allowed),
-            enosys,
-            SeccompAction::Allow,
-            arch,
-        )?)?,
-        BpfProgram::try_from(SeccompFilter::new(
-            only(&unsupported),
-            SeccompAction::Allow,
-            eopnotsupp,
-            arch,
-        )?)?,
-        BpfProgram::try_from(SeccompFilter::new(
-            only(&refused),
-            SeccompAction::Allow,
-            eperm,
-            arch,
-        )?)?,
-    ])?;
-    // seccompiler's own start: the architecture check, then the call number into A.
-    let mut program: BpfProgram = conditional_part[..ARCH_CHECK_LEN].to_vec();
-    program.push(seccompiler::sock_filter {
-        code: BPF_LD_W_ABS,
-        jt: 0,
-        jf: 0,
-        k: 0,
-    });
-    let mut to_conditional = Vec::new();
-    emit_search(&runs, &mut program, &mut to_conditional)?;
-    let start = program.len();
-    for at in to_conditional {
-        program[at].k =
-            u32::try_from(start - at - 1).map_err(|_| SeccompError::Merge("a jump too long"))?;
-    }
-    program.extend(conditional_part);
-    if program.len() > BPF_MAXINSNS {
-        return Err(SeccompError::Merge(
-            "the program is longer than the kernel allows",
-        ));
-    }
-    Ok(program)
-}
-
-/// Emits a binary search over `runs` (the call number is in A): each inner node jumps to the
-/// upper half when A >= its first number, and falls through to the lower half; each leaf
-/// returns its verdict (or jumps to the conditional part, patched by the caller).
-fn emit_search(
-    runs: &[(u32, ByNumber)],
-    program: &mut BpfProgram,
-    to_conditional: &mut Vec<usize>,
-) -> Result<(), SeccompError> {
-    let ret = |k: u32| seccompiler::sock_filter {
-        code: BPF_RET_K,
-        jt: 0,
-        jf: 0,
-        k,
-    };
-    match runs {
-        [] => Err(SeccompError::Merge("an empty search")),
-        [(_, answer)] => {
-            program.push(match answer {
-                ByNumber::Allow => ret(libc::SECCOMP_RET_ALLOW),
-                ByNumber::Refuse => ret(libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
-                ByNumber::Unsupported => ret(libc::SECCOMP_RET_ERRNO | libc::EOPNOTSUPP as u32),
-                ByNumber::Unknown => ret(libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
-                ByNumber::Kill => ret(libc::SECCOMP_RET_KILL_PROCESS),
-                ByNumber::Conditional => {
-                    to_conditional.push(program.len());
-                    seccompiler::sock_filter {
-                        code: BPF_JMP_JA,
-                        jt: 0,
-                        jf: 0,
-                        k: 0,
-                    }
-                }
-            });
-            Ok(())
-        }
-        _ => {
-            let mid = runs.len() / 2;
-            let node = program.len();
-            program.push(seccompiler::sock_filter {
-                code: BPF_JMP_JGE_K,
-                jt: 0,
-                jf: 0,
-                k: runs[mid].0,
-            });
-            emit_search(&runs[..mid], program, to_conditional)?;
-            program[node].jt = u8::try_from(program.len() - node - 1)
-                .map_err(|_| SeccompError::Merge("a search branch too long"))?;
-            emit_search(&runs[mid..], program, to_conditional)
-        }
-    }
-}
-
-/// The four compiled programs, in installation order (allow-list, unsupported, refusals,
-/// kill-list).
-pub fn stacked_worker_filters(processes: Processes) -> Result<Vec<BpfProgram>, SeccompError> {
-    let arch = arch()?;
-    let enosys = SeccompAction::Errno(libc::ENOSYS as u32);
-    let eopnotsupp = SeccompAction::Errno(libc::EOPNOTSUPP as u32);
-    let eperm = SeccompAction::Errno(libc::EPERM as u32);
-    let filters = [
-        SeccompFilter::new(allow_list(processes)?, enosys, SeccompAction::Allow, arch)?,
-        SeccompFilter::new(unsupported()?, SeccompAction::Allow, eopnotsupp, arch)?,
-        SeccompFilter::new(refusals(processes)?, SeccompAction::Allow, eperm, arch)?,
-        SeccompFilter::new(
-            kill_list(),
-            SeccompAction::Allow,
-            SeccompAction::KillProcess,
-            arch,
-        )?,
-    ];
-    let mut programs = Vec::new();
-    for f in filters {
-        programs.push(BpfProgram::try_from(f)?);
-    }
-    Ok(programs)
-}
-
-// Classic BPF opcodes (linux/filter.h, the same on every architecture).
-const BPF_JMP_JA: u16 = 0x05;
-const BPF_JMP_JGE_K: u16 = 0x35;
-const BPF_LD_W_ABS: u16 = 0x20;
-const BPF_RET_K: u16 = 0x06;
-const BPF_CLASS_MASK: u16 = 0x07;
-const BPF_RET: u16 = 0x06;
-/// The most instructions the kernel accepts in one filter (BPF_MAXINSNS).
-const BPF_MAXINSNS: usize = 4096;
-
-/// One program with the verdicts of `programs` installed in that order: the kernel runs every
-/// installed filter and takes the most severe verdict, and between two of equal severity (two
-/// errnos) the one of the filter installed last. The merged program runs the programs from the
-/// last installed to the first, each "allow" (but the first-installed program's) becoming a
-/// jump to the start of the next; instructions are replaced one for one, so every jump inside
-/// a program keeps its target. It answers with the verdict of the last-installed program that
-/// does not allow the call, which is the kernel's answer when:
-/// - every program starts with the same architecture check (its kill is then decided by the
-///   first program run, as by all of them), and no other kill is in any program but the last
-///   installed;
-/// - apart from that, each program has one verdict besides "allow", and no program is less
-///   severe than one installed before it.
-///
-/// Both are checked; the worker's programs (ENOSYS allow-list, EOPNOTSUPP unsupported calls,
-/// EPERM refusals, kill-list) satisfy them.
-pub fn merge_stacked(programs: &[BpfProgram]) -> Result<BpfProgram, SeccompError> {
-    let allow = libc::SECCOMP_RET_ALLOW;
-    let kill = libc::SECCOMP_RET_KILL_PROCESS;
-    let arch_check = programs.first().map(|p| &p[..p.len().min(ARCH_CHECK_LEN)]);
-    let mut earlier_action = None::<u32>;
-    for (n, program) in programs.iter().enumerate() {
-        if program.len() <= ARCH_CHECK_LEN || Some(&program[..ARCH_CHECK_LEN]) != arch_check {
-            return Err(SeccompError::Merge("the programs start differently"));
-        }
-        let installed_last = n + 1 == programs.len();
-        let mut action = None::<u32>;
-        for ins in &program[ARCH_CHECK_LEN..] {
-            if ins.code & BPF_CLASS_MASK != BPF_RET {
-                continue;
-            }
-            if ins.code != BPF_RET_K {
-                return Err(SeccompError::Merge("a program returns a computed verdict"));
-            }
-            if ins.k == allow || (ins.k == kill && installed_last) {
-                continue;
-            }
-            let a = ins.k & libc::SECCOMP_RET_ACTION_FULL;
-            if a == kill || action.is_some_and(|b| b != a) {
-                return Err(SeccompError::Merge(
-                    "a program has a verdict the merge cannot keep",
-                ));
-            }
-            action = Some(a);
-        }
-        if let Some(a) = action {
-            // The kernel compares actions as signed numbers: lower is more severe.
-            if earlier_action.is_some_and(|e| (a as i32) > (e as i32)) {
-                return Err(SeccompError::Merge(
-                    "a program is less severe than an earlier one",
-                ));
-            }
-            earlier_action = Some(a);
-        }
-    }
-    let mut merged = BpfProgram::new();
-    let run_last = programs.len().saturating_sub(1);
-    for (n, program) in programs.iter().rev().enumerate() {
-        let next_start = merged.len() + program.len();
-        for ins in program {
-            if n != run_last && ins.code == BPF_RET_K && ins.k == allow {
-                let skip = u32::try_from(next_start - merged.len() - 1)
-                    .map_err(|_| SeccompError::Merge("a jump too long"))?;
-                merged.push(seccompiler::sock_filter {
-                    code: BPF_JMP_JA,
-                    jt: 0,
-                    jf: 0,
-                    k: skip,
-                });
-            } else {
-                merged.push(ins.clone());
-            }
-        }
-    }
-    if merged.len() > BPF_MAXINSNS {
-        return Err(SeccompError::Merge(
-            "the merged program is longer than the kernel allows",
-        ));
-    }
-    Ok(merged)
-}
-
-/// seccompiler starts every program with: load the architecture, jump over the next if it is
-/// ours, kill.
-const ARCH_CHECK_LEN: usize = 3;
-
 /// Installs the worker's filters on the calling thread (which must be the only thread;
 /// `no_new_privs` must already be set).
 pub fn install_syscall_filter_on_current_thread(own_pid: u32) -> Result<(), SeccompError> {
@@ -1041,108 +760,9 @@ pub fn install_programs_on_current_thread(programs: &[BpfProgram]) -> Result<(),
     Ok(())
 }
 
-/// A pid no process can have (the kernel's PID_MAX_LIMIT is 2^22), compiled where the worker's
-/// own pid goes; [`CompiledWorkerFilters::for_pid`] writes the real one in.
-const PID_PLACEHOLDER: u32 = 0x7e1d_0c3b;
-
-/// The worker's filter program(s) compiled once (by the zygote, before it forks), so a new worker
-/// only writes its pid into them and installs them. The policy is the one of
-/// [`build_worker_filters`]: [`CompiledWorkerFilters::compile`] proves that the programs depend
-/// on the pid only at the instructions it patches, by compiling them for two pids and comparing.
-#[derive(Debug, Clone)]
-pub struct CompiledWorkerFilters {
-    programs: Vec<BpfProgram>,
-    /// The program of a worker that may have children ([`Processes::WithChildren`]): it names
-    /// no pid, so it needs no patching.
-    with_children: Vec<BpfProgram>,
-    /// (program, instruction, what it compares with) of every comparison with a value that
-    /// follows from the worker's own pid.
-    pid_sites: Vec<(usize, usize, FromPid)>,
-}
-
-/// A constant of the filter that follows from the worker's pid.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FromPid {
-    /// The pid itself.
-    Pid,
-    /// One of its CPU clocks ([`cpu_clock`] of this kind).
-    CpuClock(u32),
-}
-
-impl FromPid {
-    const ALL: [FromPid; 7] = [
-        FromPid::Pid,
-        FromPid::CpuClock(0),
-        FromPid::CpuClock(1),
-        FromPid::CpuClock(2),
-        FromPid::CpuClock(4),
-        FromPid::CpuClock(5),
-        FromPid::CpuClock(6),
-    ];
-
-    fn of(self, pid: u32) -> u32 {
-        match self {
-            FromPid::Pid => pid,
-            FromPid::CpuClock(kind) => cpu_clock(pid, kind),
-        }
-    }
-}
-
-impl CompiledWorkerFilters {
-    pub fn compile() -> Result<CompiledWorkerFilters, SeccompError> {
-        let programs = build_worker_filters(PID_PLACEHOLDER)?;
-        let other = build_worker_filters(PID_PLACEHOLDER ^ 0x5a5)?;
-        let mut pid_sites = Vec::new();
-        let same_shape = programs.len() == other.len()
-            && programs.iter().zip(&other).all(|(a, b)| a.len() == b.len());
-        if !same_shape {
-            return Err(SeccompError::PidTemplate);
-        }
-        for (p, (a, b)) in programs.iter().zip(&other).enumerate() {
-            for (i, (x, y)) in a.iter().zip(b).enumerate() {
-                if x == y {
-                    continue;
-                }
-                let same_jumps = x.code == y.code && x.jt == y.jt && x.jf == y.jf;
-                let from_pid = FromPid::ALL
-                    .into_iter()
-                    .find(|d| x.k == d.of(PID_PLACEHOLDER) && y.k == d.of(PID_PLACEHOLDER ^ 0x5a5));
-                match from_pid {
-                    Some(d) if same_jumps => pid_sites.push((p, i, d)),
-                    _ => return Err(SeccompError::PidTemplate),
-                }
-            }
-        }
-        if pid_sites.is_empty() {
-            return Err(SeccompError::PidTemplate);
-        }
-        Ok(CompiledWorkerFilters {
-            programs,
-            pid_sites,
-            with_children: build_filters(Processes::WithChildren)?,
-        })
-    }
-
-    /// The programs for the process `own_pid`, in installation order; equal to
-    /// `build_worker_filters(own_pid)`.
-    pub fn for_processes(&self, processes: Processes) -> Vec<BpfProgram> {
-        match processes {
-            Processes::Alone { own_pid } => self.for_pid(own_pid),
-            Processes::WithChildren => self.with_children.clone(),
-        }
-    }
-
-    pub fn for_pid(&self, own_pid: u32) -> Vec<BpfProgram> {
-        let mut programs = self.programs.clone();
-        for &(p, i, d) in &self.pid_sites {
-            programs[p][i].k = d.of(own_pid);
-        }
-        programs
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::compiled::FromPid;
     use super::*;
 
     #[test]
