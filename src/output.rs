@@ -248,7 +248,7 @@ pub struct NoteContext {
     pub memory_limit: u64,
     pub memory_held: Option<u64>,
     /// Why sessions may not fork children here (`Sandbox::children`); `None`: they may.
-    pub children_refused: Option<String>,
+    pub children_refused: Option<crate::sandbox::ChildrenRefusal>,
     /// Whether `%pip install` may install packages for the session (`--packages` is not off).
     pub packages: bool,
 }
@@ -285,7 +285,8 @@ pub fn sandbox_notes(record: &RunRecord, ctx: &NoteContext) -> Vec<String> {
     text.push_str(tail_of(&record.stderr));
     let error_kind = record.error.as_ref().map(|e| e.kind.as_str());
     let error_message = record.error.as_ref().map_or("", |e| e.message.as_str());
-    let mut notes = refusal_notes(&text, ctx.children_refused.as_deref());
+    let children_refused = ctx.children_refused.as_ref().map(ToString::to_string);
+    let mut notes = refusal_notes(&text, children_refused.as_deref());
     if let Some(n) = memory_note(&text, error_kind, ctx) {
         notes.push(n);
     }
@@ -998,10 +999,7 @@ mod tests {
             python_version: Some("3.12.1".into()),
             memory_limit: 1 << 30,
             memory_held: Some(100 << 20),
-            children_refused: Some(
-                "this kernel's Landlock (ABI 4) cannot keep a child's signals inside its session"
-                    .into(),
-            ),
+            children_refused: Some(crate::sandbox::ChildrenRefusal::LandlockAbi { abi: 4 }),
             packages: true,
         }
     }

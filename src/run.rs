@@ -45,7 +45,7 @@ pub enum RunRefusal {
     #[error("could not start a Python worker: {0}")]
     WorkerStart(String),
     #[error("{0}")]
-    SandboxUnavailable(String),
+    SandboxUnavailable(crate::sandbox::Unenforceable),
     #[error("cannot fork: {0}")]
     Fork(String),
     #[error("cancelled before it started (it was waiting for the session's previous run to end)")]

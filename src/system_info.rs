@@ -117,7 +117,7 @@ pub fn sandbox_summary(
         "landlock": {"kernel_abi": sb.kernel_landlock_abi, "abi_in_use": sb.landlock_abi, "abi_cap": sb.landlock_abi_cap},
         "seccomp": sb.seccomp_available,
         "missing_layers": sb.missing_layers(),
-        "refuses_to_run": sb.preflight().err(),
+        "refuses_to_run": sb.preflight().err().map(|e| e.to_string()),
         "limits": {
             "cpu_seconds": sb.policy.limits.cpu_seconds,
             "memory_bytes": sb.memory_bytes,

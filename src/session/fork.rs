@@ -120,9 +120,10 @@ impl SessionManager {
                 self.settings.private_tmp,
                 self.state_dir(),
             );
-            let why = self.sandbox.children(&tmp).err().unwrap_or_else(|| {
-                "its worker started before forking was possible; reset it first".into()
-            });
+            let why = self.sandbox.children(&tmp).err().map_or_else(
+                || "its worker started before forking was possible; reset it first".into(),
+                |e| e.to_string(),
+            );
             return refuse(format!("sessions cannot fork here: {why}"));
         };
         if worker.landlock_layers + 1 > MAX_FORK_LAYERS {

@@ -27,17 +27,22 @@
 pub mod cgroup;
 pub mod epoll_gate;
 pub mod landlock;
+mod lockdown;
 pub mod policy;
 pub mod private_tmp;
 pub mod rlimits;
 pub mod seccomp;
 pub mod sys;
 
-use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
+
+pub use self::lockdown::{
+    EpollListenerHandOver, LayerError, LockdownError, apply_lockdown_to_current_process,
+    apply_lockdown_with_compiled_filters, children_in_this_worker,
+};
 
 use self::landlock::FilesystemGrants;
 use self::policy::Policy;
@@ -108,6 +113,34 @@ pub struct Sandbox {
     pub max_workers: u64,
 }
 
+/// Why the workers of this host may not fork children ([`Sandbox::children`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChildrenRefusal {
+    #[error(
+        "this kernel's Landlock (ABI {abi}) cannot keep a child's signals inside its session \
+         (ABI 6, Linux 6.12+, can)"
+    )]
+    LandlockAbi { abi: i32 },
+    /// `tmp`: what workers get for `/tmp` ([`private_tmp::PrivateTmp::describe`]).
+    #[error("sessions have no private /dev/shm ({tmp})")]
+    NoPrivateDevShm { tmp: String },
+    #[error("nothing would cap a session's processes")]
+    NoTaskCap,
+}
+
+/// Enforce mode on a host that lacks a layer: `run_python` refuses ([`Sandbox::preflight`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the sandbox cannot be enforced on this host, so no code runs. Missing: {}. \
+     To run with weaker isolation anyway, start ironcell with --sandbox best-effort \
+     (IRONCELL_SANDBOX=best-effort); `ironcell doctor` shows every layer.",
+    missing.join("; ")
+)]
+pub struct Unenforceable {
+    /// Each missing layer, with what to do about it ([`Sandbox::missing_layers`]).
+    pub missing: Vec<String>,
+}
+
 /// One protection a user relies on and the layers that provide it on this host.
 #[derive(Debug, Clone, Serialize)]
 pub struct Protection {
@@ -169,23 +202,20 @@ impl Sandbox {
     /// in a child; a private `/dev/shm` (the session directory), so their semaphores and shared
     /// memory reach no other session and count against the scratch quota; and a task cap that
     /// counts them (a pids cgroup, or RLIMIT_NPROC in the worker's own user namespace).
-    pub fn children(&self, tmp: &private_tmp::PrivateTmp) -> Result<(), String> {
+    pub fn children(&self, tmp: &private_tmp::PrivateTmp) -> Result<(), ChildrenRefusal> {
         if self.landlock_abi < 6 {
-            return Err(format!(
-                "this kernel's Landlock (ABI {}) cannot keep a child's signals inside its session \
-                 (ABI 6, Linux 6.12+, can)",
-                self.landlock_abi
-            ));
+            return Err(ChildrenRefusal::LandlockAbi {
+                abi: self.landlock_abi,
+            });
         }
         if !tmp.private_dev_shm() {
-            return Err(format!(
-                "sessions have no private /dev/shm ({})",
-                tmp.describe()
-            ));
+            return Err(ChildrenRefusal::NoPrivateDevShm {
+                tmp: tmp.describe(),
+            });
         }
         if self.pids_cgroup_parent.is_none() && (self.root_workers || !tmp.in_own_user_namespace())
         {
-            return Err("nothing would cap a session's processes".into());
+            return Err(ChildrenRefusal::NoTaskCap);
         }
         Ok(())
     }
@@ -248,18 +278,13 @@ impl Sandbox {
         missing
     }
 
-    /// `Err(message)` when `run_python` must refuse (enforce mode with a missing layer).
-    pub fn preflight(&self) -> Result<(), String> {
+    /// `Err` when `run_python` must refuse (enforce mode with a missing layer).
+    pub fn preflight(&self) -> Result<(), Unenforceable> {
         let missing = self.missing_layers();
         if missing.is_empty() || self.mode == SandboxMode::BestEffort {
             return Ok(());
         }
-        Err(format!(
-            "the sandbox cannot be enforced on this host, so no code runs. Missing: {}. \
-             To run with weaker isolation anyway, start ironcell with --sandbox best-effort \
-             (IRONCELL_SANDBOX=best-effort); `ironcell doctor` shows every layer.",
-            missing.join("; ")
-        ))
+        Err(Unenforceable { missing })
     }
 
     /// The plan for one worker of a session whose scratch dir is `scratch`.
@@ -312,6 +337,8 @@ impl Sandbox {
 
     /// Which layer provides each protection on this host (for `doctor` and `system://info`),
     /// given what workers get for `/tmp` ([`private_tmp::host_status`]).
+    ///
+    /// Long on purpose: the table `doctor` prints, one row per protection with its layers.
     pub fn protections(&self, tmp: &private_tmp::PrivateTmp) -> Vec<Protection> {
         let abi = self.landlock_abi;
         let ll = |since: i32| (abi >= since).then(|| format!("landlock (ABI {abi})"));
@@ -448,164 +475,6 @@ impl SandboxPlan {
             .map(PathBuf::as_path)
             .collect()
     }
-}
-
-/// Whether this worker may fork children, given the namespace it actually got: the plan allows
-/// it, `/dev/shm` is its session directory, and its tasks are capped with its children's (its
-/// pids cgroup, or RLIMIT_NPROC in its own user namespace). The lockdown adds the last
-/// condition: Landlock applied, with its signal scope.
-pub fn children_in_this_worker(plan: &SandboxPlan, namespace: &private_tmp::PrivateTmp) -> bool {
-    plan.children
-        && namespace.private_dev_shm()
-        && (plan.pids_cgroup_parent.is_some() || namespace.in_own_user_namespace())
-        && plan.filesystem.as_ref().is_some_and(|g| g.abi >= 6)
-}
-
-/// Applies `plan` to the calling process, which must have exactly one thread. Returns the
-/// layers that were skipped (best-effort mode only); in enforce mode any failure is an error.
-pub fn apply_lockdown_to_current_process(plan: &SandboxPlan) -> Result<Vec<String>, String> {
-    let no_namespace = private_tmp::PrivateTmp::Fallback {
-        reason: String::new(),
-        allowed: Vec::new(),
-        namespace: None,
-        dev_shm: false,
-    };
-    apply_lockdown_with_compiled_filters(plan, None, &no_namespace, None)
-}
-
-/// Where the listener of a counting [`epoll_gate`] goes: called once, before the main seccomp
-/// program (which refuses `sendmsg`) is installed.
-pub type EpollListenerHandOver<'a> = &'a mut dyn FnMut(OwnedFd) -> std::io::Result<()>;
-
-/// [`apply_lockdown_to_current_process`] with the seccomp programs compiled beforehand (by the
-/// zygote, once): the same filters, installed here by the worker itself; `None` compiles them
-/// now.
-/// `namespace` is what [`private_tmp::mount_session_dir_over_tmp`] gave the worker: in a
-/// namespace of its own, `/proc` is hidden and the thread cap counts only its own tasks.
-/// `epoll_listener`: who counts the process's epoll watches ([`epoll_gate`]); `None` refuses
-/// epoll instead.
-pub fn apply_lockdown_with_compiled_filters(
-    plan: &SandboxPlan,
-    compiled: Option<&seccomp::CompiledWorkerFilters>,
-    namespace: &private_tmp::PrivateTmp,
-    epoll_listener: Option<EpollListenerHandOver<'_>>,
-) -> Result<Vec<String>, String> {
-    let mut missing = Vec::new();
-    let mut step = |name: &str, result: Result<(), String>| -> Result<(), String> {
-        match result {
-            Ok(()) => Ok(()),
-            Err(e) if plan.mode == SandboxMode::BestEffort => {
-                missing.push(format!("{name}: {e}"));
-                Ok(())
-            }
-            Err(e) => Err(format!("sandbox layer {name} could not be applied: {e}")),
-        }
-    };
-    if let Some(parent) = &plan.pids_cgroup_parent {
-        step(
-            "pids cgroup",
-            cgroup::join_new_pids_group(parent, std::process::id(), plan.limits.threads)
-                .map_err(|e| format!("{} ({e})", parent.display())),
-        )?;
-    }
-    // Read before `/proc` is hidden.
-    let task_count = if namespace.in_own_user_namespace() {
-        Ok(rlimits::TaskCount::OwnUserNamespace)
-    } else {
-        rlimits::tasks_on_machine()
-            .map(|tasks_now| rlimits::TaskCount::SharedWithUid { tasks_now })
-            .map_err(|e| format!("reading /proc/loadavg: {e}"))
-    };
-    let mut proc_view = false;
-    step(
-        "empty /proc",
-        private_tmp::hide_other_processes(
-            namespace,
-            &plan.granted_paths(),
-            plan.limits.memory_bytes,
-        )
-        .map(|view| proc_view = view)
-        .map_err(|e| e.to_string()),
-    )?;
-    step(
-        "capabilities",
-        sys::drop_all_capabilities().map_err(|e| e.to_string()),
-    )?;
-    step(
-        "no_new_privs",
-        sys::set_no_new_privs().map_err(|e| e.to_string()),
-    )?;
-    step(
-        "non-dumpable",
-        sys::set_not_dumpable().map_err(|e| e.to_string()),
-    )?;
-    step("SIGXFSZ", sys::ignore_sigxfsz().map_err(|e| e.to_string()))?;
-    step(
-        "huge pages off",
-        sys::disable_transparent_huge_pages().map_err(|e| e.to_string()),
-    )?;
-    sys::limit_malloc_arenas(2);
-    step(
-        "rlimits",
-        task_count.and_then(|count| {
-            rlimits::apply_worker_limits(&plan.limits, count).map_err(|e| e.to_string())
-        }),
-    )?;
-    let mut children = children_in_this_worker(plan, namespace);
-    let landlocked = match &plan.filesystem {
-        Some(grants) => {
-            let mut grants = grants.clone();
-            if proc_view {
-                grants
-                    .read_only
-                    .push(PathBuf::from(private_tmp::PROC_MEMINFO));
-            }
-            let result = landlock::install_filesystem_landlock_rules_on_current_thread(&grants)
-                .map_err(|e| e.to_string());
-            let ok = result.is_ok();
-            step("landlock", result)?;
-            ok
-        }
-        None => {
-            step("landlock", Err("not available on this kernel".into()))?;
-            false
-        }
-    };
-    // Without Landlock's signal scope in force, a child's signals are fenced only by pid rules
-    // (best-effort mode gets here with Landlock missing): no children then.
-    children &= landlocked;
-    let processes = if children {
-        seccomp::Processes::WithChildren
-    } else {
-        seccomp::Processes::Alone {
-            own_pid: std::process::id(),
-        }
-    };
-    if plan.seccomp {
-        // The gate first: the main program refuses `seccomp` and `sendmsg`.
-        let counted = epoll_listener.is_some();
-        step(
-            "epoll gate",
-            epoll_gate::install_on_current_thread(counted)
-                .and_then(|gate| match (gate, epoll_listener) {
-                    (epoll_gate::EpollGate::Counted(fd), Some(hand_over)) => hand_over(fd),
-                    _ => Ok(()),
-                })
-                .map_err(|e| e.to_string()),
-        )?;
-        step(
-            "seccomp",
-            match compiled {
-                Some(c) => seccomp::install_programs_on_current_thread(&c.for_processes(processes)),
-                None => seccomp::build_filters(processes)
-                    .and_then(|p| seccomp::install_programs_on_current_thread(&p)),
-            }
-            .map_err(|e| e.to_string()),
-        )?;
-    } else {
-        step("seccomp", Err("not available on this kernel".into()))?;
-    }
-    Ok(missing)
 }
 
 #[cfg(test)]
