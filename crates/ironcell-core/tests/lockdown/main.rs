@@ -21,6 +21,7 @@
 mod attacks;
 mod child;
 mod fixture;
+mod syscalls;
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -454,8 +455,8 @@ fn a_locked_down_childs_threads_stop_at_the_thread_cap(who: Who) -> anyhow::Resu
     }
     const TRIES: u64 = 100_000;
     let locked = child::spawn(who, Some(&plan), |r| {
-        r.line("nproc", &attacks::nproc_limit().to_string());
-        let (started, refused) = attacks::start_threads(TRIES);
+        r.line("nproc", &syscalls::nproc_limit().to_string());
+        let (started, refused) = syscalls::start_threads(TRIES);
         r.line("started", &started.to_string());
         r.line("refused", &refused.unwrap_or(0).to_string());
     })?
@@ -500,7 +501,7 @@ fn a_locked_down_childs_threads_stop_at_the_thread_cap(who: Who) -> anyhow::Resu
     // Control: the same child without the lockdown starts more threads than the cap allows.
     let want = started + 64;
     let control = child::spawn(who, None, |r| {
-        let (started, refused) = attacks::start_threads(want);
+        let (started, refused) = syscalls::start_threads(want);
         r.line("started", &started.to_string());
         r.line("refused", &refused.unwrap_or(0).to_string());
     })?
