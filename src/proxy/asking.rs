@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use ironcell_core::bridge::{BridgeError, ErrorKind};
+use rmcp::model::ElicitResult;
 use serde_json::Value;
 
 use super::Proxy;
@@ -127,18 +128,7 @@ impl Proxy {
         if let Some(why) = self.declined_before(asked, &digest) {
             return Err(BridgeError::new(ErrorKind::Declined, why));
         }
-        let answer = match asker {
-            Asker::Elicit(peer) => peer
-                .create_elicitation_with_timeout(question.params(), Some(APPROVAL_TIMEOUT))
-                .await
-                .map_err(|e| e.to_string()),
-            Asker::Relay => self.relay.ask(session, question).await.ok_or_else(|| {
-                format!(
-                    "nobody answered within {} s (the client did not retry the call that asked)",
-                    APPROVAL_TIMEOUT.as_secs()
-                )
-            }),
-        };
+        let answer = self.put(session, asker, question).await;
         let declined = |how: &str| {
             self.note_decline(asked, digest.clone());
             Err(BridgeError::new(
@@ -160,6 +150,27 @@ impl Proxy {
         }
     }
 
+    /// Puts `question` to the user through `asker`, `session`'s client, in its era.
+    async fn put(
+        &self,
+        session: &str,
+        asker: Asker,
+        question: Question,
+    ) -> Result<ElicitResult, String> {
+        match asker {
+            Asker::Elicit(peer) => peer
+                .create_elicitation_with_timeout(question.params(), Some(APPROVAL_TIMEOUT))
+                .await
+                .map_err(|e| e.to_string()),
+            Asker::Relay => self.relay.ask(session, question).await.ok_or_else(|| {
+                format!(
+                    "nobody answered within {} s (the client did not retry the call that asked)",
+                    APPROVAL_TIMEOUT.as_secs()
+                )
+            }),
+        }
+    }
+
     /// Puts a question that is not about a proxied call (a package install) to the client of
     /// `session`'s runs, in its era, one at a time with the session's other questions.
     /// `Err(None)`: this client cannot ask; `Err(Some(why))`: asking failed.
@@ -177,18 +188,7 @@ impl Proxy {
             .or_default()
             .clone();
         let _open = gate.lock().await;
-        let answer = match asker {
-            Asker::Elicit(peer) => peer
-                .create_elicitation_with_timeout(question.params(), Some(APPROVAL_TIMEOUT))
-                .await
-                .map_err(|e| e.to_string()),
-            Asker::Relay => self.relay.ask(session, question).await.ok_or_else(|| {
-                format!(
-                    "nobody answered within {} s (the client did not retry the call that asked)",
-                    APPROVAL_TIMEOUT.as_secs()
-                )
-            }),
-        };
+        let answer = self.put(session, asker, question).await;
         answer
             .as_ref()
             .map(Decision::of)
