@@ -3,10 +3,11 @@
 # and the end-to-end suite that starts the real binary and drives it with real MCP clients (the
 # official Python SDK) and real peers. Installs the test peers (and HAProxy) on first use
 # (scripts/install_test_peers.sh; needs npm and PyPI once).
-#   --quick           the quick tier: formatting, ruff, the host's and the core's unit tests
-#                     (the MCP handler's among them), the mcp module's tests, and one smoke
-#                     file of the end-to-end suite (tests/e2e/test_core.py). No clippy, no
-#                     lockdown or sandbox attack suites: run the whole thing before a commit.
+#   --quick           the quick tier: formatting, ruff, the size check (scripts/check_sizes.py),
+#                     the host's, the core's and the extension's unit tests (the MCP handler's
+#                     among them), the mcp module's tests, and one smoke file of the end-to-end
+#                     suite (tests/e2e/test_core.py). No clippy, no lockdown or sandbox attack
+#                     suites: run the whole thing before a commit.
 #   IRONCELL_HARNESS  where the peers live (default ~/.cache/mcp-harness)
 #   PYTEST_ARGS       extra pytest arguments, e.g. "-k timeout -x"
 set -euo pipefail
@@ -23,6 +24,8 @@ fi
 echo "== ruff (the Python in python/, scripts/, tests/)"
 if [[ ! -x "$H/venv/bin/ruff" ]]; then "$H/venv/bin/pip" install -q 'ruff==0.14.6'; fi
 "$H/venv/bin/ruff" check python scripts tests
+echo "== sizes (no .rs file over 700 lines of code before its tests, no function over 80 lines without its reason)"
+python3 scripts/check_sizes.py
 # The replica tests run Debian's HAProxy and validate deploy/kubernetes (tests/e2e/test_replicas.py).
 if [[ ! -x "$H/venv/bin/kubernetes-validate" ]]; then "$H/venv/bin/pip" install -q 'kubernetes-validate==1.37.0'; fi
 if [[ -z "$QUICK" ]] && ! command -v haproxy >/dev/null && [[ ! -x /usr/sbin/haproxy ]]; then
@@ -41,6 +44,8 @@ echo "== the mcp module's pure logic (plain CPython, no host)"
 if [[ -n "$QUICK" ]]; then
   echo "== cargo test (host and core unit tests)"
   CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell -p ironcell-core --lib
+  echo "== cargo test (the Python extension's pure logic, no interpreter)"
+  CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell-python --lib
   echo "== end-to-end smoke (tests/e2e/test_core.py)"
   cargo build --release
   export IRONCELL_BIN=$PWD/target/release/ironcell
@@ -58,6 +63,9 @@ echo "== cargo clippy"
 CARGO_TARGET_DIR=target/clippy cargo clippy --release --workspace --all-targets -- -D warnings
 echo "== cargo test"
 CARGO_TARGET_DIR=target/unit-tests cargo test --release --workspace --exclude ironcell-python
+# The extension's tests link no libpython: its pure logic (the bridge's queue and frames, the
+# scrubbing allocator, the arena fallback), run on their own like the quick tier's.
+CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell-python --lib
 echo "== end-to-end (real binary, official MCP SDK)"
 cargo build --release
 export IRONCELL_BIN=$PWD/target/release/ironcell

@@ -84,3 +84,34 @@ unsafe extern "C" fn arena_free(_ctx: *mut c_void, ptr: *mut c_void, size: usize
         unsafe { (p.free)(p.ctx, ptr, size) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The test binary has no interpreter: no allocator to register with, none to fall back on.
+    #[test]
+    fn without_an_interpreter_only_arenas_of_a_pymalloc_size_are_served() {
+        assert!(
+            !install(),
+            "nothing exports PyObject_SetArenaAllocator here"
+        );
+        let size = 1 << 20;
+        // SAFETY: called as pymalloc calls it: no context, an arena's size.
+        let arena = unsafe { arena_alloc(std::ptr::null_mut(), size) };
+        assert!(!arena.is_null());
+        assert_eq!(
+            arena as usize % size,
+            0,
+            "arenas fill aligned slots of a chunk"
+        );
+        // SAFETY: the arena's `size` bytes are ours until freed.
+        unsafe { arena.cast::<u8>().write_bytes(0xab, size) };
+        // SAFETY: as above, with a size pymalloc never asks for: nothing to serve it.
+        let odd = unsafe { arena_alloc(std::ptr::null_mut(), 4096) };
+        assert!(odd.is_null());
+        assert_eq!(stats().0, 1);
+        // SAFETY: freed once, with the size it was served for.
+        unsafe { arena_free(std::ptr::null_mut(), arena, size) };
+    }
+}

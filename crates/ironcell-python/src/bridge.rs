@@ -35,15 +35,77 @@ struct Bridge {
 /// Requests in flight. At most [`MAX_INFLIGHT_REQUESTS`] are sent and unanswered at once (the
 /// host holds the worker to that); more wait here, in order, and go out as answers come in. So
 /// `asyncio.gather` over hundreds of calls just works, at the pace of the upstream.
-#[derive(Default)]
-struct Pending {
-    waiters: HashMap<u64, Waiter>,
+/// Generic in who waits, so its bookkeeping is tested without an interpreter.
+struct Pending<W = Waiter> {
+    waiters: HashMap<u64, W>,
     /// Sent and not yet answered (even if their waiter gave up): what the host counts.
     open: HashSet<u64>,
     queued: VecDeque<(u64, Vec<u8>)>,
 }
 
 static BRIDGE: OnceLock<Bridge> = OnceLock::new();
+
+impl<W> Default for Pending<W> {
+    fn default() -> Self {
+        Pending {
+            waiters: HashMap::new(),
+            open: HashSet::new(),
+            queued: VecDeque::new(),
+        }
+    }
+}
+
+impl<W> Pending<W> {
+    /// Takes request `id`: `Some(body)` to send now (a slot is free and nothing waits before
+    /// it), else `None` (queued, in order).
+    fn admit(&mut self, id: u64, body: Vec<u8>, waiter: W) -> Option<Vec<u8>> {
+        self.waiters.insert(id, waiter);
+        if self.open.len() < MAX_INFLIGHT_REQUESTS && self.queued.is_empty() {
+            self.open.insert(id);
+            Some(body)
+        } else {
+            self.queued.push_back((id, body));
+            None
+        }
+    }
+
+    /// The host answered `id`: its waiter (if it still waits), and the next queued request
+    /// whose caller still waits, to send in the slot the answer freed.
+    fn settle(&mut self, id: u64) -> (Option<W>, Option<(u64, Vec<u8>)>) {
+        let waiter = self.waiters.remove(&id);
+        let mut next = None;
+        if self.open.remove(&id) {
+            while let Some((qid, body)) = self.queued.pop_front() {
+                if self.waiters.contains_key(&qid) {
+                    self.open.insert(qid);
+                    next = Some((qid, body));
+                    break;
+                }
+            }
+        }
+        (waiter, next)
+    }
+
+    /// The caller of `id` gave up: a queued request is dropped; a sent one stays open (the
+    /// host counts it) until its answer comes.
+    fn abandon(&mut self, id: u64) {
+        self.waiters.remove(&id);
+        self.queued.retain(|(qid, _)| *qid != id);
+    }
+}
+
+/// The `request` frame's JSON for call `id` (what the host decodes with
+/// `ironcell_core::frame::decode_worker_frame`), or why `params_json` cannot go.
+fn request_body(id: u64, method: &str, params_json: &str) -> Result<Vec<u8>, String> {
+    let params: serde_json::Value = serde_json::from_str(params_json)
+        .map_err(|e| format!("arguments are not JSON-serializable: {e}"))?;
+    let msg = FromWorker::Request {
+        id,
+        method: method.to_string(),
+        params,
+    };
+    serde_json::to_vec(&msg).map_err(|e| e.to_string())
+}
 
 impl Bridge {
     fn pending(&self) -> MutexGuard<'_, Pending> {
@@ -77,21 +139,7 @@ pub fn connect(writer: Arc<Mutex<UnixStream>>) {
 /// and sends the next queued request in the slot it frees. Runs on the reader thread.
 pub fn resolve(id: u64, payload: String) {
     let Some(bridge) = BRIDGE.get() else { return };
-    let (waiter, next) = {
-        let mut p = bridge.pending();
-        let waiter = p.waiters.remove(&id);
-        let mut next = None;
-        if p.open.remove(&id) {
-            while let Some((qid, body)) = p.queued.pop_front() {
-                if p.waiters.contains_key(&qid) {
-                    p.open.insert(qid);
-                    next = Some((qid, body));
-                    break;
-                }
-            }
-        }
-        (waiter, next)
-    };
+    let (waiter, next) = bridge.pending().settle(id);
     match waiter {
         Some(Waiter::Blocking(tx)) => {
             let _ = tx.send(payload);
@@ -141,9 +189,7 @@ pub fn fail_all(reason: &str) {
 /// until the host answers it, since the host still counts it.
 fn abandon(id: u64) {
     if let Some(b) = BRIDGE.get() {
-        let mut p = b.pending();
-        p.waiters.remove(&id);
-        p.queued.retain(|(qid, _)| *qid != id);
+        b.pending().abandon(id);
     }
 }
 
@@ -151,26 +197,9 @@ fn send(py: Python<'_>, method: &str, params_json: &str, waiter: Waiter) -> PyRe
     let bridge = BRIDGE
         .get()
         .ok_or_else(|| PyConnectionError::new_err("the mcp bridge is not connected"))?;
-    let params: serde_json::Value = serde_json::from_str(params_json)
-        .map_err(|e| PyValueError::new_err(format!("arguments are not JSON-serializable: {e}")))?;
     let id = bridge.next_id.fetch_add(1, Ordering::Relaxed);
-    let msg = FromWorker::Request {
-        id,
-        method: method.to_string(),
-        params,
-    };
-    let body = serde_json::to_vec(&msg).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let send_now = {
-        let mut p = bridge.pending();
-        p.waiters.insert(id, waiter);
-        if p.open.len() < MAX_INFLIGHT_REQUESTS && p.queued.is_empty() {
-            p.open.insert(id);
-            Some(body)
-        } else {
-            p.queued.push_back((id, body));
-            None
-        }
-    };
+    let body = request_body(id, method, params_json).map_err(PyValueError::new_err)?;
+    let send_now = bridge.pending().admit(id, body, waiter);
     if let Some(body) = send_now {
         // Without the GIL: while this write waits for the host, the reader thread must be able
         // to run answer callbacks, or neither side would read.
@@ -264,5 +293,127 @@ pub mod _ironcell_bridge {
         callback: Py<PyAny>,
     ) -> PyResult<()> {
         send(py, method, params_json, Waiter::Callback(callback)).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ironcell_core::bridge::{Method, ProxyRequest, Request};
+    use ironcell_core::frame::{WorkerFrame, decode_worker_frame, read_frame, write_frame};
+    use serde_json::json;
+
+    /// What the host makes of a request this side sends: framed, read, decoded and parsed as
+    /// the session's reader does.
+    fn as_the_host_reads_it(id: u64, method: &str, params_json: &str) -> (u64, Request) {
+        let body = request_body(id, method, params_json).unwrap();
+        let mut wire = Vec::new();
+        write_frame(&mut wire, KIND_JSON, &body).unwrap();
+        let (kind, payload) = read_frame(&mut wire.as_slice()).unwrap().unwrap();
+        let framed = [&[kind][..], &payload].concat();
+        match decode_worker_frame(&framed, 0).unwrap() {
+            WorkerFrame::Message(FromWorker::Request { id, method, params }) => {
+                (id, Request::parse(&method, params).unwrap())
+            }
+            _ => panic!("not a request frame"),
+        }
+    }
+
+    #[test]
+    fn a_request_reaches_the_host_as_the_typed_request_of_the_contract() {
+        let (id, request) = as_the_host_reads_it(
+            7,
+            "call",
+            r#"{"server": "files", "tool": "read", "arguments": {"path": "a.txt", "n": [1, 2]}}"#,
+        );
+        assert_eq!(id, 7);
+        assert_eq!(
+            request,
+            Request::Proxy(ProxyRequest::Call {
+                server: "files".into(),
+                tool: "read".into(),
+                arguments: json!({"path": "a.txt", "n": [1, 2]}),
+            })
+        );
+        // Every method of the contract, by the name this side sends, is one the host knows.
+        for method in Method::ALL {
+            let name = method.wire_name();
+            let body = request_body(1, &name, "{}").unwrap();
+            let sent: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(sent["method"], json!(name));
+            assert_eq!(Method::parse(&name).unwrap(), method);
+        }
+    }
+
+    #[test]
+    fn arguments_that_are_not_json_are_refused_before_anything_is_sent() {
+        let e = request_body(1, "call", "{\"server\": ").unwrap_err();
+        assert!(
+            e.starts_with("arguments are not JSON-serializable: "),
+            "{e}"
+        );
+    }
+
+    /// A waiter as a blocking `request` has one (a `Waiter` can hold a Python callback, which
+    /// needs an interpreter to drop).
+    type Pending = super::Pending<mpsc::Sender<String>>;
+
+    fn waiter() -> (mpsc::Sender<String>, mpsc::Receiver<String>) {
+        mpsc::channel()
+    }
+
+    /// Answers `id` and tells its waiter, if it still waits, as `resolve` does.
+    fn answer(p: &mut Pending, id: u64) -> Option<(u64, Vec<u8>)> {
+        let (w, next) = p.settle(id);
+        if let Some(tx) = w {
+            let _ = tx.send(format!("answer {id}"));
+        }
+        next
+    }
+
+    #[test]
+    fn at_most_the_inflight_limit_is_open_and_the_rest_go_out_in_order() {
+        let mut p = Pending::default();
+        let max = MAX_INFLIGHT_REQUESTS as u64;
+        let mut receivers = Vec::new();
+        for id in 1..=max + 3 {
+            let (w, rx) = waiter();
+            receivers.push(rx);
+            let now = p.admit(id, id.to_le_bytes().to_vec(), w);
+            assert_eq!(now.is_some(), id <= max, "request {id}");
+        }
+        assert_eq!(p.open.len(), MAX_INFLIGHT_REQUESTS);
+        // An answer frees a slot for the oldest queued request, body and all.
+        assert_eq!(
+            answer(&mut p, 1),
+            Some((max + 1, (max + 1).to_le_bytes().to_vec()))
+        );
+        assert_eq!(receivers[0].try_recv().unwrap(), "answer 1");
+        // A queued request whose caller gave up is never sent.
+        p.abandon(max + 2);
+        assert_eq!(answer(&mut p, 2).map(|(id, _)| id), Some(max + 3));
+        // A sent one whose caller gave up keeps its slot until the host answers it.
+        p.abandon(3);
+        assert!(p.open.contains(&3));
+        assert_eq!(answer(&mut p, 3), None);
+        assert!(!p.open.contains(&3));
+        assert!(
+            receivers[2].try_recv().is_err(),
+            "nobody waits for 3 any more"
+        );
+        assert!(p.open.len() <= MAX_INFLIGHT_REQUESTS);
+        assert!(p.queued.is_empty());
+    }
+
+    #[test]
+    fn an_answer_to_no_open_request_frees_no_slot() {
+        let mut p = Pending::default();
+        for id in 1..=MAX_INFLIGHT_REQUESTS as u64 + 1 {
+            p.admit(id, Vec::new(), waiter().0);
+        }
+        // Not sent yet (queued), or never asked: neither frees a slot for the queue.
+        assert!(answer(&mut p, MAX_INFLIGHT_REQUESTS as u64 + 1).is_none());
+        assert!(answer(&mut p, 999_999).is_none());
+        assert_eq!(p.open.len(), MAX_INFLIGHT_REQUESTS);
     }
 }

@@ -74,3 +74,52 @@ unsafe impl GlobalAlloc for ScrubOnFree {
         new
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clear_zeroes_the_whole_capacity_in_place() {
+        let mut buf = Vec::with_capacity(64);
+        buf.extend_from_slice(b"session /home/alice/secret-project");
+        buf.truncate(8);
+        let (at, capacity) = (buf.as_ptr(), buf.capacity());
+        clear(&mut buf);
+        assert_eq!(
+            (buf.as_ptr(), buf.capacity()),
+            (at, capacity),
+            "no new buffer"
+        );
+        assert_eq!(buf.len(), capacity);
+        assert!(buf.iter().all(|&b| b == 0), "{buf:?}");
+    }
+
+    #[test]
+    fn a_scrubbing_realloc_moves_the_contents_up_and_down() {
+        let alloc = ScrubOnFree;
+        let layout = Layout::from_size_align(16, 8).unwrap();
+        scrubbing(true);
+        // SAFETY: a non-zero-sized layout.
+        let small = unsafe { alloc.alloc(layout) };
+        assert!(!small.is_null());
+        // SAFETY: the 16 bytes at `small` are ours.
+        unsafe { small.copy_from_nonoverlapping(b"0123456789abcdef".as_ptr(), 16) };
+        // SAFETY: `small` came from this allocator with `layout`; 4096 is non-zero.
+        let big = unsafe { alloc.realloc(small, layout, 4096) };
+        assert!(!big.is_null());
+        // SAFETY: `big` holds 4096 bytes, the first 16 copied.
+        let moved = unsafe { std::slice::from_raw_parts(big, 16) };
+        assert_eq!(moved, b"0123456789abcdef");
+        let big_layout = Layout::from_size_align(4096, 8).unwrap();
+        // SAFETY: `big` came from this allocator with `big_layout`; 4 is non-zero.
+        let tiny = unsafe { alloc.realloc(big, big_layout, 4) };
+        scrubbing(false);
+        assert!(!tiny.is_null());
+        // SAFETY: `tiny` holds 4 bytes, copied from `big`.
+        let kept = unsafe { std::slice::from_raw_parts(tiny, 4) };
+        assert_eq!(kept, b"0123");
+        // SAFETY: `tiny` came from this allocator with this layout.
+        unsafe { alloc.dealloc(tiny, Layout::from_size_align(4, 8).unwrap()) };
+    }
+}
