@@ -45,7 +45,7 @@ if [[ -n "$QUICK" ]]; then
   echo "== cargo test (host and core unit tests)"
   CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell -p ironcell-core --lib
   echo "== cargo test (the Python extension's pure logic, no interpreter)"
-  CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell-python --lib
+  CARGO_TARGET_DIR=target/python-tests cargo test --release -p ironcell-python --lib
   echo "== end-to-end smoke (tests/e2e/test_core.py)"
   cargo build --release
   export IRONCELL_BIN=$PWD/target/release/ironcell
@@ -64,8 +64,10 @@ CARGO_TARGET_DIR=target/clippy cargo clippy --release --workspace --all-targets 
 echo "== cargo test"
 CARGO_TARGET_DIR=target/unit-tests cargo test --release --workspace --exclude ironcell-python
 # The extension's tests link no libpython: its pure logic (the bridge's queue and frames, the
-# scrubbing allocator, the arena fallback), run on their own like the quick tier's.
-CARGO_TARGET_DIR=target/unit-tests cargo test --release -p ironcell-python --lib
+# scrubbing allocator, the arena fallback). In a target dir of their own, so this build of the
+# extension (without ironcell-core's `host` feature) never meets the libironcell_python.so the
+# host's build.rs embeds and watches (see the rebuilds above).
+CARGO_TARGET_DIR=target/python-tests cargo test --release -p ironcell-python --lib
 echo "== end-to-end (real binary, official MCP SDK)"
 cargo build --release
 export IRONCELL_BIN=$PWD/target/release/ironcell
