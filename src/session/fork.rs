@@ -10,6 +10,7 @@
 //! parent's next forks area); the worker forks, and each side narrows its domain to its own
 //! two. Each fork thus costs each side one Landlock layer of the kernel's 16.
 
+use std::io::Write;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::sync::atomic::AtomicU64;
@@ -25,6 +26,9 @@ pub(super) const MAX_FORK_LAYERS: u32 = 12;
 
 /// How long a fork may take to say `ready` (it copies the parent's files first).
 const FORK_READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a fork may take to say it left its parent's group (no code of the session's runs
+/// before).
+const FORK_HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Lineages with a fork under way (their Unix session ids: a fork stays in its parent's
 /// session): the orphan sweep spares their fork, which is the zygote's child in a group of its
@@ -86,6 +90,7 @@ impl SessionManager {
         &self,
         from: &str,
         to: &str,
+        cancel: &CancellationToken,
     ) -> Result<(Arc<Session>, Vec<String>), RunRefusal> {
         let refuse = |why: String| Err(RunRefusal::Fork(why));
         if !valid_session_name(from) {
@@ -172,8 +177,19 @@ impl SessionManager {
             .ok_or_else(|| RunRefusal::Fork(format!("session {from:?}'s worker is gone")))?;
         let ordered_at = boot_ticks_now();
         let started = Instant::now();
+        let zygote = self
+            .current_zygote()
+            .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
+        let socket_ino = nix::sys::stat::fstat(&child_sock).map_or(0, |st| st.st_ino);
         lock(&FORKING).push(lineage_sid);
         let _forking = NotForking(lineage_sid);
+        // From here on, giving up on the fork (any return, or the call dropped) ends it.
+        let line = fork_guard::Line {
+            zygote: zygote.pid(),
+            sid: lineage_sid,
+            socket_ino,
+        };
+        let ending = fork_guard::EndUnlessTaken::new(line, zygote.clone());
         if worker.send_passing(body, Some(child_sock.into())).is_err() {
             return refuse(format!("session {from:?}'s worker is not reading"));
         }
@@ -193,19 +209,36 @@ impl SessionManager {
                 return refuse(why);
             }
         }
+        // B says it is out of the parent's group; the parent, narrowed now, must run nothing it
+        // started before (SECURITY.md #226) for B to go on. Under the parent's lock: a next
+        // fork of it would be a child of its own meanwhile.
+        let (line, z, given_up) = (ending.line.clone(), zygote.clone(), ending.given_up.clone());
+        let (from_name, own_tasks) = (from.to_string(), worker.own_tasks.clone());
+        let host_sock = blocking_unless_cancelled(cancel, move || {
+            read_byte(&host_sock, FORK_HELLO_TIMEOUT, "say it started")?;
+            line.check_parent(
+                &from_name,
+                p.pid,
+                own_tasks.as_ref(),
+                &fork_guard::live_pids(&z),
+            )?;
+            if given_up.load(Ordering::SeqCst) {
+                return Err("the fork was given up".to_string());
+            }
+            (&host_sock)
+                .write_all(b"g")
+                .map_err(|e| format!("the fork ended before it began: {e}"))?;
+            Ok(host_sock)
+        })
+        .await?;
         drop(state);
         let answered_ms = started.elapsed().as_secs_f64() * 1000.0;
-        let zygote = self
-            .current_zygote()
-            .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
         let budget = self.settings.image_budget;
-        let (pid, notes, host_sock) = tokio::task::spawn_blocking(move || {
-            let (pid, notes) = read_ready(&host_sock, budget)?;
-            Ok::<_, String>((pid, notes, host_sock))
+        let (pid, notes, host_sock) = blocking_unless_cancelled(cancel, move || {
+            let (pid, notes) = read_ready(&host_sock, budget, FORK_READY_TIMEOUT)?;
+            Ok((pid, notes, host_sock))
         })
-        .await
-        .map_err(|e| RunRefusal::Fork(e.to_string()))?
-        .map_err(RunRefusal::Fork)?;
+        .await?;
         let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
         let pidfd =
             verified_fork(pid, lineage_sid, ordered_at, &zygote).map_err(RunRefusal::Fork)?;
@@ -225,6 +258,8 @@ impl SessionManager {
         };
         let mut live = LiveWorker::new(spawned, slot, budget)
             .map_err(|e| RunRefusal::Fork(format!("taking the fork: {e}")))?;
+        ending.taken();
+        live.own_tasks = Some(fork_guard::tasks_of(pid));
         live.forks_area = Some(child_forks);
         live.landlock_layers = p.layers + 1;
         live.packages_view = p.packages_view;
@@ -397,25 +432,60 @@ fn start_ticks(pid: i32) -> Option<u64> {
     rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
-/// Reads the fork's first frame (blocking, on its own socket): `ready` with its pid and notes,
-/// or why it failed.
+/// Runs `f` on a blocking thread; returns at once, `Cancelled`, if `cancel` fires first (the
+/// caller's [`fork_guard::EndUnlessTaken`] then ends the fork, which ends `f`'s reads).
+async fn blocking_unless_cancelled<T: Send + 'static>(
+    cancel: &CancellationToken,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, RunRefusal> {
+    tokio::select! {
+        done = tokio::task::spawn_blocking(f) => done
+            .map_err(|e| RunRefusal::Fork(e.to_string()))?
+            .map_err(RunRefusal::Fork),
+        () = cancel.cancelled() => Err(RunRefusal::Cancelled),
+    }
+}
+
+/// Reads one byte of the fork's (blocking, `timeout` at most); `what` names what it tells.
+fn read_byte(
+    mut sock: &std::os::unix::net::UnixStream,
+    timeout: Duration,
+    what: &str,
+) -> Result<(), String> {
+    use std::io::Read;
+    let _ = sock.set_read_timeout(Some(timeout));
+    let mut byte = [0u8; 1];
+    sock.read_exact(&mut byte)
+        .map_err(|e| format!("the fork did not {what}: {e}"))
+}
+
+/// Reads the fork's first frame (blocking, on its own socket, `timeout` at most): `ready` with
+/// its pid and notes, or why it failed.
 fn read_ready(
     sock: &std::os::unix::net::UnixStream,
     budget: u64,
+    timeout: Duration,
 ) -> Result<(i32, Vec<String>), String> {
     use std::io::Read;
-    let _ = sock.set_read_timeout(Some(FORK_READY_TIMEOUT));
+    let _ = sock.set_read_timeout(Some(timeout));
+    let why = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+            "the fork did not say ready within {} s: code in an os.register_at_fork hook of \
+             the parent's may not have returned",
+            timeout.as_secs_f64()
+        ),
+        std::io::ErrorKind::UnexpectedEof => "the fork ended before it was ready".into(),
+        _ => format!("the fork did not become ready: {e}"),
+    };
     let mut sock = sock;
     let mut len = [0u8; 4];
-    sock.read_exact(&mut len)
-        .map_err(|e| format!("the fork did not become ready: {e}"))?;
+    sock.read_exact(&mut len).map_err(why)?;
     let len = u32::from_be_bytes(len) as usize;
     if len > frame::max_worker_frame_bytes(budget) {
         return Err("the fork's first frame is too large".into());
     }
     let mut body = vec![0u8; len];
-    sock.read_exact(&mut body)
-        .map_err(|e| format!("the fork did not become ready: {e}"))?;
+    sock.read_exact(&mut body).map_err(why)?;
     let _ = sock.set_read_timeout(None);
     match frame::decode_worker_frame(&body, budget) {
         Ok(WorkerFrame::Message(FromWorker::Ready { pid, notes, .. })) => Ok((pid, notes)),
@@ -466,4 +536,24 @@ fn verified_fork(
     let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
     check()?;
     Ok(pidfd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fork_that_never_says_ready_is_told_why() {
+        let (host, fork) = std::os::unix::net::UnixStream::pair().unwrap();
+        let why = read_ready(&host, 1 << 20, Duration::from_millis(50)).unwrap_err();
+        assert!(
+            why.starts_with(
+                "the fork did not say ready within 0.05 s: code in an os.register_at_fork hook"
+            ),
+            "{why}"
+        );
+        drop(fork);
+        let why = read_ready(&host, 1 << 20, Duration::from_millis(50)).unwrap_err();
+        assert_eq!(why, "the fork ended before it was ready");
+    }
 }

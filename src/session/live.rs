@@ -78,6 +78,9 @@ pub(super) struct LiveWorker {
     pub forks_area: Option<std::path::PathBuf>,
     /// Landlock layers its domain holds (1 from its lockdown, one more per fork on its line).
     pub landlock_layers: u32,
+    /// Its threads at its `ready`, ironcell's own: a fork is refused while it runs others
+    /// (`fork_guard.rs`).
+    pub own_tasks: Option<super::fork_guard::Tasks>,
     outbox: mpsc::Sender<Outgoing>,
     /// `None` once the zygote's report was taken (or can no longer come).
     exit: Option<oneshot::Receiver<ExitInfo>>,
@@ -137,6 +140,7 @@ impl LiveWorker {
             packages_view: None,
             forks_area: None,
             landlock_layers: 1,
+            own_tasks: None,
             outbox,
             exit: Some(exit),
             requests: Arc::new(Semaphore::new(MAX_INFLIGHT_REQUESTS)),

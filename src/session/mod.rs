@@ -34,6 +34,7 @@ mod cell;
 mod dirs;
 mod font_cache;
 mod fork;
+mod fork_guard;
 mod live;
 mod outcome;
 mod pool;
@@ -504,7 +505,7 @@ impl SessionManager {
         let mut fork_notes = None;
         let session = match &req.fork_from {
             Some(from) => {
-                let (session, notes) = self.fork_session(from, &req.session).await?;
+                let (session, notes) = self.fork_session(from, &req.session, &cancel).await?;
                 fork_notes = Some(notes);
                 session
             }

@@ -141,7 +141,7 @@ pub(crate) fn descendants(pid: i32) -> Vec<i32> {
     descendants_to_depth(pid, usize::MAX)
 }
 
-fn descendants_to_depth(pid: i32, depth: usize) -> Vec<i32> {
+pub(super) fn descendants_to_depth(pid: i32, depth: usize) -> Vec<i32> {
     let mut found = Vec::new();
     let mut queue = vec![(pid, 0)];
     while let Some((p, level)) = queue.pop() {

@@ -158,6 +158,7 @@ impl SessionManager {
         match ready {
             Ok(Ok(missing_layers)) => {
                 worker.missing_layers = missing_layers;
+                worker.own_tasks = Some(fork_guard::tasks_of(worker.pid()));
                 tracing::debug!(
                     session = %name.unwrap_or("(spare)"),
                     pid = worker.pid(),
@@ -187,7 +188,8 @@ impl SessionManager {
 ///
 /// The zygote runs its BLAS on one thread (it forks, so it must stay single-threaded); a worker's
 /// libraries size their thread pools to the CPUs the host may use (numpy's OpenBLAS, OpenMP,
-/// MKL read these when they load in the worker; one the zygote preloaded keeps its one thread).
+/// MKL read these when they load in the worker; one the zygote preloaded keeps its one thread),
+/// numexpr's to one.
 pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, String)> {
     let cpus = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -202,6 +204,10 @@ pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, 
         })
         .collect();
     env.push(("TERM".to_string(), "dumb".to_string()));
+    // numexpr (which pandas imports) starts its thread pool at import and keeps it across a
+    // fork (OpenBLAS stops its own), which would make every pandas session unforkable
+    // (fork_guard.rs): one thread, as pandas' `eval` is rarely the bottleneck.
+    env.push(("NUMEXPR_NUM_THREADS".to_string(), "1".to_string()));
     env.extend(session_environment(session, scratch));
     env
 }

@@ -7,18 +7,26 @@
 //! fork, and A holds its own (pump, socket, inbox) across it, so B's copy of A's heap is
 //! consistent although A has other threads; Python's are handled by `PyOS_*Fork*`.
 //!
-//! B then, while it has one thread:
-//! 1. leaves A's process group (`setpgid(0, 0)`) and dies with the zygote;
+//! B then, while it has one thread and before any Python runs in it:
+//! 1. puts its own socket on fd 3, leaves A's process group (`setpgid(0, 0)`), waits to be
+//!    the zygote's child and dies with the zygote, says so (one byte); then waits for the
+//!    host's one-byte go-ahead,
+//!    which comes once A is narrowed and the host found nothing of A's code left running in A
+//!    (no thread or process it did not have at its `ready`: one would keep A's pre-fork
+//!    domain, which reaches B's directory; the socket closes instead and B ends);
 //! 2. copies A's files into its own directory (bytes: the filter lets no reflink through);
 //! 3. narrows its Landlock domain to its own directory and forks area (one layer, with the
 //!    signal scope: it cannot signal A);
-//! 4. puts its own socket, pipes and wake-up pipe on the descriptor numbers A's objects use,
+//! 4. puts its own pipes and wake-up pipe on the descriptor numbers A's objects use,
 //!    re-opens inherited files of A's directory on its copies, closes every other descriptor;
+//!
+//! and only then runs `PyOS_AfterFork_Child` (so A's `os.register_at_fork` hooks run narrowed,
+//! and a thread one starts is narrowed too), and
 //! 5. renames itself to its session (environment, cwd), restarts the reader and pump threads,
 //!    and says `ready` on its socket, then serves cells in the same loop A did.
 //!
-//! A meanwhile reaps M and narrows its own domain to its directory and its next forks area, so
-//! neither reaches the other's files from then on.
+//! A meanwhile reaps M and narrows its own domain to its directory and its next forks area
+//! (then runs its `after_in_parent` hooks), so neither reaches the other's files from then on.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -97,19 +105,21 @@ pub(super) fn fork_session(
             // SAFETY: M ends at once, running nothing of the parent's.
             unsafe { libc::_exit(if b > 0 { 0 } else { 1 }) };
         }
-        // SAFETY: in B, right after fork, with the GIL held by this (only) thread.
-        unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         drop((pump_held, writer_held, inbox_held));
         let fds = (inbox.descriptors(), pump.descriptors());
-        let setup = become_the_fork(
-            py,
-            runner,
-            &order,
-            socket,
-            fds,
-            (&grants, &shared_rw),
-            zygote,
-        );
+        let socket_copy = fds.0[0];
+        // Steps 1-4 run no Python (the interpreter still believes A's threads exist; nothing
+        // here touches a Python object): the parent's `os.register_at_fork` hooks run in
+        // `PyOS_AfterFork_Child` only once B is narrowed, so a thread one starts is too.
+        let setup =
+            become_the_fork(&order, socket, fds, (&grants, &shared_rw), zygote).and_then(|notes| {
+                // SAFETY: in B, with the GIL held by this (only) thread, before any Python runs.
+                unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
+                // The runner's own hook (for a session's children) put /dev/null on fd 3.
+                dup_onto(socket_copy, SESSION_FD)?;
+                bind_the_fork(py, runner, &order)?;
+                Ok(notes)
+            });
         FORKING_A_SESSION.store(false, Ordering::Relaxed);
         return match setup {
             Ok(notes) => {
@@ -139,13 +149,26 @@ pub(super) fn fork_session(
         };
     }
     let fork_error = (middle < 0).then(std::io::Error::last_os_error);
-    // SAFETY: in A, after fork, with the GIL held.
-    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
     FORKING_A_SESSION.store(false, Ordering::Relaxed);
     drop((pump_held, writer_held, inbox_held));
     drop(socket);
+    // A's `after_in_parent` hooks run once A is narrowed too (a thread one starts is).
+    let error = narrow_the_parent(middle, fork_error, &order, (&grants, &shared_rw));
+    // SAFETY: in A, after fork, with the GIL held.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
+    answer(writer, error)
+}
+
+/// A's side after the fork: reaps M, then keeps its directory and its next forks area and loses
+/// the new session's. Returns why it failed, if it did.
+fn narrow_the_parent(
+    middle: libc::pid_t,
+    fork_error: Option<std::io::Error>,
+    order: &ForkOrder,
+    (grants, shared_rw): (&FilesystemGrants, &[PathBuf]),
+) -> Option<String> {
     if let Some(e) = fork_error {
-        return answer(writer, Some(format!("fork failed: {e}")));
+        return Some(format!("fork failed: {e}"));
     }
     let mut status = 0;
     // SAFETY: waitpid(2) of M, this process's child, with a valid out-pointer.
@@ -153,17 +176,12 @@ pub(super) fn fork_session(
         && nix::errno::Errno::last() == nix::errno::Errno::EINTR
     {}
     if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
-        return answer(writer, Some("the second fork failed".into()));
+        return Some("the second fork failed".into());
     }
-    // A keeps its directory and its next forks area, and loses the new session's.
-    let mine = narrowed(&grants, &shared_rw, &order.parent_dir, &order.parent_forks);
-    if let Err(e) = ironcell_core::sandbox::landlock::narrow_for_a_fork(&mine) {
-        return answer(
-            writer,
-            Some(format!("this session could not narrow its sandbox: {e}")),
-        );
-    }
-    answer(writer, None)
+    let mine = narrowed(grants, shared_rw, &order.parent_dir, &order.parent_forks);
+    ironcell_core::sandbox::landlock::narrow_for_a_fork(&mine)
+        .err()
+        .map(|e| format!("this session could not narrow its sandbox: {e}"))
 }
 
 fn answer(
@@ -187,16 +205,18 @@ fn narrowed(
     mine
 }
 
-/// B's setup, steps 1-5 of the module's list. Returns notes for B's first result.
+/// B's setup, steps 1-4 of the module's list: no Python runs in them. Returns notes for B's
+/// first result.
 fn become_the_fork(
-    py: Python<'_>,
-    runner: &Bound<'_, PyModule>,
     order: &ForkOrder,
     socket: OwnedFd,
     fds: ([RawFd; 4], [RawFd; 2]),
     (grants, shared_rw): (&FilesystemGrants, &[PathBuf]),
     zygote: nix::unistd::Pid,
 ) -> anyhow::Result<Vec<String>> {
+    // Its own socket on fd 3 first, where the writer writes: a failure from here on is told to
+    // the host on it, never on A's socket.
+    super::move_fd_to(socket, SESSION_FD)?;
     // Step 1: a process group of its own, then wait to be the zygote's (M ends at once).
     nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0))
         .context("setpgid(0, 0)")?;
@@ -210,6 +230,15 @@ fn become_the_fork(
     super::die_with_zygote(zygote)?;
     // SAFETY: prctl(2) with integer arguments: dumpable, so the host reads its memory counters.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
+    // One byte to the host: B is out of A's group and the zygote's. Then the host's word to go
+    // on (one byte): it has checked that A, now narrowed, runs nothing it started before (a
+    // thread of it would still reach this directory). The socket closed instead: the fork was
+    // refused, and B ends.
+    // SAFETY: write(2) of one byte from a static, on fd 3 (B's socket).
+    if unsafe { libc::write(SESSION_FD, b"b".as_ptr().cast(), 1) } != 1 {
+        return Err(std::io::Error::last_os_error()).context("telling the host");
+    }
+    wait_for_the_hosts_go(SESSION_FD)?;
 
     // Step 2: the files, into a directory that must still be empty: anything in it was put
     // there by the parent after the host made it (a hard link to one of the parent's files
@@ -237,8 +266,7 @@ fn become_the_fork(
     ironcell_core::sandbox::landlock::narrow_for_a_fork(&mine)
         .map_err(|e| anyhow!("narrowing the fork's sandbox: {e}"))?;
 
-    // Step 4: descriptors. The socket first (fd 3, where the writer and the bridge write).
-    super::move_fd_to(socket, SESSION_FD)?;
+    // Step 4: descriptors (the socket is on fd 3 already, where the writer and bridge write).
     let mut keep: Vec<RawFd> = vec![SESSION_FD];
     let (reopened, closed) = replace_descriptors(&copied, fds, &mut keep)?;
     if reopened > 0 {
@@ -251,7 +279,15 @@ fn become_the_fork(
             "{closed} descriptor(s) of the parent session (pipes, sockets, files open for writing elsewhere) were closed here; objects that used them raise OSError"
         ));
     }
-    // Step 5: the session's name, environment and cwd, and a clear `/tmp` refusal.
+    Ok(notes)
+}
+
+/// Step 5: the session's name, environment and cwd, and a clear `/tmp` refusal.
+fn bind_the_fork(
+    py: Python<'_>,
+    runner: &Bound<'_, PyModule>,
+    order: &ForkOrder,
+) -> anyhow::Result<()> {
     let env = PyDict::new(py);
     for (k, v) in &order.env {
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
@@ -262,7 +298,22 @@ fn become_the_fork(
             (env, order.child_dir.display().to_string()),
         )
         .map_err(|e| anyhow!("binding the fork to its session: {e}"))?;
-    Ok(notes)
+    Ok(())
+}
+
+/// Blocks until the host sends B's one-byte go-ahead on its socket; an error once it closed.
+fn wait_for_the_hosts_go(socket: RawFd) -> anyhow::Result<()> {
+    let mut byte = 0u8;
+    loop {
+        // SAFETY: read(2) of one byte into a local, on a descriptor B owns.
+        let n = unsafe { libc::read(socket, (&raw mut byte).cast(), 1) };
+        match n {
+            1 => return Ok(()),
+            0 => anyhow::bail!("the host refused the fork"),
+            _ if nix::errno::Errno::last() == nix::errno::Errno::EINTR => {}
+            _ => return Err(std::io::Error::last_os_error()).context("waiting for the host"),
+        }
+    }
 }
 
 /// Points B's pipes and wake-up pipe at fresh ones under the numbers A's objects use, puts the

@@ -21,8 +21,8 @@
 //! - Steps 6–13: lock down: the pids cgroup, an empty `/proc`, capabilities, no_new_privs,
 //!   non-dumpable, rlimits, Landlock, seccomp
 //!   ([`ironcell_core::sandbox::apply_lockdown_to_current_process`]).
-//! - after: only now say `ready`, start the output pump and reader threads, and serve `run`
-//!   frames.
+//! - after: only now start the reader and output pump threads, say `ready` (the host takes
+//!   the threads then as ironcell's own), and serve `run` frames.
 
 mod fork;
 mod inbox;
@@ -309,6 +309,9 @@ fn serve_session(
     let sock = unsafe { UnixStream::from_raw_fd(SESSION_FD) };
     let mut inbox = inbox::Inbox::start(&sock)?;
     let writer = Arc::new(Mutex::new(sock));
+    // Every thread of ironcell's own starts before `ready`: the host takes the worker's threads
+    // then as its own, and refuses to fork a session while it runs any other (fork_guard.rs).
+    let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
     send_json(
         &writer,
         &FromWorker::Ready {
@@ -318,9 +321,6 @@ fn serve_session(
             notes: Vec::new(),
         },
     )?;
-    // The threads start after `ready` (it is not delayed by them); anything written to fd 1 or
-    // 2 before waits in the pipes until the pump forwards it.
-    let pump = output_pump::OutputPump::start(stdout_r, stderr_r, writer.clone())?;
 
     // Between cells this thread reads the socket itself; while a cell runs, the reader thread
     // does, so answers to the `mcp` module's requests reach whoever waits for them (a blocked
