@@ -34,6 +34,7 @@ mod cell;
 mod dirs;
 mod font_cache;
 mod fork;
+mod fork_queue;
 mod idle;
 mod live;
 mod outcome;
@@ -74,6 +75,8 @@ struct SessionState {
     worker: Option<LiveWorker>,
     /// Told to the model in the next run of this session (why its state was lost).
     pending_notice: Option<String>,
+    /// A new fork's notes for its first result (what its parent's descriptors became).
+    fork_notes: Option<Vec<String>>,
 }
 
 /// A named session: a scratch directory and at most one worker process.
@@ -101,6 +104,8 @@ pub struct Session {
     disk_marks: Mutex<[Option<quota::WorkerMark>; 2]>,
     /// The sessions it was forked from, nearest first (empty: not a fork).
     lineage: Mutex<Vec<String>>,
+    /// The forks its running cell asked for with `mcp.fork`, made when the run ends.
+    queued_forks: Mutex<Vec<String>>,
 }
 
 impl Session {
@@ -112,6 +117,7 @@ impl Session {
             state: tokio::sync::Mutex::new(SessionState {
                 worker: None,
                 pending_notice: None,
+                fork_notes: None,
             }),
             last_used: Mutex::new(Instant::now()),
             over_quota: tokio::sync::watch::Sender::new(None),
@@ -121,6 +127,7 @@ impl Session {
             quota_mark: Mutex::new(None),
             disk_marks: Mutex::new([None, None]),
             lineage: Mutex::new(Vec::new()),
+            queued_forks: Mutex::new(Vec::new()),
         }
     }
 }
@@ -278,6 +285,8 @@ impl SessionManager {
             stop: CancellationToken::new(),
             tasks: tokio_util::task::TaskTracker::new(),
         });
+        let forks: std::sync::Weak<SessionManager> = Arc::downgrade(&manager);
+        manager.router.set_forks(forks);
         if tokio::runtime::Handle::try_current().is_ok() {
             enforce_scratch_quotas_periodically(&manager);
             guard_free_disk_periodically(&manager);
@@ -492,13 +501,8 @@ impl SessionManager {
             Some(t) => t,
             None => self.settings.default_timeout,
         };
-        let mut fork_notes = None;
         let session = match &req.fork_from {
-            Some(from) => {
-                let (session, notes) = self.fork_session(from, &req.session).await?;
-                fork_notes = Some(notes);
-                session
-            }
+            Some(from) => self.fork_session(from, &req.session).await?,
             None => self.session(&req.session),
         };
         // Read before the lock: a free-disk stop from here on skips this session (its lock is
@@ -552,7 +556,7 @@ impl SessionManager {
         }
         session.measure_soon();
         let mut session_state = crate::output::SessionState::Kept;
-        if let Some(mut notes) = fork_notes {
+        if let Some(mut notes) = state.fork_notes.take() {
             session_state = crate::output::SessionState::Forked;
             notices.append(&mut notes);
         }
@@ -639,6 +643,11 @@ impl SessionManager {
                 "this session's previous worker was lost ({}); variables and imports start fresh (files are kept)",
                 outcome.loss_reason.unwrap_or_else(|| "it stopped".into())
             ));
+        }
+        let queued = std::mem::take(&mut *lock(&session.queued_forks));
+        if !queued.is_empty() {
+            let notes = self.make_queued_forks(&session, state, queued).await;
+            record.notices.extend(notes);
         }
         self.pool.run_answered();
         Ok(record)
