@@ -5,14 +5,15 @@
 //! the host, never taken from the frame). The router gives it to the code for its kind — the
 //! proxy, the memory store, the local tools, the change tracker, the package store — and
 //! returns a typed answer.
-//! Sessions reach it through the [`Requests`] trait; nothing the router owns knows sessions.
+//! Sessions reach it through the [`Requests`] trait; nothing the router owns knows sessions
+//! (`session.fork` goes back to the session manager through the [`Forks`] it was given).
 //!
 //! Threat note: the worker is the attacker. A request holds the worker's budget for its
 //! parameters ([`Caller::room`]) until they are freed, waits for blocking work in its own task
 //! (never in the blocking pool), and ends with its worker — except a local tool's run, which is
 //! cancelled through [`Caller::gone`] and ends by itself (its session is never left mid-cell).
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use futures::future::BoxFuture;
 use ironcell_core::bridge::{BridgeError, MemoryRequest, Request, ToolsRequest};
@@ -53,6 +54,9 @@ pub struct Caller {
     pub packages_view: Option<Arc<View>>,
     /// The session's directory (`files.set_times` acts beneath it).
     pub scratch: std::path::PathBuf,
+    /// The Landlock layers its worker holds where it may fork (it was given a forks area);
+    /// `None`: it cannot fork.
+    pub fork_layers: Option<u32>,
 }
 
 /// A request's typed answer, and the worker's turn to hold until it is written to the socket.
@@ -71,6 +75,17 @@ pub trait Requests: Send + Sync {
     fn answer(&self, caller: Caller, request: Request) -> BoxFuture<'static, Option<Answer>>;
 }
 
+/// What `session.fork` needs of the sessions (the session manager): the fork queued for the
+/// end of the caller's run, after every check that can be made before it, or why not.
+pub trait Forks: Send + Sync {
+    fn queue_fork(
+        self: Arc<Self>,
+        session: String,
+        name: String,
+        fork_layers: Option<u32>,
+    ) -> BoxFuture<'static, Result<Value, BridgeError>>;
+}
+
 /// Owns what worker requests reach: the proxy, the memory store, the local tools, the change
 /// tracker and the package store.
 pub struct Router {
@@ -85,6 +100,8 @@ pub struct Router {
     blocking_requests: Arc<Semaphore>,
     /// `files.changed` requests waiting for the change tracker at once, host-wide.
     tracker_waits: Arc<Semaphore>,
+    /// The sessions, for `session.fork` (weak: they own the router).
+    forks: OnceLock<Weak<dyn Forks>>,
 }
 
 impl Router {
@@ -102,7 +119,13 @@ impl Router {
             changes,
             blocking_requests: Arc::new(Semaphore::new(BLOCKING_REQUESTS_AT_ONCE)),
             tracker_waits: Arc::new(Semaphore::new(TRACKER_WAITS_AT_ONCE)),
+            forks: OnceLock::new(),
         }
+    }
+
+    /// Sets where `session.fork` goes (the first set wins).
+    pub fn set_forks(&self, forks: Weak<dyn Forks>) {
+        let _ = self.forks.set(forks);
     }
 
     /// Sets the local tools (the first set wins).
@@ -191,6 +214,7 @@ impl Requests for Router {
             room,
             packages_view,
             scratch,
+            fork_layers,
         } = caller;
         let turns = |host: &Arc<Semaphore>| Turns {
             worker: blocking_turn.clone(),
@@ -223,6 +247,18 @@ impl Requests for Router {
                         result,
                         turn: Some(mine),
                     })
+                })
+            }
+            Request::Fork { name } => {
+                let forks = self.forks.get().and_then(Weak::upgrade);
+                Box::pin(async move {
+                    let _room = room;
+                    let Some(forks) = forks else {
+                        return answered(Err(BridgeError::unavailable(
+                            "sessions cannot be forked from code here",
+                        )));
+                    };
+                    answered(forks.queue_fork(session, name, fork_layers).await)
                 })
             }
             Request::ChangedFiles => Box::pin(Self::changed_files(

@@ -1600,6 +1600,32 @@ def _pip_magic(line):
     return install(names, _source="%pip install")
 
 
+# ---------------------------------------------------------------------------------------------
+# `mcp.fork(name)`: this session forked into a new one when this run ends (the host makes it).
+# ---------------------------------------------------------------------------------------------
+
+__all__ += ["fork", "ForkError"]
+
+
+class ForkError(MCPError):
+    """A fork was refused; the message says why and what to do instead."""
+
+
+def fork(name):
+    """Forks this session into the new session `name` as this run leaves it: when the cell
+    returns, `name` starts with a copy of every variable, import and file of this session (as
+    `run_python`'s `fork_from` would), and the two go their own ways. Refused at once, with
+    the reason, where the fork cannot be made (the name is taken or not a name, sessions cannot
+    fork here, the line of forks is too deep, no live-session slot, the files would not fit);
+    the run's result says whether the fork was made. Returns {"session": name, ...}."""
+    if not isinstance(name, str):
+        raise TypeError(f"a session name is a string, not {type(name).__name__}")
+    try:
+        return _request_sync("session.fork", {"name": name})
+    except MCPError as exc:
+        raise ForkError(str(exc)) from None
+
+
 def _script_dependencies(code):
     """The `dependencies` of an inline script metadata block (PEP 723) in `code`, or None."""
     import re

@@ -503,6 +503,7 @@ impl<'a> CellRun<'a> {
             room: Box::new(room),
             packages_view: worker.packages_view.clone(),
             scratch: self.session.scratch.clone(),
+            fork_layers: worker.forks_area.as_ref().map(|_| worker.landlock_layers),
         };
         let answers = worker.answers();
         let answered = router.answer(caller, request);

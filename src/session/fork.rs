@@ -35,6 +35,29 @@ const FORK_HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// own before the host knows it (`resident.rs`).
 pub(super) static FORKING: Mutex<Vec<i32>> = Mutex::new(Vec::new());
 
+/// A fork ordered under the parent's lock and answered by the parent: what is left to do
+/// without that lock ([`SessionManager::finish_fork`]).
+pub(super) struct Ordered {
+    pub(super) to: String,
+    slot: tokio::sync::OwnedSemaphorePermit,
+    /// The fork's Landlock layers.
+    layers: u32,
+    /// The fork's lineage, its parent first.
+    lineage: Vec<String>,
+    packages_view: Option<Arc<crate::packages::View>>,
+    child_dir: PathBuf,
+    child_forks: PathBuf,
+    host_sock: std::os::unix::net::UnixStream,
+    lineage_sid: i32,
+    ordered_at: u64,
+    started: Instant,
+    answered_ms: f64,
+    /// Keeps the orphan sweep off the fork until it is taken (or refused).
+    _forking: NotForking,
+    /// Ends the fork's process unless it is taken (SECURITY.md #225).
+    ending: fork_guard::EndUnlessTaken,
+}
+
 /// What a fork needs of its parent, read under the parent's lock.
 struct Parent {
     pid: i32,
@@ -82,35 +105,103 @@ impl SessionManager {
     }
 
     /// Makes session `to` a fork of session `from` as `from`'s last run left it, with a live
-    /// worker, or says why not. Returns the new session and the notes for its first result.
-    ///
-    /// Long on purpose: the checks in the order a fork could fail them, then the exchange with
-    /// the parent's worker and the new one, each step ending in its own refusal.
+    /// worker, or says why not. The notes for its first result wait in its state.
     pub(super) async fn fork_session(
         &self,
         from: &str,
         to: &str,
         cancel: &CancellationToken,
-    ) -> Result<(Arc<Session>, Vec<String>), RunRefusal> {
-        let refuse = |why: String| Err(RunRefusal::Fork(why));
+    ) -> Result<Arc<Session>, RunRefusal> {
         if !valid_session_name(from) {
             return Err(RunRefusal::InvalidSession(from.to_string()));
+        }
+        self.fork_name_refusal(from, to)?;
+        let Some(parent) = lock(&self.sessions).get(from).cloned() else {
+            return Err(RunRefusal::Fork(format!(
+                "there is no session {from:?} (run code in it first)"
+            )));
+        };
+        // The parent's lock: its running cell ends first, and it runs nothing while it forks.
+        let mut state = parent.state.lock().await;
+        let ordered = self.order_fork(&parent, &mut state, to, cancel).await?;
+        drop(state);
+        self.finish_fork(ordered, cancel).await
+    }
+
+    /// Refuses `to` as the name of a fork of `from`: not a name, the parent's own, a session's
+    /// or one a running cell asked for with `mcp.fork`.
+    pub(super) fn fork_name_refusal(&self, from: &str, to: &str) -> Result<(), RunRefusal> {
+        let refuse = |why: String| Err(RunRefusal::Fork(why));
+        if !valid_session_name(to) {
+            return Err(RunRefusal::InvalidSession(to.to_string()));
         }
         if from == to {
             return refuse(format!("session {to:?} cannot be a fork of itself"));
         }
-        if lock(&self.sessions).contains_key(to) {
+        let table = lock(&self.sessions);
+        if table.contains_key(to) {
             return refuse(format!(
                 "session {to:?} exists already; fork into a new session name"
             ));
         }
-        let Some(parent) = lock(&self.sessions).get(from).cloned() else {
+        if let Some(other) = table
+            .values()
+            .find(|s| lock(&s.queued_forks).iter().any(|n| n == to))
+        {
             return refuse(format!(
-                "there is no session {from:?} (run code in it first)"
+                "session {to:?} is the name of a fork that session {:?} asked for with mcp.fork \
+                 (made when its run ends); fork into another name",
+                other.name
             ));
-        };
-        // The parent's lock: its running cell ends first, and it runs nothing while it forks.
-        let mut state = parent.state.lock().await;
+        }
+        Ok(())
+    }
+
+    /// Why sessions cannot fork here, for a worker with no forks area.
+    pub(super) fn cannot_fork_here(&self) -> String {
+        let tmp =
+            crate::sandbox::private_tmp::host_status(self.settings.private_tmp, self.state_dir());
+        let why = self.sandbox.children(&tmp).err().map_or_else(
+            || "its worker started before forking was possible; reset it first".into(),
+            |e| e.to_string(),
+        );
+        format!("sessions cannot fork here: {why}")
+    }
+
+    /// Refuses one more fork of `from`, whose worker holds `layers` Landlock layers.
+    pub(super) fn depth_refusal(from: &str, layers: u32) -> Option<String> {
+        (layers + 1 > MAX_FORK_LAYERS).then(|| {
+            format!(
+                "session {from:?} is {} forks deep; a line of forks holds at most {} (each fork \
+                 takes a Landlock layer on both sides, and the kernel allows 16)",
+                layers - 1,
+                MAX_FORK_LAYERS - 1
+            )
+        })
+    }
+
+    /// The refusal of a fork past the live-session cap.
+    pub(super) fn cap_refusal(&self) -> String {
+        format!(
+            "all {} live-session slots are taken (IRONCELL_MAX_SESSIONS); end or reset a \
+             session, or raise the cap",
+            self.settings.max_sessions
+        )
+    }
+
+    /// The part of a fork that needs the parent's lock (`state`): the checks in the order a
+    /// fork could fail them, the directories, the order, and the parent's answer.
+    ///
+    /// Long on purpose: each step ends in its own refusal.
+    pub(super) async fn order_fork(
+        &self,
+        parent: &Session,
+        state: &mut SessionState,
+        to: &str,
+        cancel: &CancellationToken,
+    ) -> Result<Ordered, RunRefusal> {
+        let from = parent.name.as_str();
+        let refuse = |why: String| Err(RunRefusal::Fork(why));
         let alive = state
             .worker
             .as_mut()
@@ -121,30 +212,13 @@ impl SessionManager {
             ));
         };
         let Some(forks_area) = worker.forks_area.clone() else {
-            let tmp = crate::sandbox::private_tmp::host_status(
-                self.settings.private_tmp,
-                self.state_dir(),
-            );
-            let why = self.sandbox.children(&tmp).err().map_or_else(
-                || "its worker started before forking was possible; reset it first".into(),
-                |e| e.to_string(),
-            );
-            return refuse(format!("sessions cannot fork here: {why}"));
+            return refuse(self.cannot_fork_here());
         };
-        if worker.landlock_layers + 1 > MAX_FORK_LAYERS {
-            return refuse(format!(
-                "session {from:?} is {} forks deep; a line of forks holds at most {} (each fork \
-                 takes a Landlock layer on both sides, and the kernel allows 16)",
-                worker.landlock_layers - 1,
-                MAX_FORK_LAYERS - 1
-            ));
+        if let Some(why) = Self::depth_refusal(from, worker.landlock_layers) {
+            return refuse(why);
         }
         let Ok(slot) = self.session_slots.clone().try_acquire_owned() else {
-            return refuse(format!(
-                "all {} live-session slots are taken (IRONCELL_MAX_SESSIONS); end or reset a \
-                 session, or raise the cap",
-                self.settings.max_sessions
-            ));
+            return refuse(self.cap_refusal());
         };
         let p = Parent {
             pid: worker.pid(),
@@ -182,7 +256,7 @@ impl SessionManager {
             .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
         let socket_ino = nix::sys::stat::fstat(&child_sock).map_or(0, |st| st.st_ino);
         lock(&FORKING).push(lineage_sid);
-        let _forking = NotForking(lineage_sid);
+        let forking = NotForking(lineage_sid);
         // From here on, giving up on the fork (any return, or the call dropped) ends it.
         let line = fork_guard::Line {
             zygote: zygote.pid(),
@@ -214,11 +288,12 @@ impl SessionManager {
         // fork of it would be a child of its own meanwhile.
         let (line, z, given_up) = (ending.line.clone(), zygote.clone(), ending.given_up.clone());
         let (from_name, own_tasks) = (from.to_string(), worker.own_tasks.clone());
+        let parent_pid = p.pid;
         let host_sock = blocking_unless_cancelled(cancel, move || {
             read_byte(&host_sock, FORK_HELLO_TIMEOUT, "say it started")?;
             line.check_parent(
                 &from_name,
-                p.pid,
+                parent_pid,
                 own_tasks.as_ref(),
                 &fork_guard::live_pids(&z),
             )?;
@@ -231,17 +306,47 @@ impl SessionManager {
             Ok(host_sock)
         })
         .await?;
-        drop(state);
-        let answered_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let mut lineage = vec![from.to_string()];
+        lineage.extend(p.lineage);
+        Ok(Ordered {
+            to: to.to_string(),
+            slot,
+            layers: p.layers + 1,
+            lineage,
+            packages_view: p.packages_view,
+            child_dir,
+            child_forks,
+            host_sock,
+            lineage_sid,
+            ordered_at,
+            started,
+            answered_ms: started.elapsed().as_secs_f64() * 1000.0,
+            _forking: forking,
+            ending,
+        })
+    }
+
+    /// The rest of a fork, without the parent's lock: the fork's `ready`, its process checked
+    /// and taken, its pids group, and the new session in the table.
+    pub(super) async fn finish_fork(
+        &self,
+        o: Ordered,
+        cancel: &CancellationToken,
+    ) -> Result<Arc<Session>, RunRefusal> {
+        let to = o.to.as_str();
+        let zygote = self
+            .current_zygote()
+            .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
         let budget = self.settings.image_budget;
+        let sock = o.host_sock;
         let (pid, notes, host_sock) = blocking_unless_cancelled(cancel, move || {
-            let (pid, notes) = read_ready(&host_sock, budget, FORK_READY_TIMEOUT)?;
-            Ok((pid, notes, host_sock))
+            let (pid, notes) = read_ready(&sock, budget, FORK_READY_TIMEOUT)?;
+            Ok((pid, notes, sock))
         })
         .await?;
-        let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let ready_ms = o.started.elapsed().as_secs_f64() * 1000.0;
         let pidfd =
-            verified_fork(pid, lineage_sid, ordered_at, &zygote).map_err(RunRefusal::Fork)?;
+            verified_fork(pid, o.lineage_sid, o.ordered_at, &zygote).map_err(RunRefusal::Fork)?;
         let (process, exit) = zygote
             .adopt(pid, pidfd)
             .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
@@ -256,22 +361,27 @@ impl SessionManager {
             socket: host_sock,
             exit,
         };
-        let mut live = LiveWorker::new(spawned, slot, budget)
+        let mut live = LiveWorker::new(spawned, o.slot, budget)
             .map_err(|e| RunRefusal::Fork(format!("taking the fork: {e}")))?;
-        ending.taken();
+        o.ending.taken();
         live.own_tasks = Some(fork_guard::tasks_of(pid));
-        live.forks_area = Some(child_forks);
-        live.landlock_layers = p.layers + 1;
-        live.packages_view = p.packages_view;
-        let mut lineage = vec![from.to_string()];
-        lineage.extend(p.lineage);
-        let session = Arc::new(Session::new(to.to_string(), child_dir));
-        *lock(&session.lineage) = lineage;
-        session.state.lock().await.worker = Some(live);
+        live.forks_area = Some(o.child_forks);
+        live.landlock_layers = o.layers;
+        live.packages_view = o.packages_view;
+        let from = o.lineage[0].clone();
+        let session = Arc::new(Session::new(to.to_string(), o.child_dir));
+        *lock(&session.lineage) = o.lineage;
+        {
+            let mut state = session.state.lock().await;
+            state.worker = Some(live);
+            state.fork_notes = Some(notes);
+        }
         {
             let mut table = lock(&self.sessions);
             if table.contains_key(to) {
-                return refuse(format!("session {to:?} was made meanwhile"));
+                return Err(RunRefusal::Fork(format!(
+                    "session {to:?} was made meanwhile"
+                )));
             }
             table.insert(to.to_string(), session.clone());
         }
@@ -279,16 +389,16 @@ impl SessionManager {
             from,
             to,
             pid,
-            answered_ms,
+            answered_ms = o.answered_ms,
             ready_ms,
-            taken_ms = started.elapsed().as_secs_f64() * 1000.0,
+            taken_ms = o.started.elapsed().as_secs_f64() * 1000.0,
             "session forked"
         );
-        Ok((session, notes))
+        Ok(session)
     }
 
     /// Refuses a fork whose copy of `dir` would not fit the scratch quota or the disk.
-    async fn fork_fits_on_disk(&self, dir: &Path) -> Result<(), String> {
+    pub(super) async fn fork_fits_on_disk(&self, dir: &Path) -> Result<(), String> {
         let quota = self.sandbox.scratch_quota_bytes();
         let dir = dir.to_path_buf();
         let used = tokio::task::spawn_blocking(move || {

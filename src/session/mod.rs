@@ -35,6 +35,8 @@ mod dirs;
 mod font_cache;
 mod fork;
 mod fork_guard;
+mod fork_queue;
+mod idle;
 mod live;
 mod outcome;
 mod pool;
@@ -74,6 +76,8 @@ struct SessionState {
     worker: Option<LiveWorker>,
     /// Told to the model in the next run of this session (why its state was lost).
     pending_notice: Option<String>,
+    /// A new fork's notes for its first result (what its parent's descriptors became).
+    fork_notes: Option<Vec<String>>,
 }
 
 /// A named session: a scratch directory and at most one worker process.
@@ -101,6 +105,8 @@ pub struct Session {
     disk_marks: Mutex<[Option<quota::WorkerMark>; 2]>,
     /// The sessions it was forked from, nearest first (empty: not a fork).
     lineage: Mutex<Vec<String>>,
+    /// The forks its running cell asked for with `mcp.fork`, made when the run ends.
+    queued_forks: Mutex<Vec<String>>,
 }
 
 impl Session {
@@ -112,6 +118,7 @@ impl Session {
             state: tokio::sync::Mutex::new(SessionState {
                 worker: None,
                 pending_notice: None,
+                fork_notes: None,
             }),
             last_used: Mutex::new(Instant::now()),
             over_quota: tokio::sync::watch::Sender::new(None),
@@ -121,6 +128,7 @@ impl Session {
             quota_mark: Mutex::new(None),
             disk_marks: Mutex::new([None, None]),
             lineage: Mutex::new(Vec::new()),
+            queued_forks: Mutex::new(Vec::new()),
         }
     }
 }
@@ -278,6 +286,8 @@ impl SessionManager {
             stop: CancellationToken::new(),
             tasks: tokio_util::task::TaskTracker::new(),
         });
+        let forks: std::sync::Weak<SessionManager> = Arc::downgrade(&manager);
+        manager.router.set_forks(forks);
         if tokio::runtime::Handle::try_current().is_ok() {
             enforce_scratch_quotas_periodically(&manager);
             guard_free_disk_periodically(&manager);
@@ -442,16 +452,6 @@ impl SessionManager {
         self.packages.shut_down();
     }
 
-    async fn expire_idle_sessions_periodically(&self) {
-        let every =
-            (self.settings.session_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
-        let mut tick = tokio::time::interval(every);
-        loop {
-            tick.tick().await;
-            self.expire_idle_sessions().await;
-        }
-    }
-
     fn session(&self, name: &str) -> Arc<Session> {
         let mut table = lock(&self.sessions);
         table
@@ -502,13 +502,8 @@ impl SessionManager {
             Some(t) => t,
             None => self.settings.default_timeout,
         };
-        let mut fork_notes = None;
         let session = match &req.fork_from {
-            Some(from) => {
-                let (session, notes) = self.fork_session(from, &req.session, &cancel).await?;
-                fork_notes = Some(notes);
-                session
-            }
+            Some(from) => self.fork_session(from, &req.session, &cancel).await?,
             None => self.session(&req.session),
         };
         // Read before the lock: a free-disk stop from here on skips this session (its lock is
@@ -562,7 +557,7 @@ impl SessionManager {
         }
         session.measure_soon();
         let mut session_state = crate::output::SessionState::Kept;
-        if let Some(mut notes) = fork_notes {
+        if let Some(mut notes) = state.fork_notes.take() {
             session_state = crate::output::SessionState::Forked;
             notices.append(&mut notes);
         }
@@ -599,7 +594,7 @@ impl SessionManager {
                     run_no,
                     code: &req.code,
                     timeout,
-                    cancel,
+                    cancel: cancel.clone(),
                     progress: req.progress.as_ref(),
                     disk_stops_seen,
                 },
@@ -650,6 +645,13 @@ impl SessionManager {
                 outcome.loss_reason.unwrap_or_else(|| "it stopped".into())
             ));
         }
+        let queued = std::mem::take(&mut *lock(&session.queued_forks));
+        if !queued.is_empty() {
+            let notes = self
+                .make_queued_forks(&session, state, queued, &cancel)
+                .await;
+            record.notices.extend(notes);
+        }
         self.pool.run_answered();
         Ok(record)
     }
@@ -684,82 +686,6 @@ impl SessionManager {
             memory_held: held,
             children_refused: self.sandbox.children(&tmp).err(),
             packages: self.settings.packages != crate::packages::PackagesMode::Off,
-        }
-    }
-
-    /// Makes room for one more worker by stopping an idle session: a saved tools file's, else
-    /// the least recently used.
-    async fn evict_one_idle_session(&self, except: &str) -> Result<(), RunRefusal> {
-        let mut candidates: Vec<Arc<Session>> = lock(&self.sessions)
-            .values()
-            .filter(|s| s.name != except)
-            .cloned()
-            .collect();
-        // The saved tools files' sessions first (their workers hold nothing a later call cannot
-        // rebuild by importing the file again), then the least recently used.
-        candidates.sort_by_key(|s| {
-            (
-                !crate::local_tools::is_saved_file_session(&s.name),
-                *lock(&s.last_used),
-            )
-        });
-        for s in candidates {
-            let Ok(mut st) = s.state.try_lock() else {
-                continue;
-            };
-            if let Some(w) = st.worker.take() {
-                w.kill().await;
-                st.pending_notice = Some(format!(
-                    "this session was stopped to make room for another (at most {} live sessions, IRONCELL_MAX_SESSIONS); variables were lost, files are kept",
-                    self.settings.max_sessions
-                ));
-                tracing::info!(session = %s.name, "evicted idle session");
-                return Ok(());
-            }
-        }
-        Err(RunRefusal::Busy(self.settings.max_sessions))
-    }
-
-    /// Stops the worker of session `name`, if it has one, once the session is free (its files
-    /// stay; its next run starts a fresh worker). For a session whose worker has no further
-    /// use, such as a saved tools file's after its tools were listed: it does not hold a
-    /// session slot until the idle TTL.
-    pub async fn stop_idle_worker(&self, name: &str) {
-        let Some(session) = lock(&self.sessions).get(name).cloned() else {
-            return;
-        };
-        let mut state = session.state.lock().await;
-        if let Some(w) = state.worker.take() {
-            w.kill().await;
-        }
-    }
-
-    /// Stops the workers of sessions idle longer than the TTL and deletes their files.
-    pub async fn expire_idle_sessions(&self) {
-        let ttl = self.settings.session_ttl;
-        let idle: Vec<Arc<Session>> = lock(&self.sessions)
-            .values()
-            .filter(|s| lock(&s.last_used).elapsed() >= ttl)
-            .cloned()
-            .collect();
-        for s in idle {
-            let Ok(mut st) = s.state.try_lock() else {
-                continue;
-            };
-            let had_worker = st.worker.is_some();
-            if let Some(w) = st.worker.take() {
-                w.kill().await;
-            }
-            let had_files = s.scratch.exists();
-            self.empty_scratch(&s).await;
-            self.packages.forget(&s.name);
-            if had_worker || had_files {
-                st.pending_notice = Some(format!(
-                    "this session expired after {} s idle (IRONCELL_SESSION_TTL); variables and files were discarded",
-                    ttl.as_secs()
-                ));
-                tracing::info!(session = %s.name, "session expired");
-            }
         }
     }
 }

@@ -265,13 +265,13 @@ fn child_holds(pid: i32) -> Option<(u64, u64)> {
     Some(((pss + swap + tables) << 10, threads))
 }
 
-/// What worker `pid` and its descendants hold together: the worker's [`held_by`] (a forked
-/// session's worker: its [`child_holds`], its share of what it shares copy-on-write with the
-/// session it was forked from, SECURITY.md #197), plus each child's [`child_holds`] (its share
-/// of the pages it shares with the worker counts on both sides: an upper bound, never an
-/// undercount), and their threads.
+/// What worker `pid` and its descendants hold together: the worker's [`held_by`], or its
+/// [`child_holds`] where it shares pages copy-on-write (a forked session's worker, with the
+/// session it was forked from, SECURITY.md #197; a worker with children, with them: a fork's
+/// middle process is a whole copy of it, and a worker holding most of its limit was killed
+/// while it forked, #197), plus each child's [`child_holds`], and their threads.
 fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
-    let own = if forked {
+    let own = if forked || !children.is_empty() {
         child_holds(pid).or_else(|| held_by(pid))
     } else {
         held_by(pid)

@@ -153,6 +153,8 @@ pub enum Method {
     PackagesInstall,
     /// `files.set_times`: a file's times, set by the host (the sandbox refuses `utime`).
     SetTimes,
+    /// `session.fork`: `mcp.fork(name)`, a fork of this session made when its run ends.
+    SessionFork,
 }
 
 const MEMORY_OPS: [(&str, MemoryOp); 4] = [
@@ -172,7 +174,7 @@ const TOOLS_OPS: [(&str, ToolsOp); 6] = [
 
 impl Method {
     /// Every method, each once.
-    pub const ALL: [Method; 17] = [
+    pub const ALL: [Method; 18] = [
         Method::Servers,
         Method::Tools,
         Method::Search,
@@ -190,6 +192,7 @@ impl Method {
         Method::ChangedFiles,
         Method::PackagesInstall,
         Method::SetTimes,
+        Method::SessionFork,
     ];
 
     /// Its name on the wire.
@@ -207,6 +210,7 @@ impl Method {
             Method::ChangedFiles => "files.changed".into(),
             Method::PackagesInstall => "packages.install".into(),
             Method::SetTimes => "files.set_times".into(),
+            Method::SessionFork => "session.fork".into(),
         }
     }
 
@@ -232,6 +236,7 @@ impl Method {
             "files.changed" => Ok(Method::ChangedFiles),
             "packages.install" => Ok(Method::PackagesInstall),
             "files.set_times" => Ok(Method::SetTimes),
+            "session.fork" => Ok(Method::SessionFork),
             _ => Err(BridgeError::bad_request(format!(
                 "unknown bridge method {method:?}"
             ))),
@@ -322,6 +327,11 @@ pub enum Request {
         path: String,
         atime_ns: i64,
         mtime_ns: i64,
+    },
+    /// `session.fork`: `mcp.fork(name)`, this session forked into the new session `name` as
+    /// its run leaves it (the name is checked by the session manager, which owns names).
+    Fork {
+        name: String,
     },
 }
 
@@ -414,6 +424,11 @@ impl Request {
                     path,
                 }
             }
+            Method::SessionFork => Request::Fork {
+                name: take_string(&mut p, "name").ok_or_else(|| {
+                    BridgeError::bad_request("a fork's session name must be a string")
+                })?,
+            },
         })
     }
 }
@@ -531,6 +546,12 @@ mod tests {
                 limit: None
             })
         );
+        assert_eq!(
+            Request::parse("session.fork", json!({"name": "b"})).unwrap(),
+            Request::Fork { name: "b".into() }
+        );
+        let e = Request::parse("session.fork", json!({"name": ["b"]})).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::BadRequest);
         let e = Request::parse("memory.load", json!({"key": 1})).unwrap_err();
         assert_eq!(e, BridgeError::bad_request("a memory key must be a string"));
         let answer = json!({"token": "t1", "envelope": {"ok": true}});

@@ -274,7 +274,7 @@ pub mod _ironcell_bridge {
     /// first call, or with nothing to write.
     #[pyfunction]
     fn write_plot_pages_ahead(py: Python<'_>) -> usize {
-        py.detach(crate::zygote::write_plot_pages_ahead)
+        py.detach(crate::plot_probe::write_plot_pages_ahead)
     }
 
     /// Whether a cell looks like a first plot (`ironcell_core::prefault::PLOT_WORDS`; the host

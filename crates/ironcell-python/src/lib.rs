@@ -7,7 +7,8 @@
 //! [`zygote::zygote_main`]. From there on, everything in this crate runs in processes that hold
 //! a Python interpreter:
 //!
-//! - [`zygote`]: warm-up, the spawn loop, fork, reaping.
+//! - [`zygote`]: warm-up, the spawn loop, fork, reaping; `heap_holes` (its heap readied for
+//!   forks) and `plot_probe` (the pages a first plot writes).
 //! - [`worker`]: the child after fork, in lockdown order: descriptors, private `/tmp`, the
 //!   sandbox, output capture, then the frame loop that runs cells.
 //! - [`bridge`]: the native half of the in-sandbox `mcp` module.
@@ -18,6 +19,8 @@
 pub mod arenas;
 pub mod bridge;
 mod code_cache;
+mod heap_holes;
+mod plot_probe;
 pub mod scrub;
 pub mod worker;
 pub mod zygote;
