@@ -446,6 +446,10 @@ impl<'a> CellRun<'a> {
 
     /// A bridge request: parsed here, once, and handed to the router; answered by a task of
     /// its own (it may outlive this cell), within the worker's cap on open requests.
+    ///
+    /// Long on purpose: the answers given before the router (over the cap on open requests, over
+    /// their room for values, a request that does not parse, one the router answers at once),
+    /// each in its own words and in the order checked, then the caller and the answer's task.
     fn start_request(
         &self,
         worker: &LiveWorker,

@@ -331,6 +331,9 @@ fn finish_warm_up(py: Python<'_>) {
     );
 }
 
+/// Long on purpose: the zygote's one single-threaded loop (poll on the control socket and the
+/// SIGCHLD signalfd, then one arm per request kind), kept whole so every path through it is
+/// seen to clear the request buffer and reap its children.
 fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<()> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     use nix::sys::signal::{SigSet, Signal};

@@ -68,6 +68,10 @@ pub(super) static FORKABLE: Mutex<Option<Result<Forkable, String>>> = Mutex::new
 
 /// The worker's side of one `fork` order. In A it answers `forked` and returns; in B it returns
 /// once B serves its own session (the loop continues in B with B's descriptors).
+///
+/// Long on purpose: the two forks and what each of A, M and B does right after them, in one
+/// place, because what may run in each process between `fork` and `PyOS_AfterFork_*` depends on
+/// the order (SECURITY.md #226).
 pub(super) fn fork_session(
     py: Python<'_>,
     runner: &Bound<'_, PyModule>,

@@ -219,6 +219,9 @@ fn send_epoll_listener(listener: OwnedFd) -> std::io::Result<()> {
     // `listener` is closed here: no code in the session may answer its own calls.
 }
 
+/// Long on purpose: the worker's setup steps 0b-6 in the order the lockdown needs them (each a
+/// few lines, numbered as in docs/ARCHITECTURE.md), then its serve loop; split up, that order
+/// would no longer be read in one place.
 fn serve_session(
     py: Python<'_>,
     spec: WorkerSpec,
