@@ -293,7 +293,7 @@ mod tests {
         assert!(now.difference(&before).any(|&(t, _)| t == tid), "{now:?}");
         assert_eq!(
             name_of(&format!("/proc/{me}/task/{tid}/comm")),
-            "odd?[31mname"
+            "odd??31mname"
         );
         drop(stop_tx);
         let _ = t.join();
