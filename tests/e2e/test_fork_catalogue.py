@@ -6,7 +6,6 @@ uid's kernel memory. As root and as `nobody`; test_fork.py holds the fork's own 
 
 from __future__ import annotations
 
-import ast
 import os
 import socket
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import pid_alive, wait_until
+from test_fork import fork, value
 from test_sandbox import (BPF_PROGRAMS, EPOLL_FILL, PROBE_PID, REFUSED_FOR_ANOTHER, USERS, Listener,
                           Sandboxed, with_scratch_quota)
 
@@ -29,17 +29,6 @@ def start(user: str, abi: int | None = None, base: str = "/tmp", **env: str) -> 
         b.close()
         pytest.skip("sessions cannot fork on this host")
     return b
-
-
-def value(rec: dict):
-    assert rec["status"] == "ok", (rec.get("error"), rec.get("notices"))
-    return None if rec["result"] is None else ast.literal_eval(rec["result"])
-
-
-def fork(b: Sandboxed, parent: str, child: str, code: str = "1", **args) -> dict:
-    r = b.srv.call(code, session=child, fork_from=parent, **args)
-    b.sessions.add(child)
-    return r
 
 
 def pid_and_dir(b: Sandboxed, session: str) -> tuple[int, str]:
@@ -945,7 +934,7 @@ os.close(out_w)
 replies = os.fdopen(out_r)
 def later(f):
     os.write(cmd_w, (f + "\n").encode())
-    return eval(replies.readline())
+    return __import__('ast').literal_eval(replies.readline())
 '''
 
 HOLE = ("HOLE (issue-52 tests): the fork narrows only the thread that forks; a thread or child the "

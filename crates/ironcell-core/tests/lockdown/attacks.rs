@@ -378,24 +378,13 @@ pub const ATTACKS: &[Attack] = &[
     },
     Attack {
         name: "24_ioctl_tiocsti",
+        // A pipe, never a terminal: without the sandbox this is ENOTTY, never an injection.
         run: |_| {
-            // A pipe, never a terminal: without the sandbox this is ENOTTY, never an injection.
-            let mut fds = [0; 2];
-            // SAFETY: valid array of two ints.
-            if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
-                return broken("pipe");
-            }
-            let c = b'x';
-            // SAFETY: TIOCSTI reads one byte from a valid pointer.
-            let rc = unsafe { libc::ioctl(fds[0], libc::TIOCSTI, &c) };
-            let outcome = if rc == 0 {
-                Outcome::Done
-            } else {
-                Outcome::Refused(errno())
-            };
-            close(fds[0]);
-            close(fds[1]);
-            outcome
+            on_a_pipe(|fd| {
+                let c = b'x';
+                // SAFETY: TIOCSTI reads one byte from a valid pointer.
+                unsafe { libc::ioctl(fd, libc::TIOCSTI, &c) }
+            })
         },
         locked: Expect::Refused(EPERM),
         control: Expect::Refused(&[libc::ENOTTY]),
