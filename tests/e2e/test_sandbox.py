@@ -1718,7 +1718,7 @@ ATTACK_FOR_PROTECTION = {
     "no abstract unix socket connects": _abstract,
     "no signals to other processes": _signals,
     "no reading other processes by pid (session, group, priority, CPU clock)": _pid_reads,
-    "no chmod, chown or utime of any file": _metadata,
+    "no chmod or chown of any file; utime only of session files, by the host": _metadata,
     "no device ioctls (e.g. TIOCSTI)": _ioctl,
     "no exec; child processes only inside the session": _processes,
     "no ptrace, bpf, namespaces, mounts, keys, io_uring": _kill_list,

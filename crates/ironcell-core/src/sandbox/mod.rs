@@ -386,7 +386,7 @@ impl Sandbox {
                 )],
             ),
             (
-                "no chmod, chown or utime of any file",
+                "no chmod or chown of any file; utime only of session files, by the host",
                 vec![sc("metadata calls refused, by path and by fd")],
             ),
             (
