@@ -765,10 +765,12 @@ _tmp_allowed = []
 _tmp_hooked = [False]  # whether `_refuse_host_tmp` installed its hook
 
 
-def bind_session(env, scratch):
+def bind_session(env, scratch, packages_linked=True):
     """Gives a pre-forked spare worker its session: the host renamed the spare's directory to
     the session's (the same directory, so the sandbox's grants, the cwd and a private /tmp
-    still point at it) and sends the environment that names it. Called before its first cell."""
+    still point at it) and sends the environment that names it, and whether it linked the
+    session's installed packages into this worker's package directory. Called before its first
+    cell."""
     import os
     import tempfile
 
@@ -779,9 +781,10 @@ def bind_session(env, scratch):
     _set_environment(env, replace=False)
     os.chdir(scratch)
     tempfile.tempdir = None
-    import importlib
+    if packages_linked:  # the package directory changed since the import system listed it
+        import importlib
 
-    importlib.invalidate_caches()  # the host may have linked the session's packages meanwhile
+        importlib.invalidate_caches()
 
 
 def _refuse_host_tmp(reason, allowed=()):

@@ -120,19 +120,21 @@ impl Packages {
     }
 
     /// Links what `session` installed into the view of its new worker.
-    pub fn attach(&self, session: &str, view: Option<&View>) {
+    pub fn attach(&self, session: &str, view: Option<&View>) -> bool {
         let (Ok(store), Some(view)) = (&self.store, view) else {
-            return;
+            return false;
         };
         let installed = crate::lock(&self.sessions)
             .get(session)
             .cloned()
             .unwrap_or_default();
+        let linked = !installed.is_empty();
         for i in installed {
             if let Err(e) = store.link(&i.entry, &view.dir) {
                 tracing::warn!(session, error = %e, "re-linking an installed package failed");
             }
         }
+        linked
     }
 
     /// Forgets what `session` installed (the session was closed).

@@ -397,6 +397,7 @@ fn hand_off(name: &str, scratch: &Path) -> frame::Binding {
     frame::Binding {
         env: super::spawn::session_environment(name, scratch),
         scratch: scratch.to_path_buf(),
+        packages_linked: false,
     }
 }
 

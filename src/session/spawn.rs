@@ -20,9 +20,13 @@ impl SessionManager {
             }
         };
         let slot = match self.take_spare(session, slot, first_code) {
-            Ok(worker) => {
-                self.packages
+            Ok(mut worker) => {
+                let linked = self
+                    .packages
                     .attach(&session.name, worker.packages_view.as_deref());
+                if let Some(bind) = worker.bind.as_mut() {
+                    bind.packages_linked = linked;
+                }
                 return Ok(worker);
             }
             Err(slot) => slot,

@@ -92,6 +92,15 @@ pub struct Binding {
     pub env: Vec<(String, String)>,
     /// The directory's path from now on.
     pub scratch: std::path::PathBuf,
+    /// Whether the host linked packages an earlier worker of the session installed into this
+    /// worker's package directory: only then must it refresh its import caches (~50 us of a
+    /// new session's first run after an idle pause otherwise).
+    #[serde(default = "linked_unless_told")]
+    pub packages_linked: bool,
+}
+
+fn linked_unless_told() -> bool {
+    true
 }
 
 /// How a cell ended, as the worker saw it.

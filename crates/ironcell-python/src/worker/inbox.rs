@@ -115,7 +115,8 @@ pub struct Inbox {
 
 /// What one frame from the host was.
 enum Frame {
-    Run(RunOrder),
+    /// Boxed: the order is large, and most frames are answers.
+    Run(Box<RunOrder>),
     Other,
     Closed,
 }
@@ -249,7 +250,7 @@ impl Inbox {
                     if st.owner == Owner::Main {
                         busy(shared, st);
                     }
-                    return Some(run);
+                    return Some(*run);
                 }
                 Frame::Other => {}
                 Frame::Closed => {
@@ -335,7 +336,7 @@ impl MainWait {
             match read_one(&self.shared.sock) {
                 Frame::Run(run) => {
                     // Not sent during a cell; kept for the next `next_run` all the same.
-                    crate::lock(&self.shared.state).queued.push_back(run);
+                    crate::lock(&self.shared.state).queued.push_back(*run);
                 }
                 Frame::Other => {}
                 Frame::Closed => {
@@ -408,7 +409,7 @@ fn read_while_a_cell_runs(shared: &Shared, sock: UnixStream) {
         if frame_waiting {
             match read_one(&sock) {
                 Frame::Run(run) => {
-                    crate::lock(&shared.state).queued.push_back(run);
+                    crate::lock(&shared.state).queued.push_back(*run);
                     shared.changed.notify_all();
                 }
                 Frame::Other => {}
@@ -432,18 +433,18 @@ fn read_while_a_cell_runs(shared: &Shared, sock: UnixStream) {
 fn read_one(sock: &UnixStream) -> Frame {
     match frame::read_frame(&mut FdReader(sock)) {
         Ok(Some((KIND_JSON, body))) => match serde_json::from_slice::<ToWorker>(&body) {
-            Ok(ToWorker::Run { id, code, bind }) => Frame::Run(RunOrder {
+            Ok(ToWorker::Run { id, code, bind }) => Frame::Run(Box::new(RunOrder {
                 id,
                 code,
                 bind,
                 fork: None,
-            }),
-            Ok(ToWorker::Fork(order)) => Frame::Run(RunOrder {
+            })),
+            Ok(ToWorker::Fork(order)) => Frame::Run(Box::new(RunOrder {
                 id: 0,
                 code: String::new(),
                 bind: None,
                 fork: Some(order),
-            }),
+            })),
             Ok(ToWorker::Response { id, payload }) => {
                 crate::bridge::resolve(id, payload.to_string());
                 Frame::Other

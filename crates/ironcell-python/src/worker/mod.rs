@@ -355,7 +355,6 @@ fn serve_session(
             bind_session(py, &runner, bind)?;
         }
         let done = run_cell(&runner, id, &code);
-        flush_python_streams(py);
         // Everything the cell wrote is in the pipes now; send it before `done`. Without the
         // GIL, so the bridge's reader thread can hand out answers while this write waits.
         py.detach(|| pump.drain_then(|| send_json(&writer, &done)))?;
@@ -400,7 +399,14 @@ fn bind_session(
         env.set_item(k, v).map_err(|e| anyhow!("{e}"))?;
     }
     runner
-        .call_method1("bind_session", (env, bind.scratch.display().to_string()))
+        .call_method1(
+            "bind_session",
+            (
+                env,
+                bind.scratch.display().to_string(),
+                bind.packages_linked,
+            ),
+        )
         .map_err(|e| anyhow!("binding the spare worker to its session: {e}"))?;
     Ok(())
 }
@@ -427,19 +433,28 @@ fn run_cell(runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
         unsafe { libc::_exit(1) };
     }
     match outcome.and_then(|d| d.cast_into::<PyDict>().map_err(PyErr::from)) {
+        // The runner flushed `sys.stdout` and `sys.stderr` as it returned.
         Ok(d) => done_from_dict(id, &d),
-        Err(e) => FromWorker::Done {
-            id,
-            status: CellStatus::Error,
-            result: None,
-            error: Some(PyErrorInfo {
-                kind: "RunnerError".into(),
-                message: e.to_string(),
-                traceback: String::new(),
-            }),
-            exit_code: None,
-            images: Vec::new(),
-        },
+        Err(e) => {
+            flush_python_streams(runner.py());
+            runner_error(id, e)
+        }
+    }
+}
+
+/// The `done` of a cell whose runner itself failed.
+fn runner_error(id: u64, e: PyErr) -> FromWorker {
+    FromWorker::Done {
+        id,
+        status: CellStatus::Error,
+        result: None,
+        error: Some(PyErrorInfo {
+            kind: "RunnerError".into(),
+            message: e.to_string(),
+            traceback: String::new(),
+        }),
+        exit_code: None,
+        images: Vec::new(),
     }
 }
 
@@ -476,10 +491,13 @@ fn done_from_dict(id: u64, d: &Bound<'_, PyDict>) -> FromWorker {
         .ok()
         .flatten()
         .and_then(|v| v.extract::<i64>().ok());
+    // Most cells make no image: an empty list skips the JSON round trip (the `json` module's
+    // Python code on every run's path).
     let images = d
         .get_item("images")
         .ok()
         .flatten()
+        .filter(|v| v.len().is_ok_and(|n| n > 0))
         .and_then(|v| {
             let json = v
                 .py()
