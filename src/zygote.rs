@@ -172,7 +172,7 @@ impl WorkerProcess {
     }
 
     /// The same process handle (its pidfd), not merely the same pid.
-    fn is(&self, other: &WorkerProcess) -> bool {
+    pub(crate) fn is(&self, other: &WorkerProcess) -> bool {
         self.pid == other.pid
             && match (&self.pidfd, &other.pidfd) {
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),

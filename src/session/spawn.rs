@@ -132,7 +132,7 @@ impl SessionManager {
                         let Some(listener) = fds.into_iter().next() else {
                             return Err(Violation("`epoll_listener` without its descriptor".into()).to_string());
                         };
-                        crate::epoll_gate::supervise(listener, pid).map_err(|e| e.to_string())?;
+                        crate::epoll_gate::supervise(listener, pid, Arc::downgrade(&zygote)).map_err(|e| e.to_string())?;
                     }
                     Ok(WorkerFrame::Message(FromWorker::Ready {
                         missing_layers,
