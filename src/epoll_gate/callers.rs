@@ -77,6 +77,11 @@ pub(super) fn owner(
     is_worker: impl Fn(i32) -> bool,
     read: impl Fn(i32) -> Option<Task>,
 ) -> Option<i32> {
+    // A worker's main thread: thread and process ids are one number space, so a live worker's
+    // pid names no other thread (the usual caller, read without a look at `/proc`).
+    if is_worker(tid) {
+        return Some(tid);
+    }
     let caller = read(tid)?;
     if is_worker(caller.tgid) {
         return Some(caller.tgid);
@@ -255,6 +260,11 @@ Pid:\t43\nPPid:\t7\nTracerPid:\t0\nNStgid:\t42\t1\nNSpid:\t43\t2\nNSpgid:\t40\t1
         let read = table(&rows);
         let live = |p: i32| p == 100 || p == 200;
         assert_eq!(owner(100, live, &read), Some(100));
+        assert_eq!(
+            owner(100, live, |_| None),
+            Some(100),
+            "a worker's main thread"
+        );
         assert_eq!(owner(101, live, &read), Some(100));
         assert_eq!(owner(200, live, &read), Some(200));
         assert_eq!(owner(201, live, &read), Some(200));
