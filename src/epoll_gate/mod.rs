@@ -23,7 +23,6 @@
 
 mod callers;
 
-use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 use std::sync::{Mutex, Weak};
@@ -98,11 +97,12 @@ impl Drop for Share {
 /// How often a lineage looks for shares whose session has ended.
 const RELEASE_TICK: Duration = Duration::from_millis(200);
 
-/// The shares of one listener's lineage: the first session's and its forks', by worker pid.
+/// The shares of one listener's lineage: the first session's and its forks', by worker (its
+/// pidfd, not merely its pid; a lineage has a few workers, so a list).
 struct Lineage {
     zygote: Weak<Zygote>,
     first: i32,
-    shares: HashMap<i32, (WorkerProcess, Share)>,
+    shares: Vec<(WorkerProcess, Share)>,
     /// Additions refused because their caller mapped to no live session.
     unmapped: u64,
 }
@@ -139,15 +139,14 @@ impl Lineage {
             return Some(false);
         };
         let pid = worker.pid();
-        // A share kept for an ended worker whose pid a new worker now has: the old one's
-        // group is gone (the pid was free), so its share is.
-        if self.shares.get(&pid).is_some_and(|(w, _)| !w.is(&worker)) {
-            self.shares.remove(&pid);
-        }
-        let (_, share) = self
-            .shares
-            .entry(pid)
-            .or_insert_with(|| (worker, Share::default()));
+        let index = match self.shares.iter().position(|(w, _)| w.is(&worker)) {
+            Some(i) => i,
+            None => {
+                self.shares.push((worker, Share::default()));
+                self.shares.len() - 1
+            }
+        };
+        let share = &mut self.shares[index].1;
         let allowed = share.take_one();
         if !allowed {
             share.refused += 1;
@@ -171,13 +170,9 @@ impl Lineage {
             return;
         }
         let live = self.live_workers();
-        let ended: Vec<i32> = self
-            .shares
-            .iter()
-            .filter(|(_, (worker, _))| worker.has_ended() || !live.iter().any(|w| w.is(worker)))
-            .map(|(&pid, _)| pid)
-            .collect();
-        if ended.is_empty() {
+        let ended =
+            |worker: &WorkerProcess| worker.has_ended() || !live.iter().any(|w| w.is(worker));
+        if !self.shares.iter().any(|(w, _)| ended(w)) {
             return;
         }
         let is_worker = |p: i32| live.iter().any(|w| w.pid() == p);
@@ -187,18 +182,18 @@ impl Lineage {
         if zygote.is_some_and(|z| callers::escaped_processes_left(z, self.first, is_worker)) {
             return;
         }
-        for pid in ended {
-            // Pid `pid` is a newer worker's: the old one's group is gone (its pid was free).
-            let reused = live
-                .iter()
-                .any(|w| w.pid() == pid && self.shares.get(&pid).is_some_and(|(o, _)| !o.is(w)));
+        self.shares.retain(|(worker, _)| {
+            if !ended(worker) {
+                return true;
+            }
+            let pid = worker.pid();
+            // Its pid is a newer worker's: its group is gone (the pid was free).
+            let reused = live.iter().any(|w| w.pid() == pid && !w.is(worker));
             // No process in group `pid` (ESRCH); EPERM or success: one is left.
             let group_gone = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), None)
                 == Err(nix::errno::Errno::ESRCH);
-            if reused || group_gone {
-                self.shares.remove(&pid);
-            }
-        }
+            !(reused || group_gone)
+        });
     }
 }
 
@@ -224,7 +219,7 @@ pub fn supervise(listener: OwnedFd, first_pid: i32, zygote: Weak<Zygote>) -> std
         let mut lineage = Lineage {
             zygote,
             first: first_pid,
-            shares: HashMap::new(),
+            shares: Vec::new(),
             unmapped: 0,
         };
         let mut tick = tokio::time::interval(RELEASE_TICK);
