@@ -292,6 +292,9 @@ impl<'a> CellRun<'a> {
                 reason: None,
             });
         };
+        if worker.is_forked() {
+            resident::fit_fork_memory_before_cell(worker.pid(), &self.manager.sandbox).await;
+        }
         let run = ToWorker::Run {
             id: self.run_no,
             code: code.to_string(),

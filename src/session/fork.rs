@@ -356,6 +356,7 @@ impl SessionManager {
                 tracing::warn!(pid, error = %e, "a fork stays in its parent's pids group");
             }
         }
+        resident::fit_fork_memory_at_ready(pid, &self.sandbox).await;
         let spawned = crate::zygote::SpawnedWorker {
             process,
             socket: host_sock,

@@ -156,6 +156,11 @@ impl LiveWorker {
         self.process.pid()
     }
 
+    /// A forked session's worker (see [`WorkerProcess::is_forked`]).
+    pub fn is_forked(&self) -> bool {
+        self.process.is_forked()
+    }
+
     /// Cancelled when this handle is dropped (the worker is killed or gone).
     pub fn gone(&self) -> CancellationToken {
         self.gone.clone()

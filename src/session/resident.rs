@@ -19,6 +19,7 @@
 use super::*;
 use crate::zygote::WorkerProcess;
 use quota::WorkerMark;
+use std::sync::LazyLock;
 
 /// How often the watch looks for workers due a reading.
 const WATCH_TICK: Duration = Duration::from_millis(100);
@@ -286,6 +287,89 @@ fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
     Some((bytes, threads))
 }
 
+/// What each forked worker's memory limits were last fitted to: the bytes it shares
+/// ([`fit_fork_memory_limits`]), and whether that was at its `ready`, before its first cell.
+static FITTED: LazyLock<Mutex<HashMap<i32, (u64, bool)>>> = LazyLock::new(Default::default);
+
+/// Fits the memory limits of the fork `pid` (ready and verified) to what it shares with its
+/// parent. Its soft RLIMIT_DATA and RLIMIT_AS are its parent's and count every page it maps, so
+/// a fork of a session holding 400 of 500 MiB had ~100 MiB of its own, while this watch counts
+/// it by its share (SECURITY.md #239). Here, at its `ready`, the part not charged to it is taken
+/// as half its resident anonymous memory (read from `status`, cheap: a fork shares all of it
+/// with its parent at least, so at most half is charged to it; `smaps_rollup` costs ~20 ms per
+/// GiB, which the fork's first result does not wait for); before each later cell it is read
+/// exactly ([`fit_fork_memory_before_cell`]).
+pub(super) async fn fit_fork_memory_at_ready(pid: i32, sandbox: &crate::sandbox::Sandbox) {
+    let read = move || {
+        let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
+        Some((crate::sandbox::rlimits::status_kib(&status, b"RssAnon")? << 10) / 2)
+    };
+    fit_fork_memory(pid, sandbox, read, true).await;
+}
+
+/// Fits the memory limits of the forked worker `pid` to what it shares now, before a cell: a
+/// cell that rewrote the pages it inherited made them its own, and its next one may not take
+/// that room again. Skipped for its first cell (fitted at its `ready`) and once it shares
+/// nothing (sharing only grows with forks of its own, which only tightens its limits).
+pub(super) async fn fit_fork_memory_before_cell(pid: i32, sandbox: &crate::sandbox::Sandbox) {
+    {
+        let mut fitted = lock(&FITTED);
+        match fitted.get_mut(&pid) {
+            Some((_, fresh @ true)) => {
+                *fresh = false;
+                return;
+            }
+            Some((0, _)) | None => return,
+            Some(_) => {}
+        }
+    }
+    fit_fork_memory(pid, sandbox, move || shared_bytes(pid), false).await;
+}
+
+/// Reads what `pid` shares with `read` (on a blocking thread) and fits its limits to it.
+async fn fit_fork_memory(
+    pid: i32,
+    sandbox: &crate::sandbox::Sandbox,
+    read: impl FnOnce() -> Option<u64> + Send + 'static,
+    fresh: bool,
+) {
+    let (memory, address_space) = (sandbox.memory_bytes, sandbox.address_space_bytes());
+    let fitted = tokio::task::spawn_blocking(move || {
+        let shared = read().ok_or("its memory counters cannot be read (it is gone)")?;
+        crate::sandbox::rlimits::fit_fork_memory_limits(pid, memory, address_space, shared)
+            .map(|f| (shared, f))
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
+    match fitted {
+        Ok((shared, f)) => {
+            lock(&FITTED).insert(pid, (shared, fresh));
+            tracing::debug!(
+                pid,
+                shared_mib = shared >> 20,
+                data_mib = f.data_bytes >> 20,
+                address_space_mib = f.address_space_bytes >> 20,
+                "a fork's memory limits, fitted to what it shares"
+            );
+        }
+        Err(error) => tracing::warn!(pid, %error, "a fork's memory limits stay as they were"),
+    }
+}
+
+/// The part of the anonymous memory `pid` maps that is not charged to it because other
+/// processes map it too: resident (`Anonymous` - `Pss_Anon`) and swapped (`Swap` - `SwapPss`)
+/// of its `smaps_rollup`, readable for a dumpable process (a fork is, #197).
+fn shared_bytes(pid: i32) -> Option<u64> {
+    let rollup = std::fs::read(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let kib = |name: &[u8]| crate::sandbox::rlimits::status_kib(&rollup, name);
+    let resident = kib(b"Anonymous")?.saturating_sub(kib(b"Pss_Anon")?);
+    let swapped = kib(b"Swap")
+        .unwrap_or(0)
+        .saturating_sub(kib(b"SwapPss").unwrap_or(0));
+    Some((resident + swapped) << 10)
+}
+
 /// The `Threads:` count of a `/proc/<pid>/status` text.
 fn threads_in(status: &[u8]) -> Option<u64> {
     status.split(|&b| b == b'\n').find_map(|line| {
@@ -339,6 +423,7 @@ impl SessionManager {
         let due: Vec<(WorkerProcess, bool)> = {
             let mut marks = lock(&self.memory_marks);
             marks.retain(|pid, _| live.iter().any(|w| w.pid() == *pid));
+            lock(&FITTED).retain(|pid, _| live.iter().any(|w| w.pid() == *pid && w.is_forked()));
             live.into_iter()
                 .map(|worker| {
                     let pid = worker.pid();

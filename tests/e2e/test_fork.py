@@ -287,14 +287,13 @@ def test_a_session_holding_most_of_its_memory_limit_forks_and_both_live(user):
         b.close()
 
 
-# Known gap (SECURITY.md #204): RLIMIT_DATA counts the mappings a fork inherits, so the fork's
-# own new memory gets the limit minus its parent's; raising it takes CAP_SYS_RESOURCE.
-@pytest.mark.xfail(strict=True, reason="RLIMIT_DATA counts the memory a fork inherits (SECURITY.md #204)")
 @pytest.mark.parametrize("user", USERS)
 def test_memory_shared_copy_on_write_is_not_counted_twice(user):
     # Limit 500 MiB: the parent holds 400 MiB, its fork writes 200 MiB of its own. Counted by
     # its resident memory the fork would hold ~630 MiB and be killed; by its share (PSS, as the
-    # memory watch counts it) ~420 MiB, and the parent still its ~430.
+    # memory watch counts it) ~420 MiB, and the parent still its ~430. Its RLIMIT_DATA, its
+    # parent's, counted the 400 MiB it inherited (MemoryError past ~100 MiB of its own) until
+    # the host raised it by what the fork inherited (SECURITY.md #239).
     b = Sandboxed(user, MCP_BRIDGE_MEMORY_LIMIT="500m")
     try:
         if not b.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
@@ -305,5 +304,105 @@ def test_memory_shared_copy_on_write_is_not_counted_twice(user):
         time.sleep(1.5)  # the memory watch reads each worker at least once a second
         assert value(b.run("(big[-1], mine[-1])", session="m2")) == (97, 98)
         assert value(b.run("big[-1]", session="m1")) == 97
+    finally:
+        b.close()
+
+
+# The memory limits from inside (SECURITY.md #239): where sessions fork, the hard RLIMIT_DATA and
+# RLIMIT_AS are twice the soft ones, room the host fits a fork's soft limits into; the filter
+# refuses every change of them (the new value is behind a pointer it cannot read), reading them
+# stays allowed. Tried through Python, `setrlimit(2)`, and `prlimit64` with a pointer whose low
+# 32 bits are 0 and a resource number with high bits set.
+CHANGE_MEMORY_LIMITS = """
+import ctypes, platform, resource
+libc = ctypes.CDLL(None, use_errno=True)
+PRLIMIT64, SETRLIMIT = {"x86_64": (302, 160), "aarch64": (261, 164)}[platform.machine()]
+libc.syscall.restype = ctypes.c_long
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+# A page at 1 << 36 (MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE): its address's low half is 0.
+page = libc.mmap(1 << 36, 4096, 3, 0x22 | 0x100000, -1, 0)
+assert page == 1 << 36, hex(page or 0)
+memory = (resource.RLIMIT_DATA, resource.RLIMIT_AS)
+before = [resource.getrlimit(r) for r in memory]
+tried = []
+for r, (soft, hard) in zip(memory, before):
+    for new in ((hard, hard), (soft // 2, hard), (soft, soft)):
+        try:
+            resource.setrlimit(r, new)
+            tried.append("changed")
+        except ValueError as e:
+            tried.append(str(e))
+    (ctypes.c_uint64 * 2).from_address(page)[:] = [hard, hard]
+    for nr, args in ((PRLIMIT64, (0, r | 1 << 32, page, None)), (SETRLIMIT, (r, page))):
+        ctypes.set_errno(0)
+        tried.append((libc.syscall(nr, *[ctypes.c_long(a) if isinstance(a, int) else a for a in args]), ctypes.get_errno()))
+(before, [resource.getrlimit(r) for r in memory], tried)
+"""
+
+
+def assert_memory_limits_unchanged(got, errno_eperm=1):
+    before, after, tried = got
+    assert after == before, got
+    assert tried == (["not allowed to raise maximum limit"] * 3 + [(-1, errno_eperm)] * 2) * 2, tried
+    return before
+
+
+def test_239_a_session_cannot_change_its_memory_limits_from_inside(box):
+    limit = box.srv.info()["sandbox"]["limits"]["memory_bytes"]
+    (data, address_space) = assert_memory_limits_unchanged(value(box.run(CHANGE_MEMORY_LIMITS, session="lim")))
+    assert data == (limit, 2 * limit) and address_space[1] == 2 * address_space[0] > 2 * limit, (data, address_space)
+    # Other limits stay its own to lower.
+    assert value(box.run("import resource\nsoft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+                         "resource.setrlimit(resource.RLIMIT_NOFILE, (soft // 2, hard))\n"
+                         "resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft // 2", session="lim")) is True
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_239_a_forks_limits_follow_what_it_shares_and_it_cannot_change_them(user):
+    # Limit 500 MiB; the parent holds 300 MiB. The fork's soft limits are raised by the part of
+    # that not charged to it (about half: it shares it with its parent), and lowered again once
+    # it rewrote its copy (its own now); it cannot change them itself; the parent's stay.
+    b = Sandboxed(user, MCP_BRIDGE_MEMORY_LIMIT="500m")
+    try:
+        if not b.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
+            pytest.skip("sessions cannot fork here")
+        mib = 1 << 20
+        value(b.run("import resource\nbig = bytearray(b'a') * (300 << 20)", session="fa"))
+        got = value(fork(b, "fa", "fb", CHANGE_MEMORY_LIMITS)["structuredContent"])
+        (soft, hard), _ = assert_memory_limits_unchanged(got)
+        assert hard == 1000 * mib and 500 * mib + 140 * mib < soft < 500 * mib + 200 * mib, soft / mib
+        value(b.run("big[::4096] = b'b' * len(big[::4096])", session="fb"))
+        soft = value(b.run("resource.getrlimit(resource.RLIMIT_DATA)[0]", session="fb"))
+        assert 500 * mib <= soft < 500 * mib + 40 * mib, soft / mib
+        # Its own 300 MiB and 200 MiB more pass no longer: a MemoryError, not a kill.
+        rec = b.run("more = bytearray(200 << 20)", session="fb")
+        assert rec["status"] == "error" and rec["error"]["type"] == "MemoryError", rec
+        assert value(b.run("(big[0], big[-1])", session="fb")) == (98, 97)
+        assert value(b.run("(big[-1], resource.getrlimit(resource.RLIMIT_DATA))", session="fa")) == (97, (500 * mib, 1000 * mib))
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("user", [
+    "root",
+    # As a user the parent mid-fork is counted by its resident size (SECURITY.md #204).
+    pytest.param("nobody", marks=pytest.mark.xfail(strict=True, reason="the worker's PSS is unreadable as a user")),
+])
+def test_239_a_parent_that_fills_its_memory_before_a_fork_gets_the_fork_nothing_past_the_limit(user):
+    # The attack on the fitted limits: A holds 450 of its 500 MiB just before the fork, so the
+    # fork's soft RLIMIT_DATA is raised by ~225 MiB. The fork lets go of the copy and takes 700
+    # MiB of its own, which that soft limit lets through: the memory watch, counting its share,
+    # kills it past the limit. A lives on with its bytes.
+    b = Sandboxed(user, MCP_BRIDGE_MEMORY_LIMIT="500m")
+    try:
+        if not b.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
+            pytest.skip("sessions cannot fork here")
+        value(b.run("import mmap, time\nm = mmap.mmap(-1, 450 << 20, flags=mmap.MAP_PRIVATE)\n"
+                    "m[::4096] = b'a' * len(m[::4096])", session="ia"))
+        rec = fork(b, "ia", "ib", "m.close()\nmine = bytearray(b'b') * (700 << 20)\ntime.sleep(5)",
+                   timeout_s=60)["structuredContent"]
+        assert rec["status"] == "crashed" and "memory" in rec["error"]["message"], rec
+        assert value(b.run("m[-4096]", session="ia")) == 97
     finally:
         b.close()

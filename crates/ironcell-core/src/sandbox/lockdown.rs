@@ -188,7 +188,7 @@ pub fn apply_lockdown_with_compiled_filters(
                 })
                 .map_err(LayerError::EpollGate),
         )?;
-        steps.step(
+        let filtered = steps.step(
             match compiled {
                 Some(c) => seccomp::install_programs_on_current_thread(&c.for_processes(processes)),
                 None => seccomp::build_filters(processes)
@@ -196,6 +196,9 @@ pub fn apply_lockdown_with_compiled_filters(
             }
             .map_err(LayerError::Seccomp),
         )?;
+        if !filtered {
+            steps.step(rlimits::drop_fork_headroom().map_err(LayerError::Rlimits))?;
+        }
     } else {
         steps.step(Err(LayerError::SeccompUnavailable))?;
     }
@@ -234,8 +237,12 @@ fn process_steps(
     steps.step(sys::ignore_sigxfsz().map_err(LayerError::IgnoreSigxfsz))?;
     steps.step(sys::disable_transparent_huge_pages().map_err(LayerError::HugePagesOff))?;
     sys::limit_malloc_arenas(2);
+    // The hard memory limits leave room for the host to raise a fork's (SECURITY.md #239)
+    // where sessions may fork; taken back below if the filter that keeps the worker from using
+    // it is not installed.
+    let headroom = plan.seccomp && children_in_this_worker(plan, namespace);
     steps.step(task_count.and_then(|count| {
-        rlimits::apply_worker_limits(&plan.limits, count).map_err(LayerError::Rlimits)
+        rlimits::apply_worker_limits(&plan.limits, count, headroom).map_err(LayerError::Rlimits)
     }))?;
     Ok(proc_view)
 }

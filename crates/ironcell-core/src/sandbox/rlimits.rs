@@ -8,6 +8,14 @@
 //! alone a few threads would exhaust it. memfd, whose pages belong to no mapping, is refused by
 //! seccomp.
 //!
+//! A forked session (SECURITY.md #239) starts with its parent's limits, and both count the
+//! mappings it inherited, shared copy-on-write: a fork of a session holding 400 of 500 MiB had
+//! ~100 MiB of its own. So where sessions may fork, the hard limits of both are twice the soft
+//! ones ([`FORK_HEADROOM`]), the seccomp filter refuses every change of them from inside, and the
+//! host fits a fork's soft limits to what it shares ([`fit_fork_memory_limits`]), never past
+//! the hard ones, so they stop it where the memory watch, which counts its proportional share,
+//! would.
+//!
 //! Locked memory (SECURITY.md #127): none. Locking one 4 KiB page of a large page-cache folio
 //! (`mlock`, `MAP_LOCKED`) kept the whole 2 MiB folio from being reclaimed, uncounted: 4 MiB
 //! locked held 2.1 GiB (the inherited limit, 8 MiB, allowed twice that). Python workloads do not
@@ -70,12 +78,26 @@ pub enum TaskCount {
     SharedWithUid { tasks_now: u64 },
 }
 
-/// Applies `limits` (and no core dumps) to the current process.
-pub fn apply_worker_limits(limits: &WorkerLimits, count: TaskCount) -> std::io::Result<()> {
+/// How many times its soft memory limits (RLIMIT_DATA, RLIMIT_AS) a worker's hard ones are
+/// where sessions may fork: the room the host may give a fork for what it inherited.
+pub const FORK_HEADROOM: u64 = 2;
+
+/// Applies `limits` (and no core dumps) to the current process. `fork_headroom`: the hard
+/// memory limits are [`FORK_HEADROOM`] times the soft ones, for the host to raise a fork's soft
+/// limits into; only where the seccomp filter will refuse the worker every change of them.
+pub fn apply_worker_limits(
+    limits: &WorkerLimits,
+    count: TaskCount,
+    fork_headroom: bool,
+) -> std::io::Result<()> {
+    let hard = |soft: u64| match fork_headroom {
+        true => soft.saturating_mul(FORK_HEADROOM),
+        false => soft,
+    };
     Resource::CORE.set(0, 0)?;
     Resource::CPU.set(limits.cpu_seconds, limits.cpu_seconds + 5)?;
-    Resource::DATA.set(limits.memory_bytes, limits.memory_bytes)?;
-    Resource::AS.set(limits.address_space_bytes, limits.address_space_bytes)?;
+    Resource::DATA.set(limits.memory_bytes, hard(limits.memory_bytes))?;
+    Resource::AS.set(limits.address_space_bytes, hard(limits.address_space_bytes))?;
     Resource::FSIZE.set(limits.file_size_bytes, limits.file_size_bytes)?;
     Resource::NOFILE.set(limits.open_files, limits.open_files)?;
     let nproc = match count {
@@ -96,6 +118,72 @@ pub fn apply_worker_limits(limits: &WorkerLimits, count: TaskCount) -> std::io::
     let pending = SIGNALS_PENDING.min(hard);
     Resource::SIGPENDING.set(pending, pending)?;
     Ok(())
+}
+
+/// Takes the headroom of [`apply_worker_limits`] back (hard = soft): for a worker whose seccomp
+/// filter could not be installed (best-effort mode), which could otherwise raise its own soft
+/// limits into it.
+pub fn drop_fork_headroom() -> std::io::Result<()> {
+    for resource in [Resource::DATA, Resource::AS] {
+        let (soft, _) = resource.get()?;
+        resource.set(soft, soft)?;
+    }
+    Ok(())
+}
+
+/// A fork's soft memory limits after [`fit_fork_memory_limits`], in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fitted {
+    pub data_bytes: u64,
+    pub address_space_bytes: u64,
+}
+
+/// Sets the soft RLIMIT_DATA and RLIMIT_AS of the fork `pid` to `memory_bytes` and
+/// `address_space_bytes` plus `shared_bytes`, the part of the memory it maps that is not
+/// charged to it because other processes map it too (its parent, copy-on-write): so the
+/// rlimits, which count every page it maps, stop it where the memory watch, which counts its
+/// proportional share, would (SECURITY.md #239). Raised or lowered, never past its hard limits,
+/// which the host cannot raise (that takes `CAP_SYS_RESOURCE`): a soft limit up to the hard one
+/// is every same-uid process's to set, and lowering is always allowed.
+pub fn fit_fork_memory_limits(
+    pid: i32,
+    memory_bytes: u64,
+    address_space_bytes: u64,
+    shared_bytes: u64,
+) -> std::io::Result<Fitted> {
+    Ok(Fitted {
+        data_bytes: set_soft(
+            pid,
+            Resource::DATA,
+            memory_bytes.saturating_add(shared_bytes),
+        )?,
+        address_space_bytes: set_soft(
+            pid,
+            Resource::AS,
+            address_space_bytes.saturating_add(shared_bytes),
+        )?,
+    })
+}
+
+/// Sets `pid`'s soft `resource` limit to `want` capped by its hard one; returns it.
+fn set_soft(pid: i32, resource: Resource, want: u64) -> std::io::Result<u64> {
+    let (mut soft, mut hard) = (0, 0);
+    rlimit::prlimit(pid, resource, None, Some((&mut soft, &mut hard)))?;
+    let new = want.min(hard);
+    if new != soft {
+        rlimit::prlimit(pid, resource, Some((new, hard)), None)?;
+    }
+    Ok(new)
+}
+
+/// A `Name:  <n> kB` field of a `/proc/<pid>/status` or `smaps_rollup` text (read as bytes: its first line is a
+/// name the process chose, not necessarily UTF-8).
+pub fn status_kib(status: &[u8], name: &[u8]) -> Option<u64> {
+    status.split(|&b| b == b'\n').find_map(|line| {
+        let rest = line.strip_prefix(name)?.strip_prefix(b":")?;
+        let text = std::str::from_utf8(rest).ok()?;
+        text.trim().strip_suffix("kB")?.trim().parse().ok()
+    })
 }
 
 /// RLIMIT_SIGPENDING of a worker. Each POSIX timer and each queued real-time signal is charged
@@ -141,5 +229,63 @@ mod tests {
         assert_eq!(parse_loadavg_tasks("garbage"), None);
         assert!(tasks_on_machine().unwrap() >= 1);
         assert_eq!(thread_rlimit(256, 91), 347);
+    }
+
+    #[test]
+    fn status_fields_are_read_by_their_whole_name() {
+        let status = b"Name:\tpy\xff\nVmSize:\t  900 kB\nVmData:\t 700 kB\nVmDataX:\t1 kB\n";
+        assert_eq!(status_kib(status, b"VmData"), Some(700));
+        assert_eq!(status_kib(status, b"VmSize"), Some(900));
+        assert_eq!(status_kib(status, b"VmPTE"), None);
+    }
+
+    #[test]
+    fn a_childs_soft_limits_are_fitted_to_what_it_shares_never_past_the_hard_ones() {
+        // A child with RLIMIT_DATA 64 MiB soft and 1 GiB hard, RLIMIT_AS 8 GiB soft, 16 GiB
+        // hard: raised by what it shares, lowered again, capped by the hard limits.
+        let mut pipe = [0; 2];
+        // SAFETY: pipe(2) into a local array.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: the child only sets its limits, reports and waits to be killed.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let ok = Resource::DATA.set(64 << 20, 1 << 30).is_ok()
+                && Resource::AS.set(8 << 30, 16 << 30).is_ok();
+            // SAFETY: writes one byte to the pipe, then sleeps until killed.
+            unsafe {
+                libc::write(pipe[1], [u8::from(ok)].as_ptr().cast(), 1);
+                libc::pause();
+                libc::_exit(0)
+            }
+        }
+        let mut byte = [0u8];
+        // SAFETY: reads one byte from our pipe.
+        unsafe { libc::read(pipe[0], byte.as_mut_ptr().cast(), 1) };
+        let data = |pid| {
+            let (mut soft, mut hard) = (0, 0);
+            rlimit::prlimit(pid, Resource::DATA, None, Some((&mut soft, &mut hard)))
+                .map(|_| (soft, hard))
+        };
+        let raised = fit_fork_memory_limits(pid, 64 << 20, 8 << 30, 100 << 20);
+        let after_raise = data(pid);
+        let lowered = fit_fork_memory_limits(pid, 64 << 20, 8 << 30, 0);
+        let after_lower = data(pid);
+        let capped = fit_fork_memory_limits(pid, 2 << 30, 8 << 30, 9 << 30);
+        // SAFETY: ends and reaps our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        assert_eq!(byte[0], 1, "the child could not set its limits");
+        let fitted = |d: u64, a: u64| Fitted {
+            data_bytes: d,
+            address_space_bytes: a,
+        };
+        assert_eq!(raised.unwrap(), fitted(164 << 20, (8 << 30) + (100 << 20)));
+        assert_eq!(after_raise.unwrap(), (164 << 20, 1 << 30));
+        assert_eq!(lowered.unwrap(), fitted(64 << 20, 8 << 30));
+        assert_eq!(after_lower.unwrap(), (64 << 20, 1 << 30));
+        assert_eq!(capped.unwrap(), fitted(1 << 30, 16 << 30));
+        assert!(fit_fork_memory_limits(i32::MAX, 1, 1, 1).is_err());
     }
 }

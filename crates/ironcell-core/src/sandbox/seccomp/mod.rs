@@ -551,6 +551,28 @@ fn refusals(processes: Processes) -> Result<Rules, SeccompError> {
         when(&mut rules, libc::SYS_tgkill, vec![arg32(0, Op::Ne, pid)?])?;
     }
     when(&mut rules, libc::SYS_prlimit64, not_self(0)?)?;
+    // The memory limits are the host's to change (SECURITY.md #239): where sessions fork, the
+    // hard limits leave room for the host to raise a fork's soft ones, which any process may
+    // raise up to its hard ones. The filter cannot read the new value (it is behind a pointer),
+    // so every change of RLIMIT_DATA or RLIMIT_AS is refused, lowering too; reading them
+    // (`prlimit64` with no new limit, glibc's `getrlimit`) stays allowed. The pointer is
+    // compared whole: one whose low 32 bits are 0 is not NULL.
+    for resource in [libc::RLIMIT_DATA, libc::RLIMIT_AS] {
+        let resource = resource as u64;
+        when(
+            &mut rules,
+            libc::SYS_setrlimit,
+            vec![arg32(0, Op::Eq, resource)?],
+        )?;
+        when(
+            &mut rules,
+            libc::SYS_prlimit64,
+            vec![
+                arg32(1, Op::Eq, resource)?,
+                Cond::new(2, Len::Qword, Op::Ne, 0)?,
+            ],
+        )?;
+    }
     // Other processes, read by pid (SECURITY.md #140): each of these answered for any pid on
     // the machine (a worker listed all 117 processes with their sessions, process groups and
     // CPU time, other sessions' workers among them). Only 0 (the caller) and, alone, its own
@@ -1263,6 +1285,33 @@ mod tests {
             eperm
         );
         assert_eq!(call(alone, libc::SYS_prlimit64, [4321, 7, 0, 0, 0, 0]), ok);
+        // The memory limits are read, never set (SECURITY.md #239), by either call, whatever
+        // the high bits of the resource or the pointer's low ones.
+        for p in [with, alone] {
+            for resource in [libc::RLIMIT_DATA as u64, libc::RLIMIT_AS as u64] {
+                for high in [0, 1 << 32] {
+                    let r = resource | high;
+                    assert_eq!(call(p, libc::SYS_prlimit64, [0, r, 0, 0x7000, 0, 0]), ok);
+                    for new in [0x7000, 0x7f00_0000_0000, 1 << 32] {
+                        let args = [0, r, new, 0, 0, 0];
+                        assert_eq!(call(p, libc::SYS_prlimit64, args), eperm, "{args:?}");
+                    }
+                    let args = [r, 0x7000, 0, 0, 0, 0];
+                    assert_eq!(call(p, libc::SYS_setrlimit, args), eperm, "{args:?}");
+                    assert_eq!(call(p, libc::SYS_getrlimit, args), ok, "{args:?}");
+                }
+            }
+            // Other limits stay the worker's own to lower (or raise up to the hard limit).
+            let nofile = libc::RLIMIT_NOFILE as u64;
+            assert_eq!(
+                call(p, libc::SYS_prlimit64, [0, nofile, 0x7000, 0, 0, 0]),
+                ok
+            );
+            assert_eq!(
+                call(p, libc::SYS_setrlimit, [nofile, 0x7000, 0, 0, 0, 0]),
+                ok
+            );
+        }
         for n in PID_READERS {
             assert_eq!(call(with, *n, [0; 6]), ok, "{n}");
             assert_eq!(call(with, *n, [4321, 0, 0, 0, 0, 0]), eperm, "{n}");

@@ -25,7 +25,7 @@ enum ByNumber {
 /// kernel converts and JIT-compiles every instruction of every filter each worker installs, and
 /// runs the filter on every system call. Here a binary search over the call number (runs of
 /// numbers with the same verdict) answers every call whose verdict does not depend on its
-/// arguments; the few that do (ioctl, fcntl, prctl, clone, kill, tgkill, prlimit64,
+/// arguments; the few that do (ioctl, fcntl, prctl, clone, kill, tgkill, prlimit64, setrlimit,
 /// socketpair, setsockopt) jump to seccompiler's programs for just those calls, merged by
 /// [`merge_stacked`].
 pub(super) fn searched_program(processes: Processes) -> Result<BpfProgram, SeccompError> {
