@@ -19,6 +19,7 @@
 use super::*;
 use crate::zygote::WorkerProcess;
 use quota::WorkerMark;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::LazyLock;
 
 /// How often the watch looks for workers due a reading.
@@ -239,16 +240,75 @@ fn kill_escaped_orphans(zygote: &crate::zygote::Zygote) {
     }
 }
 
+/// Each worker's own `/proc/<pid>/smaps_rollup`, opened by the worker before its lockdown and
+/// handed over during its setup ([`keep_memory_counters`]), by pid; kept while it lives.
+static COUNTERS: LazyLock<Mutex<HashMap<i32, Arc<std::fs::File>>>> =
+    LazyLock::new(Default::default);
+
+/// Keeps the memory counters worker `pid` sent during its setup (SECURITY.md #241): a
+/// non-dumpable process's `smaps_rollup` can be opened only by itself or with
+/// `CAP_SYS_PTRACE`, which a host running as a user lacks, but a descriptor opened by the
+/// process reads it for anyone holding it. Accepted only if the kernel names it
+/// `/proc/<pid>/smaps_rollup` of that very worker on a proc filesystem: the worker cannot pass
+/// another process's counters for its own. Anything else is dropped, and the worker is read by
+/// its `status` as before.
+pub(super) fn keep_memory_counters(pid: i32, fds: Vec<OwnedFd>) {
+    let Some(fd) = fds.into_iter().next() else {
+        tracing::warn!(
+            pid,
+            "a worker's memory counters came without their descriptor"
+        );
+        return;
+    };
+    let on_proc = nix::sys::statfs::fstatfs(&fd)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC);
+    let named = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .is_ok_and(|p| p == Path::new(&format!("/proc/{pid}/smaps_rollup")));
+    if !(on_proc && named) {
+        tracing::warn!(
+            pid,
+            "a worker's memory counters are not its smaps_rollup: not used"
+        );
+        return;
+    }
+    lock(&COUNTERS).insert(pid, Arc::new(std::fs::File::from(fd)));
+}
+
+/// The `smaps_rollup` text of `pid`: by path, or where that is refused (a non-dumpable worker,
+/// read by a host running as a user) through the descriptor it handed over.
+fn rollup_of(pid: i32) -> Option<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    if let Ok(text) = std::fs::read(format!("/proc/{pid}/smaps_rollup")) {
+        return Some(text);
+    }
+    let file = lock(&COUNTERS).get(&pid).cloned()?;
+    // Read from offset 0 each time: the kernel makes the text anew.
+    let mut text = vec![0; 4096];
+    let mut filled = 0;
+    loop {
+        if filled == text.len() {
+            text.resize(filled * 2, 0);
+        }
+        match file.read_at(&mut text[filled..], filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(_) => return None,
+        }
+    }
+    text.truncate(filled);
+    Some(text)
+}
+
 /// What a worker's child holds, in bytes: its proportional share of anonymous memory, resident
 /// and swapped (`Pss_Anon` + `SwapPss` of `/proc/<pid>/smaps_rollup`, so pages it shares with
-/// its siblings count once among them), and its page tables. The host can read it even for a
-/// non-dumpable child: the child's memory map was made in the worker's own user namespace,
-/// where the host's uid holds every capability. Where it cannot, the full `RssAnon` counts.
+/// its siblings count once among them), and its page tables. Readable for a dumpable process
+/// (a worker's children and forks make themselves so), and for a worker through the
+/// descriptor it handed over ([`rollup_of`]). Where neither works, the full `RssAnon` counts.
 fn child_holds(pid: i32) -> Option<(u64, u64)> {
     let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
     let threads = threads_in(&status).unwrap_or(0);
     let full = anonymous_bytes_in(&status)?;
-    let Ok(rollup) = std::fs::read(format!("/proc/{pid}/smaps_rollup")) else {
+    let Some(rollup) = rollup_of(pid) else {
         return Some((full, threads));
     };
     let field = |text: &[u8], name: &[u8]| -> Option<u64> {
@@ -423,7 +483,14 @@ impl SessionManager {
         let due: Vec<(WorkerProcess, bool)> = {
             let mut marks = lock(&self.memory_marks);
             marks.retain(|pid, _| live.iter().any(|w| w.pid() == *pid));
-            lock(&FITTED).retain(|pid, _| live.iter().any(|w| w.pid() == *pid && w.is_forked()));
+            {
+                // A list taken under the locks: a worker is listed before its counters or its
+                // fitted limits can be kept.
+                let (mut counters, mut fitted) = (lock(&COUNTERS), lock(&FITTED));
+                let now = zygote.live_workers();
+                counters.retain(|pid, _| now.iter().any(|w| w.pid() == *pid));
+                fitted.retain(|pid, _| now.iter().any(|w| w.pid() == *pid && w.is_forked()));
+            }
             live.into_iter()
                 .map(|worker| {
                     let pid = worker.pid();

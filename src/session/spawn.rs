@@ -120,6 +120,7 @@ impl SessionManager {
         let pid = worker.pid();
         let ready = tokio::time::timeout(WORKER_READY_TIMEOUT, async {
             let mut gate_listener = false;
+            let mut counters = false;
             loop {
                 let (f, fds) = match worker.next_setup_frame(max_frame).await {
                     Ok(Some(f)) => f,
@@ -133,6 +134,10 @@ impl SessionManager {
                             return Err(Violation("`epoll_listener` without its descriptor".into()).to_string());
                         };
                         crate::epoll_gate::supervise(listener, pid, Arc::downgrade(&zygote)).map_err(|e| e.to_string())?;
+                    }
+                    Ok(WorkerFrame::Message(FromWorker::MemoryCounters {})) if !counters => {
+                        counters = true;
+                        resident::keep_memory_counters(pid, fds);
                     }
                     Ok(WorkerFrame::Message(FromWorker::Ready {
                         missing_layers,

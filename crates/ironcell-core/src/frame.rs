@@ -145,6 +145,11 @@ pub enum FromWorker {
     /// this frame (`SCM_RIGHTS`); the host counts the session's epoll watches through it
     /// (`sandbox::epoll_gate`).
     EpollListener {},
+    /// During setup only, before `ready`: the worker's own `/proc/self/smaps_rollup`, opened
+    /// before its `/proc` is hidden, travels with this frame (`SCM_RIGHTS`): the memory watch
+    /// reads its share (PSS) through it, which a host running as a user cannot open by path
+    /// in the non-dumpable worker (SECURITY.md #241).
+    MemoryCounters {},
     /// A call from the in-sandbox `mcp` module to the host (and through it to a proxied MCP
     /// server): `servers`, `tools`, `search` or `call`.
     Request {
@@ -295,7 +300,7 @@ pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result
         FromWorker::Fatal { message } => {
             cap_chars("a fatal message", message, MAX_ERROR_FIELD_CHARS)
         }
-        FromWorker::EpollListener {} => Ok(()),
+        FromWorker::EpollListener {} | FromWorker::MemoryCounters {} => Ok(()),
         FromWorker::Forked { error } => match error {
             Some(e) => cap_chars("a fork's error", e, MAX_ERROR_FIELD_CHARS),
             None => Ok(()),

@@ -219,6 +219,20 @@ fn send_epoll_listener(listener: OwnedFd) -> std::io::Result<()> {
     // `listener` is closed here: no code in the session may answer its own calls.
 }
 
+/// Hands the host this process's own memory counters, `/proc/self/smaps_rollup` opened now
+/// (before its `/proc` is hidden, by this process, which may always read its own), then closes
+/// its copy: the host reads the worker's share of memory through it, which it cannot open by
+/// path once the worker is non-dumpable (SECURITY.md #241). Nothing else of the worker is
+/// readable through it.
+fn send_memory_counters() -> anyhow::Result<()> {
+    let counters = std::fs::File::open("/proc/self/smaps_rollup")
+        .context("opening /proc/self/smaps_rollup")?;
+    let body = serde_json::to_vec(&FromWorker::MemoryCounters {})?;
+    let mut bytes = Vec::with_capacity(body.len() + 5);
+    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
+    ironcell_core::control::send_message(SESSION_FD, &bytes, Some(counters.as_raw_fd()))
+}
+
 /// Long on purpose: the worker's setup steps 0b-6 in the order the lockdown needs them (each a
 /// few lines, numbered as in docs/ARCHITECTURE.md), then its serve loop; split up, that order
 /// would no longer be read in one place.
@@ -248,6 +262,11 @@ fn serve_session(
     // Step 3: own session; die with the zygote.
     nix::unistd::setsid().context("setsid")?;
     die_with_zygote(zygote)?;
+    // Step 3b: its memory counters to the host, from the host's `/proc` (before step 4b's
+    // namespace); only where it may fork (a worker without children is read by `status`).
+    if spec.sandbox.children {
+        send_memory_counters()?;
+    }
 
     // Step 4: scratch directory and environment.
     std::env::set_current_dir(&spec.scratch)
