@@ -277,12 +277,16 @@ pub(super) fn keep_memory_counters(pid: i32, fds: Vec<OwnedFd>) {
 /// The `smaps_rollup` text of `pid`: by path, or where that is refused (a non-dumpable worker,
 /// read by a host running as a user) through the descriptor it handed over.
 fn rollup_of(pid: i32) -> Option<Vec<u8>> {
-    use std::os::unix::fs::FileExt;
     if let Ok(text) = std::fs::read(format!("/proc/{pid}/smaps_rollup")) {
         return Some(text);
     }
     let file = lock(&COUNTERS).get(&pid).cloned()?;
-    // Read from offset 0 each time: the kernel makes the text anew.
+    read_from_start(&file)
+}
+
+/// The whole text of a `/proc` file, read from offset 0 (the kernel makes it anew each time).
+fn read_from_start(file: &std::fs::File) -> Option<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
     let mut text = vec![0; 4096];
     let mut filled = 0;
     loop {
@@ -648,6 +652,39 @@ mod tests {
         let _ = child.wait();
         let held = held.unwrap_or(0);
         assert!(held >= 64 << 20, "{held}");
+    }
+
+    #[test]
+    fn only_a_workers_own_smaps_rollup_is_kept_as_its_counters_and_it_reads_live() {
+        let me = std::process::id() as i32;
+        let open = |path: &str| -> Vec<OwnedFd> { vec![std::fs::File::open(path).unwrap().into()] };
+        // Another process's counters (for the worker `1`, this process's), another /proc
+        // file, or a file that is not on /proc, are not kept.
+        keep_memory_counters(1, open("/proc/self/smaps_rollup"));
+        assert!(!lock(&COUNTERS).contains_key(&1));
+        keep_memory_counters(me, open("/proc/self/status"));
+        assert!(!lock(&COUNTERS).contains_key(&me));
+        let fake = std::env::temp_dir().join(format!("smaps_rollup-{me}"));
+        std::fs::write(&fake, "Pss_Anon: 1 kB\n").unwrap();
+        keep_memory_counters(me, open(fake.to_str().unwrap()));
+        assert!(!lock(&COUNTERS).contains_key(&me));
+        keep_memory_counters(me, Vec::new());
+        assert!(!lock(&COUNTERS).contains_key(&me));
+        // Its own, opened by itself, is; each read is anew: 64 MiB touched since shows.
+        keep_memory_counters(me, open("/proc/self/smaps_rollup"));
+        let file = lock(&COUNTERS)
+            .remove(&me)
+            .expect("its own counters are kept");
+        let pss = || {
+            let text = read_from_start(&file).unwrap();
+            crate::sandbox::rlimits::status_kib(&text, b"Pss_Anon").unwrap() << 10
+        };
+        let before = pss();
+        let block = std::hint::black_box(vec![1u8; 64 << 20]);
+        let after = pss();
+        drop(std::hint::black_box(block));
+        let _ = std::fs::remove_file(fake);
+        assert!(after >= 64 << 20 && after > before, "{before} -> {after}");
     }
 
     #[test]
