@@ -351,9 +351,22 @@ fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
     Some((bytes, threads))
 }
 
-/// What each forked worker's memory limits were last fitted to: the bytes it shares
-/// ([`fit_fork_memory_limits`]), and whether that was at its `ready`, before its first cell.
-static FITTED: LazyLock<Mutex<HashMap<i32, (u64, bool)>>> = LazyLock::new(Default::default);
+/// What a forked worker's memory limits were last fitted to: the bytes it shares
+/// ([`fit_fork_memory_limits`]), and its minor page faults then.
+#[derive(Clone, Copy)]
+struct Fit {
+    shared: u64,
+    faults: u64,
+}
+
+/// Each forked worker's last [`Fit`], by pid.
+static FITTED: LazyLock<Mutex<HashMap<i32, Fit>>> = LazyLock::new(Default::default);
+
+/// Page faults (4 KiB each: transparent huge pages are off in workers) after which a fork's
+/// limits are fitted again before its next cell: its sharing changes only by rewriting or
+/// touching pages, each a fault, so fewer than 16 MiB of them since the last fit moved it by
+/// less than the memory watch's slack, and the ~20 ms per GiB of `smaps_rollup` is spared.
+const REFIT_AFTER_FAULTS: u64 = (16 << 20) / 4096;
 
 /// Fits the memory limits of the fork `pid` (ready and verified) to what it shares with its
 /// parent. Its soft RLIMIT_DATA and RLIMIT_AS are its parent's and count every page it maps, so
@@ -361,33 +374,30 @@ static FITTED: LazyLock<Mutex<HashMap<i32, (u64, bool)>>> = LazyLock::new(Defaul
 /// it by its share (SECURITY.md #239). Here, at its `ready`, the part not charged to it is taken
 /// as half its resident anonymous memory (read from `status`, cheap: a fork shares all of it
 /// with its parent at least, so at most half is charged to it; `smaps_rollup` costs ~20 ms per
-/// GiB, which the fork's first result does not wait for); before each later cell it is read
-/// exactly ([`fit_fork_memory_before_cell`]).
+/// GiB, which the fork's first result does not wait for); before a later cell it is read
+/// exactly if the fork faulted in pages since ([`fit_fork_memory_before_cell`]).
 pub(super) async fn fit_fork_memory_at_ready(pid: i32, sandbox: &crate::sandbox::Sandbox) {
     let read = move || {
         let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
         Some((crate::sandbox::rlimits::status_kib(&status, b"RssAnon")? << 10) / 2)
     };
-    fit_fork_memory(pid, sandbox, read, true).await;
+    fit_fork_memory(pid, sandbox, read).await;
 }
 
 /// Fits the memory limits of the forked worker `pid` to what it shares now, before a cell: a
 /// cell that rewrote the pages it inherited made them its own, and its next one may not take
-/// that room again. Skipped for its first cell (fitted at its `ready`) and once it shares
-/// nothing (sharing only grows with forks of its own, which only tightens its limits).
+/// that room again. Only once it faulted in [`REFIT_AFTER_FAULTS`] pages since the last fit
+/// (`/proc/<pid>/stat`, cheap), and while it shares anything (sharing grows only with forks of
+/// its own, which only tightens its limits).
 pub(super) async fn fit_fork_memory_before_cell(pid: i32, sandbox: &crate::sandbox::Sandbox) {
-    {
-        let mut fitted = lock(&FITTED);
-        match fitted.get_mut(&pid) {
-            Some((_, fresh @ true)) => {
-                *fresh = false;
-                return;
-            }
-            Some((0, _)) | None => return,
-            Some(_) => {}
-        }
+    let Some(last) = lock(&FITTED).get(&pid).copied() else {
+        return;
+    };
+    let faulted = minor_faults(pid).map(|now| now.saturating_sub(last.faults));
+    if last.shared == 0 || faulted.is_some_and(|f| f < REFIT_AFTER_FAULTS) {
+        return;
     }
-    fit_fork_memory(pid, sandbox, move || shared_bytes(pid), false).await;
+    fit_fork_memory(pid, sandbox, move || shared_bytes(pid)).await;
 }
 
 /// Reads what `pid` shares with `read` (on a blocking thread) and fits its limits to it.
@@ -395,23 +405,24 @@ async fn fit_fork_memory(
     pid: i32,
     sandbox: &crate::sandbox::Sandbox,
     read: impl FnOnce() -> Option<u64> + Send + 'static,
-    fresh: bool,
 ) {
     let (memory, address_space) = (sandbox.memory_bytes, sandbox.address_space_bytes());
     let fitted = tokio::task::spawn_blocking(move || {
+        // Faults counted first: any the reading misses are counted again next time.
+        let faults = minor_faults(pid).unwrap_or(0);
         let shared = read().ok_or("its memory counters cannot be read (it is gone)")?;
         crate::sandbox::rlimits::fit_fork_memory_limits(pid, memory, address_space, shared)
-            .map(|f| (shared, f))
+            .map(|f| (Fit { shared, faults }, f))
             .map_err(|e| e.to_string())
     })
     .await
     .unwrap_or_else(|e| Err(e.to_string()));
     match fitted {
-        Ok((shared, f)) => {
-            lock(&FITTED).insert(pid, (shared, fresh));
+        Ok((fit, f)) => {
+            lock(&FITTED).insert(pid, fit);
             tracing::debug!(
                 pid,
-                shared_mib = shared >> 20,
+                shared_mib = fit.shared >> 20,
                 data_mib = f.data_bytes >> 20,
                 address_space_mib = f.address_space_bytes >> 20,
                 "a fork's memory limits, fitted to what it shares"
@@ -419,6 +430,19 @@ async fn fit_fork_memory(
         }
         Err(error) => tracing::warn!(pid, %error, "a fork's memory limits stay as they were"),
     }
+}
+
+/// The minor page faults of process `pid` (its threads' together: `minflt`, the tenth field
+/// of `/proc/<pid>/stat`, the eighth after the command name).
+fn minor_faults(pid: i32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let end = stat.iter().rposition(|&b| b == b')')?;
+    std::str::from_utf8(&stat[end + 1..])
+        .ok()?
+        .split_ascii_whitespace()
+        .nth(7)?
+        .parse()
+        .ok()
 }
 
 /// The part of the anonymous memory `pid` maps that is not charged to it because other
@@ -685,6 +709,17 @@ mod tests {
         drop(std::hint::black_box(block));
         let _ = std::fs::remove_file(fake);
         assert!(after >= 64 << 20 && after > before, "{before} -> {after}");
+    }
+
+    #[test]
+    fn minor_faults_are_read_past_the_command_name() {
+        let me = std::process::id() as i32;
+        let before = minor_faults(me).unwrap();
+        let block = std::hint::black_box(vec![1u8; 16 << 20]);
+        let after = minor_faults(me).unwrap();
+        drop(std::hint::black_box(block));
+        assert!(after >= before + 4000, "{before} -> {after}");
+        assert_eq!(minor_faults(i32::MAX), None);
     }
 
     #[test]
