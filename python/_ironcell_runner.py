@@ -772,7 +772,6 @@ def bind_session(env, scratch, packages_linked=True):
     session's installed packages into this worker's package directory. Called before its first
     cell."""
     import os
-    import tempfile
 
     old = os.environ.get("HOME")
     if old:  # first, so the /tmp guard (if any) lets the session use its renamed directory
@@ -780,7 +779,11 @@ def bind_session(env, scratch, packages_linked=True):
         _tmp_allowed[:] = [os.path.normpath(scratch) if a == old else a for a in _tmp_allowed]
     _set_environment(env, replace=False)
     os.chdir(scratch)
-    tempfile.tempdir = None
+    # Its cached directory is the old one; not imported yet, it has none (a fork's first
+    # result would wait for the import).
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile.tempdir = None
     if packages_linked:  # the package directory changed since the import system listed it
         import importlib
 

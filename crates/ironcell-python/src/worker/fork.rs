@@ -1,11 +1,12 @@
 //! Forking a live session (docs/ARCHITECTURE.md, "Forking a session"; SECURITY.md #193-#199).
 //!
 //! The host sends `fork` between cells, with the new session's socket attached. The worker (A)
-//! forks twice, A → M → B, and M exits at once: B is orphaned, and the zygote, the child
-//! subreaper, adopts it, so B is the zygote's child like any worker (the zygote reaps it and
-//! reports its exit) and outlives A. glibc's `fork` takes the allocator's locks around each
-//! fork, and A holds its own (pump, socket, inbox) across it, so B's copy of A's heap is
-//! consistent although A has other threads; Python's are handled by `PyOS_*Fork*`.
+//! makes a middle process M with `vfork` (it shares A's memory), M makes B with glibc's `fork`
+//! and exits at once: B is orphaned, and the zygote, the child subreaper, adopts it, so B is
+//! the zygote's child like any worker (the zygote reaps it and reports its exit) and outlives
+//! A. glibc's `fork` takes the allocator's locks around the fork, and A holds its own (pump,
+//! socket, inbox) across it, so B's copy of A's heap is consistent although A has other
+//! threads; Python's are handled by `PyOS_*Fork*`.
 //!
 //! B then, while it has one thread and before any Python runs in it:
 //! 1. puts its own socket on fd 3, leaves A's process group (`setpgid(0, 0)`), waits to be
@@ -92,23 +93,16 @@ pub(super) fn fork_session(
         None => return answer(writer, Some("this worker cannot fork".into())),
     };
     let started = std::time::Instant::now();
-    // Held across both forks: B's copies of these locks are then unlocked when B drops them.
+    // Held across the fork: B's copies of these locks are then unlocked when B drops them.
     let pump_held = pump.hold()?;
     let writer_held = crate::lock(writer);
     let inbox_held = inbox.hold();
     FORKING_A_SESSION.store(true, Ordering::Relaxed);
     // SAFETY: the GIL is held by this thread; PyOS_BeforeFork takes CPython's fork locks.
     unsafe { pyo3::ffi::PyOS_BeforeFork() };
-    // SAFETY: glibc's fork(2) (with its allocator locking); the child runs only the code below.
-    let middle = unsafe { libc::fork() };
+    // A: M's pid (or -1); B: 0. M, which shares A's memory, made B and ended.
+    let middle = fork_through_a_middle();
     if middle == 0 {
-        // M: fork B and end, so B is orphaned to the zygote (the subreaper).
-        // SAFETY: fork(2) in a single-threaded process.
-        let b = unsafe { libc::fork() };
-        if b != 0 {
-            // SAFETY: M ends at once, running nothing of the parent's.
-            unsafe { libc::_exit(if b > 0 { 0 } else { 1 }) };
-        }
         drop((pump_held, writer_held, inbox_held));
         let fds = (inbox.descriptors(), pump.descriptors());
         let socket_copy = fds.0[0];
@@ -161,6 +155,141 @@ pub(super) fn fork_session(
     // SAFETY: in A, after fork, with the GIL held.
     unsafe { pyo3::ffi::PyOS_AfterFork_Parent() };
     answer(writer, error)
+}
+
+/// Forks B through a middle process M that ends at once, so the zygote (the child subreaper)
+/// adopts B: returns M's pid (or -1) in A and 0 in B. M is a `vfork` child: it shares A's
+/// memory and runs glibc's `fork` on it (its at-fork handlers and allocator locks, as A's
+/// main thread would), so B is copied once and M's end frees nothing. Two plain forks copied
+/// A's page tables twice and tore M's copy down before B was adopted: with 512 MiB resident,
+/// ~25 ms each on this machine. Signals are blocked while M lives (it runs on A's stack).
+fn fork_through_a_middle() -> libc::pid_t {
+    let all = nix::sys::signal::SigSet::all();
+    let mut before = nix::sys::signal::SigSet::empty();
+    let _ = nix::sys::signal::pthread_sigmask(
+        nix::sys::signal::SigmaskHow::SIG_SETMASK,
+        Some(&all),
+        Some(&mut before),
+    );
+    let mut pid = vfork_then_fork();
+    if pid == -libc::ENOSYS || pid == -libc::EPERM {
+        pid = fork_twice();
+    } else if pid < 0 {
+        nix::errno::Errno::set_raw(-pid);
+        pid = -1;
+    }
+    if pid == 0 {
+        reregister_rseq();
+    }
+    let _ = nix::sys::signal::pthread_sigmask(
+        nix::sys::signal::SigmaskHow::SIG_SETMASK,
+        Some(&before),
+        None,
+    );
+    pid
+}
+
+/// Two plain forks (A → M → B, M exits at once): where `vfork` is not available.
+fn fork_twice() -> libc::pid_t {
+    // SAFETY: glibc's fork(2); the child runs only the code below.
+    let middle = unsafe { libc::fork() };
+    if middle == 0 {
+        // SAFETY: fork(2) in M, single-threaded.
+        let b = unsafe { libc::fork() };
+        if b != 0 {
+            // SAFETY: M ends at once, running nothing of the parent's.
+            unsafe { libc::_exit(if b > 0 { 0 } else { 1 }) };
+        }
+    }
+    middle
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" {
+    /// vfork(2), then in the child (M) glibc's fork(3) and exit_group: M's status is 0 once B is
+    /// made. Returns M's pid or -errno in A, 0 in B. In assembly: M runs on A's stack, below
+    /// the return address of this function, which it must not touch (a compiled caller of
+    /// vfork could keep a value in a stack slot M overwrites).
+    fn ironcell_vfork_then_fork() -> libc::c_long;
+}
+
+#[cfg(target_arch = "x86_64")]
+std::arch::global_asm!(
+    ".pushsection .text.ironcell_vfork_then_fork,\"ax\",@progbits",
+    ".globl ironcell_vfork_then_fork",
+    ".hidden ironcell_vfork_then_fork",
+    ".type ironcell_vfork_then_fork,@function",
+    "ironcell_vfork_then_fork:",
+    "mov eax, 58", // vfork: A waits here until M exits
+    "syscall",
+    "test rax, rax",
+    "jnz 2f",
+    // M: glibc's fork, with the stack aligned for a call below A's return address.
+    "sub rsp, 8",
+    "call {fork}@PLT",
+    "add rsp, 8",
+    "test eax, eax",
+    "jz 2f", // B returns 0
+    "xor edi, edi",
+    "test eax, eax",
+    "setl dil", // M: exit 1 if fork failed, else 0
+    "mov eax, 231", // exit_group
+    "syscall",
+    "ud2",
+    "2:",
+    "ret",
+    ".size ironcell_vfork_then_fork, .-ironcell_vfork_then_fork",
+    ".popsection",
+    fork = sym libc::fork,
+);
+
+#[cfg(target_arch = "x86_64")]
+fn vfork_then_fork() -> libc::pid_t {
+    // SAFETY: the routine above; in B it returns 0 like fork(2) in a child.
+    unsafe { ironcell_vfork_then_fork() as libc::pid_t }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn vfork_then_fork() -> libc::pid_t {
+    -libc::ENOSYS
+}
+
+/// In B: its thread's restartable-sequences area registered again. The kernel drops the
+/// registration of a `CLONE_VM` child (M), and B inherits M's, so glibc's (`__rseq_offset`
+/// from the thread pointer, `__rseq_size`) is registered anew, as glibc does for a thread.
+fn reregister_rseq() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let symbol = |name: &std::ffi::CStr| {
+            // SAFETY: dlsym(3) of one of glibc's exported variables (2.35 and later; else null).
+            unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }
+        };
+        let (offset, size) = (symbol(c"__rseq_offset"), symbol(c"__rseq_size"));
+        if offset.is_null() || size.is_null() {
+            return;
+        }
+        // SAFETY: glibc's `ptrdiff_t __rseq_offset`.
+        let offset = unsafe { *(offset as *const isize) };
+        // SAFETY: glibc's `unsigned int __rseq_size`.
+        let size = unsafe { *(size as *const u32) };
+        if size == 0 {
+            return;
+        }
+        let tp: usize;
+        // SAFETY: reads the thread pointer (the TCB's self pointer at %fs:0 on x86_64).
+        unsafe { std::arch::asm!("mov {}, fs:0", out(reg) tp, options(nostack, readonly)) };
+        const RSEQ_SIG: u32 = 0x5305_3053;
+        // SAFETY: rseq(2) registering this thread's area, which glibc laid out in its TCB.
+        unsafe {
+            libc::syscall(
+                libc::SYS_rseq,
+                tp.wrapping_add_signed(offset),
+                size.max(32),
+                0,
+                RSEQ_SIG,
+            )
+        };
+    }
 }
 
 /// A's side after the fork: reaps M, then keeps its directory and its next forks area and loses
@@ -351,16 +480,8 @@ fn replace_descriptors(
     drop((kick_r, kick_w));
     let mut reopened = 0;
     let mut closed = 0;
-    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-        .map(|(soft, _)| soft.min(1 << 16) as RawFd)
-        .unwrap_or(1024);
-    for fd in 3..limit {
+    for fd in open_descriptors_from(3) {
         if keep.contains(&fd) {
-            continue;
-        }
-        // SAFETY: fcntl(2) F_GETFD on a descriptor number: EBADF when none is open there.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        if flags < 0 {
             continue;
         }
         // SAFETY: fstat(2) into a zeroed stat buffer for an open descriptor.
@@ -387,6 +508,36 @@ fn replace_descriptors(
         closed += 1;
     }
     Ok((reopened, closed))
+}
+
+/// The descriptors open in this process from `first` up: one `poll` over every number below
+/// the descriptor limit, which marks the numbers with nothing open `POLLNVAL` (one call instead
+/// of one `fcntl` per number: 1,021 calls at the default limit).
+fn open_descriptors_from(first: RawFd) -> Vec<RawFd> {
+    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft.min(1 << 16) as RawFd)
+        .unwrap_or(1024);
+    let mut polled: Vec<libc::pollfd> = (first..limit)
+        .map(|fd| libc::pollfd {
+            fd,
+            events: 0,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: poll(2) over a buffer of `polled.len()` entries this function owns, no waiting.
+    let n = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 0) };
+    if n < 0 {
+        let open = |fd: RawFd| {
+            // SAFETY: fcntl(2) F_GETFD on a descriptor number: EBADF when none is open there.
+            unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
+        };
+        return (first..limit).filter(|&fd| open(fd)).collect();
+    }
+    polled
+        .iter()
+        .filter(|p| p.revents & libc::POLLNVAL == 0)
+        .map(|p| p.fd)
+        .collect()
 }
 
 /// Opens `path` as `fd` was opened (access mode, append), at the same offset, on `fd`'s number.

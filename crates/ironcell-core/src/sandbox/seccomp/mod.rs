@@ -248,6 +248,15 @@ const REFUSED_LEGACY: &[libc::c_long] = &[
 #[cfg(not(target_arch = "x86_64"))]
 const REFUSED_LEGACY: &[libc::c_long] = &[];
 
+#[cfg(target_arch = "x86_64")]
+fn is_vfork(nr: libc::c_long) -> bool {
+    nr == libc::SYS_vfork
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn is_vfork(_: libc::c_long) -> bool {
+    false
+}
+
 /// End the process: debugging, other processes' memory, kernel attack surface, namespaces,
 /// mounts, keys, modules.
 #[rustfmt::skip]
@@ -484,7 +493,17 @@ fn refusals(processes: Processes) -> Result<Rules, SeccompError> {
             .collect()
     };
     always(&mut rules, REFUSED);
-    always(&mut rules, REFUSED_LEGACY);
+    // `vfork` only where the worker may have children: a forked session is made through one
+    // (worker/fork.rs; SECURITY.md #233). Its child shares the caller's memory, not its thread
+    // group: the host sees it as the worker's child, as it sees a fork's.
+    let vfork_allowed =
+        |nr: &&libc::c_long| processes != Processes::WithChildren || !is_vfork(**nr);
+    let legacy: Vec<libc::c_long> = REFUSED_LEGACY
+        .iter()
+        .filter(vfork_allowed)
+        .copied()
+        .collect();
+    always(&mut rules, &legacy);
     // A process group of its own is refused, except `setpgid(0, 0)` where sessions may fork:
     // a forked session leaves its parent's group, so a kill of one group never ends the other
     // (SECURITY.md #194). A child that leaves its worker's group the same way is still its
@@ -1265,8 +1284,11 @@ mod tests {
             ok
         );
         #[cfg(target_arch = "x86_64")]
-        for n in [libc::SYS_fork, libc::SYS_vfork] {
-            assert_eq!(call(with, n, [0; 6]), eperm);
+        {
+            assert_eq!(call(with, libc::SYS_fork, [0; 6]), eperm);
+            // A forked session is made through vfork (worker/fork.rs): only with children.
+            assert_eq!(call(with, libc::SYS_vfork, [0; 6]), ok);
+            assert_eq!(call(alone, libc::SYS_vfork, [0; 6]), eperm);
         }
         for n in [libc::SYS_execve, libc::SYS_execveat, libc::SYS_setsid] {
             assert_eq!(call(with, n, [0; 6]), eperm, "{n}");
