@@ -15,7 +15,8 @@
 //!    which comes once A is narrowed and the host found nothing of A's code left running in A
 //!    (no thread or process it did not have at its `ready`: one would keep A's pre-fork
 //!    domain, which reaches B's directory; the socket closes instead and B ends);
-//! 2. copies A's files into its own directory (bytes: the filter lets no reflink through);
+//! 2. copies A's files into its own directory (`copy_file_range`: a reflink where the filesystem
+//!    can, an in-kernel copy elsewhere);
 //! 3. narrows its Landlock domain to its own directory and forks area (one layer, with the
 //!    signal scope: it cannot signal A);
 //! 4. puts its own pipes and wake-up pipe on the descriptor numbers A's objects use,
@@ -645,6 +646,10 @@ fn copy_tree(
     Ok(())
 }
 
+/// Copies one file: `copy_file_range`, which the kernel answers with a reflink where the
+/// filesystem can (it tries `remap_file_range` first: XFS, btrfs, bcachefs, NFS 4.2) and an
+/// in-kernel copy elsewhere; reads and writes where it refuses (across filesystems on older
+/// kernels, or a filesystem without it).
 fn copy_file(src: &Path, dst: &Path, mode: u32) -> anyhow::Result<()> {
     use std::io::{Read, Write};
     let from = nix::fcntl::open(
@@ -659,6 +664,35 @@ fn copy_file(src: &Path, dst: &Path, mode: u32) -> anyhow::Result<()> {
         Mode::from_bits_truncate(mode),
     )
     .with_context(|| format!("creating {}", dst.display()))?;
+    loop {
+        // SAFETY: copy_file_range(2) between two descriptors this function owns, at their own
+        // offsets (null pointers), which it advances.
+        let n = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                std::ptr::null_mut(),
+                to.as_raw_fd(),
+                std::ptr::null_mut(),
+                1 << 30,
+                0,
+            )
+        };
+        match n {
+            0 => return Ok(()),
+            n if n > 0 => {}
+            _ => match nix::errno::Errno::last() {
+                nix::errno::Errno::EINTR => {}
+                // Not here: the bytes instead, from where it stopped.
+                nix::errno::Errno::EXDEV
+                | nix::errno::Errno::EINVAL
+                | nix::errno::Errno::ENOSYS
+                | nix::errno::Errno::EOPNOTSUPP => break,
+                e => {
+                    return Err(e).with_context(|| format!("copying {}", src.display()));
+                }
+            },
+        }
+    }
     let mut from = std::fs::File::from(from);
     let mut to = std::fs::File::from(to);
     let mut buf = vec![0u8; 1 << 20];
