@@ -52,10 +52,14 @@ pub(super) struct Ordered {
     ordered_at: u64,
     started: Instant,
     answered_ms: f64,
+    /// Moves the fork's process (by the kernel's word) into its own pids group (as root).
+    grouping: Option<tokio::task::JoinHandle<Option<i32>>>,
     /// Keeps the orphan sweep off the fork until it is taken (or refused).
     _forking: NotForking,
     /// Ends the fork's process unless it is taken (SECURITY.md #225).
     ending: fork_guard::EndUnlessTaken,
+    /// Removes the fork's directories unless it is taken (after `ending`: its process first).
+    dirs: ForkDirs,
 }
 
 /// What a fork needs of its parent, read under the parent's lock.
@@ -168,15 +172,26 @@ impl SessionManager {
         format!("sessions cannot fork here: {why}")
     }
 
-    /// Refuses one more fork of `from`, whose worker holds `layers` Landlock layers.
-    pub(super) fn depth_refusal(from: &str, layers: u32) -> Option<String> {
+    /// Refuses one more fork of `from`, whose worker holds `layers` Landlock layers and has
+    /// `ancestors` sessions above it.
+    pub(super) fn depth_refusal(from: &str, layers: u32, ancestors: usize) -> Option<String> {
         (layers + 1 > MAX_FORK_LAYERS).then(|| {
-            format!(
-                "session {from:?} is {} forks deep; a line of forks holds at most {} (each fork \
-                 takes a Landlock layer on both sides, and the kernel allows 16)",
-                layers - 1,
-                MAX_FORK_LAYERS - 1
-            )
+            let most = MAX_FORK_LAYERS - 1;
+            let forks = layers - 1;
+            if forks as usize == ancestors {
+                format!(
+                    "session {from:?} is {forks} forks deep; a line of forks holds at most {most} \
+                     (each fork takes a Landlock layer on both sides, and the kernel allows 16)"
+                )
+            } else {
+                format!(
+                    "session {from:?} has taken part in {forks} forks (its own, and its \
+                     ancestors' before it was forked) and a session takes part in at most \
+                     {most}: each fork takes a Landlock layer from its parent as well as from the \
+                     fork, and the kernel allows 16; fork one of its forks instead, or reset it \
+                     for a fresh worker"
+                )
+            }
         })
     }
 
@@ -200,6 +215,7 @@ impl SessionManager {
         to: &str,
         cancel: &CancellationToken,
     ) -> Result<Ordered, RunRefusal> {
+        let started_at = Instant::now();
         let from = parent.name.as_str();
         let refuse = |why: String| Err(RunRefusal::Fork(why));
         let alive = state
@@ -214,7 +230,8 @@ impl SessionManager {
         let Some(forks_area) = worker.forks_area.clone() else {
             return refuse(self.cannot_fork_here());
         };
-        if let Some(why) = Self::depth_refusal(from, worker.landlock_layers) {
+        let ancestors = lock(&parent.lineage).len();
+        if let Some(why) = Self::depth_refusal(from, worker.landlock_layers, ancestors) {
             return refuse(why);
         }
         let Ok(slot) = self.session_slots.clone().try_acquire_owned() else {
@@ -231,8 +248,14 @@ impl SessionManager {
         self.fork_fits_on_disk(&p.dir)
             .await
             .map_err(RunRefusal::Fork)?;
+        let checked_ms = started_at.elapsed().as_secs_f64() * 1000.0;
         let (child_dir, child_forks, parent_forks) = make_fork_dirs(&p.forks_area, to)
             .map_err(|e| RunRefusal::Fork(format!("making the fork's directories: {e}")))?;
+        // From here on, a fork that is not made takes its directories with it.
+        let mut dirs = ForkDirs {
+            area: p.forks_area.clone(),
+            made: vec![child_dir.clone(), child_forks.clone(), parent_forks.clone()],
+        };
         let (host_sock, child_sock) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| RunRefusal::Fork(format!("making the fork's socket: {e}")))?;
         let order = ToWorker::Fork(frame::ForkOrder {
@@ -267,8 +290,12 @@ impl SessionManager {
         if worker.send_passing(body, Some(child_sock.into())).is_err() {
             return refuse(format!("session {from:?}'s worker is not reading"));
         }
+        let parent_ms;
         match parent_answer(worker).await {
             Ok(()) => {
+                parent_ms = started.elapsed().as_secs_f64() * 1000.0;
+                // The parent's next forks area now, made or not.
+                dirs.made.retain(|d| *d != parent_forks);
                 worker.forks_area = Some(parent_forks);
                 worker.landlock_layers = p.layers + 1;
             }
@@ -289,14 +316,24 @@ impl SessionManager {
         let (line, z, given_up) = (ending.line.clone(), zygote.clone(), ending.given_up.clone());
         let (from_name, own_tasks) = (from.to_string(), worker.own_tasks.clone());
         let parent_pid = p.pid;
+        let (sock, z2, line2) = (host_sock, zygote.clone(), line.clone());
+        let (host_sock, fork_pid) = blocking_unless_cancelled(cancel, move || {
+            read_byte(&sock, FORK_HELLO_TIMEOUT, "say it started")?;
+            Ok((sock, line2.fork_process(&z2)))
+        })
+        .await?;
+        let hello_ms = started.elapsed().as_secs_f64() * 1000.0;
+        // Its own pids group (as root), on a thread of its own while the host checks the parent
+        // and the fork sets itself up: moving a process waits for the kernel's cgroup lock
+        // (6-24 ms measured at a busy hour), which then no longer adds to the first result.
+        // Chosen by the kernel's word; `finish_fork` waits for it and checks it is the process
+        // that says ready.
+        let grouping = fork_pid.map(|pid| {
+            let group = self.pids_group();
+            tokio::task::spawn_blocking(move || group.is_none_or(|g| g.move_in(pid)).then_some(pid))
+        });
         let host_sock = blocking_unless_cancelled(cancel, move || {
-            read_byte(&host_sock, FORK_HELLO_TIMEOUT, "say it started")?;
-            line.check_parent(
-                &from_name,
-                parent_pid,
-                own_tasks.as_ref(),
-                &fork_guard::live_pids(&z),
-            )?;
+            line.check_parent(&from_name, parent_pid, own_tasks.as_ref(), &z)?;
             if given_up.load(Ordering::SeqCst) {
                 return Err("the fork was given up".to_string());
             }
@@ -306,6 +343,13 @@ impl SessionManager {
             Ok(host_sock)
         })
         .await?;
+        tracing::debug!(
+            checked_ms,
+            parent_ms,
+            hello_ms,
+            go_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "a fork's go-ahead"
+        );
         let mut lineage = vec![from.to_string()];
         lineage.extend(p.lineage);
         Ok(Ordered {
@@ -321,8 +365,10 @@ impl SessionManager {
             ordered_at,
             started,
             answered_ms: started.elapsed().as_secs_f64() * 1000.0,
+            grouping,
             _forking: forking,
             ending,
+            dirs,
         })
     }
 
@@ -347,16 +393,21 @@ impl SessionManager {
         let ready_ms = o.started.elapsed().as_secs_f64() * 1000.0;
         let pidfd =
             verified_fork(pid, o.lineage_sid, o.ordered_at, &zygote).map_err(RunRefusal::Fork)?;
+        let verified_ms = o.started.elapsed().as_secs_f64() * 1000.0;
         let (process, exit) = zygote
             .adopt(pid, pidfd)
             .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
-        if let Some(parent_dir) = &self.sandbox.pids_cgroup_parent {
-            let max = self.sandbox.policy.limits.threads.saturating_add(1);
-            if let Err(e) = crate::sandbox::cgroup::move_into_new_pids_group(parent_dir, pid, max) {
-                tracing::warn!(pid, error = %e, "a fork stays in its parent's pids group");
-            }
+        let grouped = match o.grouping {
+            Some(moving) => moving.await.ok().flatten(),
+            None => None,
+        };
+        if grouped != Some(pid)
+            && let Some(group) = self.pids_group()
+        {
+            group.move_in(pid);
         }
         resident::fit_fork_memory_at_ready(pid, &self.sandbox).await;
+        let grouped_ms = o.started.elapsed().as_secs_f64() * 1000.0;
         let spawned = crate::zygote::SpawnedWorker {
             process,
             socket: host_sock,
@@ -365,6 +416,8 @@ impl SessionManager {
         let mut live = LiveWorker::new(spawned, o.slot, budget)
             .map_err(|e| RunRefusal::Fork(format!("taking the fork: {e}")))?;
         o.ending.taken();
+        let mut dirs = o.dirs;
+        dirs.made.clear();
         live.own_tasks = Some(fork_guard::tasks_of(pid));
         live.forks_area = Some(o.child_forks);
         live.landlock_layers = o.layers;
@@ -392,10 +445,19 @@ impl SessionManager {
             pid,
             answered_ms = o.answered_ms,
             ready_ms,
+            verified_ms,
+            grouped_ms,
             taken_ms = o.started.elapsed().as_secs_f64() * 1000.0,
             "session forked"
         );
         Ok(session)
+    }
+
+    /// Where a fork's own pids group is made (as root), with its cap.
+    fn pids_group(&self) -> Option<PidsGroup> {
+        let parent = self.sandbox.pids_cgroup_parent.clone()?;
+        let max = self.sandbox.policy.limits.threads.saturating_add(1);
+        Some(PidsGroup { parent, max })
     }
 
     /// Refuses a fork whose copy of `dir` would not fit the scratch quota or the disk.
@@ -428,6 +490,56 @@ impl SessionManager {
             ));
         }
         Ok(())
+    }
+}
+
+/// The directories made for a fork in its parent's forks area (`area`, 0555), removed when it
+/// is dropped: a fork refused or given up on leaves nothing behind (dropped after the fork's
+/// process was killed, which may still be writing into its directory for a moment: retried).
+struct ForkDirs {
+    area: PathBuf,
+    made: Vec<PathBuf>,
+}
+
+impl Drop for ForkDirs {
+    fn drop(&mut self) {
+        if self.made.is_empty() {
+            return;
+        }
+        // A user's host cannot unlink in its 0555 area: writable for the moment it takes.
+        let _ = std::fs::set_permissions(&self.area, std::fs::Permissions::from_mode(0o755));
+        for dir in &self.made {
+            for attempt in 0..3 {
+                host_fs::remove_tree(dir);
+                if std::fs::symlink_metadata(dir).is_err() {
+                    break;
+                }
+                if attempt < 2 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        let _ = std::fs::set_permissions(&self.area, std::fs::Permissions::from_mode(0o555));
+    }
+}
+
+/// A fork's own pids group: made in `parent`, capped at `max` tasks.
+struct PidsGroup {
+    parent: PathBuf,
+    max: u64,
+}
+
+impl PidsGroup {
+    /// Moves process `pid` into a new group of its own; false (logged) if it could not.
+    fn move_in(&self, pid: i32) -> bool {
+        let moved = crate::sandbox::cgroup::move_into_new_pids_group(&self.parent, pid, self.max);
+        if let Err(e) = &moved {
+            // Gone already (a refused fork): its exit may have been reported before the group
+            // was made, which is then removed here.
+            crate::sandbox::cgroup::remove_group_of(&self.parent, pid);
+            tracing::warn!(pid, error = %e, "a fork stays in its parent's pids group");
+        }
+        moved.is_ok()
     }
 }
 

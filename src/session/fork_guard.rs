@@ -86,8 +86,13 @@ impl Line {
     /// worker nor in a worker's group. `with_socket`: those holding this fork's socket;
     /// otherwise those holding no socket of a fork under way (another fork of the line is one).
     /// A process whose descriptors cannot be read is in both.
-    fn strays(&self, live: &[i32], with_socket: bool) -> Vec<i32> {
+    fn strays(&self, zygote: &Zygote, with_socket: bool) -> Vec<i32> {
+        // The forks under way first, then the live workers: a fork is listed live before it
+        // leaves the forks under way, so it is always in one of the two. Read the other way
+        // round, a fork taken between the reads was in neither, and a fork of another parent
+        // of the line was refused for it ("1 child process").
         let under_way = crate::lock(&UNDER_WAY).clone();
+        let live = &live_pids(zygote)[..];
         descendants_to_depth(self.zygote, 1)
             .into_iter()
             .filter(|&p| !live.contains(&p) && alive(p))
@@ -111,7 +116,7 @@ impl Line {
         session: &str,
         pid: i32,
         own: Option<&Tasks>,
-        live: &[i32],
+        zygote: &Zygote,
     ) -> Result<(), String> {
         let Some(own) = own else {
             return Err(format!(
@@ -125,8 +130,8 @@ impl Line {
             .collect();
         // B is in its own group by now (it said so), so only one process may hold its socket.
         let mut children: Vec<i32> = session_children(pid, self.zygote);
-        children.extend(self.strays(live, false));
-        children.extend(self.strays(live, true).into_iter().skip(1));
+        children.extend(self.strays(zygote, false));
+        children.extend(self.strays(zygote, true).into_iter().skip(1));
         children.retain(|&c| alive(c));
         children.sort_unstable();
         children.dedup();
@@ -176,10 +181,20 @@ impl Line {
         ))
     }
 
+    /// The fork's process, by the kernel's word (the one zygote's child of this line, outside
+    /// every live worker's group, holding the fork's socket), once it said it left the
+    /// parent's group; `None` unless there is exactly one.
+    pub(super) fn fork_process(&self, zygote: &Zygote) -> Option<i32> {
+        match self.strays(zygote, true)[..] {
+            [pid] => Some(pid),
+            _ => None,
+        }
+    }
+
     /// SIGKILLs the fork's process and its group: the zygote's children in this line, outside
     /// every live worker's group, that hold the fork's socket. Returns how many it signalled.
-    pub(super) fn end_fork(&self, live: &[i32]) -> usize {
-        let found = self.strays(live, true);
+    pub(super) fn end_fork(&self, zygote: &Zygote) -> usize {
+        let found = self.strays(zygote, true);
         for &pid in &found {
             let leads = stat_fields(pid).and_then(|f| f.get(2)?.parse::<i32>().ok()) == Some(pid);
             if leads {
@@ -264,7 +279,7 @@ impl Drop for EndUnlessTaken {
         drop(under_way);
         if self.armed {
             self.given_up.store(true, Ordering::SeqCst);
-            let ended = self.line.end_fork(&live_pids(&self.zygote));
+            let ended = self.line.end_fork(&self.zygote);
             tracing::debug!(ended, "a fork the host gave up on was killed");
         }
     }

@@ -48,7 +48,8 @@ impl SessionManager {
             let mut queued = lock(&parent.queued_forks);
             // Each fork of this run takes one more layer and one more slot.
             let ahead = queued.len() as u32;
-            if let Some(why) = Self::depth_refusal(from, layers + ahead) {
+            let ancestors = lock(&parent.lineage).len();
+            if let Some(why) = Self::depth_refusal(from, layers + ahead, ancestors) {
                 return Err(refused(format!("cannot fork: {why}")));
             }
             if self.session_slots.available_permits() <= ahead as usize {

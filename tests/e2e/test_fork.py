@@ -7,12 +7,17 @@ Attacked from inside both sides, as root and as `nobody`."""
 from __future__ import annotations
 
 import ast
+import glob
 import json
+import os
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive, wait_until
+from conftest import pid_alive, shared_tmp_dir, wait_until
 from test_sandbox import USERS, Sandboxed
 
 
@@ -182,6 +187,110 @@ def test_forks_of_forks_work_to_the_stated_depth_then_are_refused_with_the_reaso
     # A session forks more than once; each fork is a sibling of the others.
     fork(box, "f0", "g1")
     assert value(box.run("depth", session="g1")) == 0
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_session_that_forked_eleven_times_is_told_its_siblings_took_its_layers(user):
+    b = Sandboxed(user, IRONCELL_MAX_SESSIONS="16")
+    try:
+        if not b.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
+            pytest.skip("sessions cannot fork here")
+        value(b.run("seed = 'S'", session="sib"))
+        for i in range(11):
+            assert not fork(b, "sib", f"sib{i}")["isError"], i
+        text = fork(b, "sib", "sib11")["content"][0]["text"]
+        # Siblings, not a line: the message says each fork takes a layer from the parent too.
+        assert "forks deep" not in text and "has taken part in 11 forks" in text, text
+        assert "from its parent as well as from the fork" in text and "fork one of its forks" in text, text
+        # As it says: a fork of it still has layers left.
+        assert value(fork(b, "sib0", "sib0-kid", "seed")["structuredContent"]) == "S"
+    finally:
+        b.close()
+
+
+def test_a_refused_fork_leaves_no_directories_behind(box):
+    state = box.dir / "state"
+
+    def fork_dirs(name: str) -> list[str]:
+        return glob.glob(f"{state}/**/{name}-*", recursive=True)
+
+    def nested_areas() -> set[str]:
+        # A fork's own forks area: `@forks-<16 hex digits>` inside its parent's area.
+        return {p for p in glob.glob(f"{state}/**/@forks-*/@forks-*", recursive=True)
+                if len(Path(p).name) == len("@forks-") + 16}
+
+    value(box.run("import threading\nheld = threading.Event()\n"
+                  "threading.Thread(target=held.wait, daemon=True).start()", session="leaves"))
+    before = nested_areas()
+    # Refused after its directories were made: the parent runs a thread of its own (#226).
+    r = fork(box, "leaves", "leaves-kid")
+    assert r["isError"] and "thread" in r["content"][0]["text"], r
+    assert fork_dirs("leaves-kid") == [] and nested_areas() == before, (fork_dirs("leaves-kid"), nested_areas() - before)
+    value(box.run("held.set()", session="leaves"))
+    assert wait_until(lambda: not fork(box, "leaves", "leaves-kid2")["isError"], timeout=10)
+    assert len(fork_dirs("leaves-kid2")) == 1
+
+
+@pytest.fixture(scope="module")
+def xfs_base():
+    """A loop-mounted XFS image (reflink on, mkfs.xfs's default) to hold a server's state
+    directory; skipped where it cannot be made (no mkfs.xfs, not root, no loop devices). Its
+    preallocation past the end of a file being written is fixed at 64 KiB: XFS's default grows
+    with the file, and the quota counts blocks."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.xfs"):
+        pytest.skip("a loop-mounted XFS needs root and mkfs.xfs (scripts/install_test_peers.sh)")
+    work = Path(shared_tmp_dir())
+    image, mnt = work / "xfs.img", work / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(1 << 30)
+    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True, text=True)
+    mounted = made.returncode == 0 and subprocess.run(
+        ["mount", "-o", "loop,allocsize=64k", str(image), str(mnt)], capture_output=True, text=True)
+    if not mounted or mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an XFS image here: {(made.stderr or getattr(mounted, 'stderr', ''))[:200]}")
+    mnt.chmod(0o777)
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_forks_files_are_reflinked_where_the_filesystem_can_and_count_against_its_quota(user, xfs_base):
+    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
+    assert "scratch_quota_mib = 1024" in policy
+    pfile = Path(shared_tmp_dir()) / "policy.toml"
+    pfile.write_text(policy.replace("scratch_quota_mib = 1024", "scratch_quota_mib = 128"))
+    pfile.chmod(0o644)
+    b = Sandboxed(user, base=xfs_base, IRONCELL_POLICY=str(pfile), IRONCELL_MAX_SESSIONS="8",
+                  IRONCELL_MIN_FREE_DISK="32m")
+    try:
+        if not b.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
+            pytest.skip("sessions cannot fork here")
+        digest = value(b.run(
+            "import hashlib\ndata = os.urandom(64 << 20)\n"
+            "with open('big.bin', 'wb') as f:\n    f.write(data)\n    os.fsync(f.fileno())\n"
+            "hashlib.sha256(data).hexdigest()", session="rp"))
+        free = os.statvfs(xfs_base)
+        r = fork(b, "rp", "rk", "import hashlib\n(hashlib.sha256(open('big.bin', 'rb').read()).hexdigest(), os.getcwd())")
+        got, kid_dir = value(r["structuredContent"])
+        assert got == digest
+        after = os.statvfs(xfs_base)
+        # A reflink: the copy's extents are the parent's (filefrag's `shared`), and the disk did
+        # not pay for 64 MiB again.
+        used = (free.f_bfree - after.f_bfree) * free.f_frsize
+        assert used < 16 << 20, used
+        frag = subprocess.run(["filefrag", "-v", f"{kid_dir}/big.bin"], capture_output=True, text=True).stdout
+        assert "shared" in frag, frag
+        # Each side writes its own blocks from then on.
+        value(b.run("open('big.bin', 'r+b').write(b'kid')", session="rk"))
+        assert value(b.run("open('big.bin', 'rb').read(3)", session="rp")) != b"kid"
+        # The copy still counts against the fork's quota: 64 MiB copied + 72 MiB written pass 128.
+        rec = b.run("import time\nfor i in range(72):\n    open(f'more{i}', 'wb').write(os.urandom(1 << 20))\n"
+                    "time.sleep(5)", session="rk")
+        assert rec["status"] == "scratch_quota", rec
+        assert value(b.run("os.path.getsize('big.bin')", session="rp")) == 64 << 20
+    finally:
+        b.close()
 
 
 def test_refusals_say_why(box):
