@@ -343,6 +343,9 @@ fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
     };
     let (mut bytes, mut threads) = own?;
     for &child in children {
+        if runs_in_the_memory_of(pid, child) {
+            continue; // counted with the worker's own
+        }
         if let Some((b, t)) = child_holds(child) {
             bytes = bytes.saturating_add(b);
             threads = threads.saturating_add(t);
@@ -456,6 +459,16 @@ fn shared_bytes(pid: i32) -> Option<u64> {
         .unwrap_or(0)
         .saturating_sub(kib(b"SwapPss").unwrap_or(0));
     Some((resident + swapped) << 10)
+}
+
+/// Whether process `child` runs in process `pid`'s memory (a `vfork` child: a fork's middle
+/// process, SECURITY.md #233), by `kcmp(KCMP_VM)`: its `smaps_rollup` is the worker's own, which
+/// would count twice (a parent holding 400 of 500 MiB was killed mid-fork). Where the kernel
+/// does not say (no `kcmp`, or a worker the host may not inspect), it counts as any child.
+fn runs_in_the_memory_of(pid: i32, child: i32) -> bool {
+    const KCMP_VM: libc::c_long = 1;
+    // SAFETY: kcmp(2) with integer arguments only.
+    unsafe { libc::syscall(libc::SYS_kcmp, pid, child, KCMP_VM, 0, 0) == 0 }
 }
 
 /// The `Threads:` count of a `/proc/<pid>/status` text.
