@@ -200,12 +200,11 @@ int(os.read(r, 64))
     assert wait_until(lambda: epoll(box)["held"] <= before, timeout=30), epoll(box)
 
 
-@pytest.mark.xfail(strict=True, reason="the fork closes descriptors only below its soft RLIMIT_NOFILE (SECURITY.md #250)")
 def test_250_the_parents_epoll_instance_and_pipe_above_a_lowered_descriptor_limit_do_not_reach_the_fork(box):
     # The parent puts an epoll instance and a pipe's write end at 900 and 901, then lowers its
-    # soft RLIMIT_NOFILE to 64: the fork closes what it inherited only below that limit, so it
-    # kept both, and could add watches its share counts to an instance the parent holds on
-    # after the fork ends, and write to the parent's pipe.
+    # soft RLIMIT_NOFILE to 64 to hide them from the fork's scan below that limit: had the
+    # fork kept them, it could add watches its share counts to an instance the parent holds on
+    # after the fork ends, and write to the parent's pipe. Neither may reach it.
     value(box.run(
         "import resource, select\ne = select.epoll()\nr, w = os.pipe()\nos.dup2(e.fileno(), 900)\n"
         "os.dup2(w, 901)\nresource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))",

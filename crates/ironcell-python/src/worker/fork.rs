@@ -508,16 +508,53 @@ fn replace_descriptors(
         unsafe { libc::close(fd) };
         closed += 1;
     }
+    closed += close_above_the_limit(keep);
     Ok((reopened, closed))
+}
+
+/// Closes every descriptor from the polled range's end ([`descriptor_limit`]) up but those in
+/// `keep` (SECURITY.md #250): A could lower its soft `RLIMIT_NOFILE` before the fork to hide
+/// descriptors above it (an epoll instance, a pipe into A) from the poll. Returns how many.
+fn close_above_the_limit(keep: &[RawFd]) -> usize {
+    let first = descriptor_limit();
+    let mut kept: Vec<RawFd> = keep.iter().copied().filter(|&fd| fd >= first).collect();
+    kept.sort_unstable();
+    kept.dedup();
+    // Counted for the note with one poll up to the hard limit (no descriptor can be above it).
+    let hard = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(_, hard)| hard.min(1 << 16) as RawFd)
+        .unwrap_or(first);
+    let closed = open_descriptors_in(first, hard)
+        .into_iter()
+        .filter(|fd| !kept.contains(fd))
+        .count();
+    let mut from = first as u32;
+    for end in kept.into_iter().map(|fd| fd as u32).chain([u32::MAX]) {
+        if end > from {
+            // SAFETY: close_range(2) over numbers this process does not keep.
+            unsafe { libc::syscall(libc::SYS_close_range, from, end - 1, 0u32) };
+        }
+        from = end.saturating_add(1);
+    }
+    closed
+}
+
+/// The end of the range [`open_descriptors_from`] polls: the soft `RLIMIT_NOFILE`, at most 65,536.
+fn descriptor_limit() -> RawFd {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(soft, _)| soft.min(1 << 16) as RawFd)
+        .unwrap_or(1024)
 }
 
 /// The descriptors open in this process from `first` up: one `poll` over every number below
 /// the descriptor limit, which marks the numbers with nothing open `POLLNVAL` (one call instead
 /// of one `fcntl` per number: 1,021 calls at the default limit).
 fn open_descriptors_from(first: RawFd) -> Vec<RawFd> {
-    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-        .map(|(soft, _)| soft.min(1 << 16) as RawFd)
-        .unwrap_or(1024);
+    open_descriptors_in(first, descriptor_limit())
+}
+
+/// The descriptors open in `first..limit`, found as [`open_descriptors_from`] finds them.
+fn open_descriptors_in(first: RawFd, limit: RawFd) -> Vec<RawFd> {
     let mut polled: Vec<libc::pollfd> = (first..limit)
         .map(|fd| libc::pollfd {
             fd,
