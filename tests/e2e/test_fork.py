@@ -238,7 +238,7 @@ def xfs_base():
     preallocation past the end of a file being written is fixed at 64 KiB: XFS's default grows
     with the file, and the quota counts blocks."""
     if os.geteuid() != 0 or not shutil.which("mkfs.xfs"):
-        pytest.skip("a loop-mounted XFS needs root and mkfs.xfs (scripts/install_test_peers.sh)")
+        pytest.skip("a loop-mounted XFS needs root and mkfs.xfs (apt-get install xfsprogs, as .ci/run does)")
     work = Path(shared_tmp_dir())
     image, mnt = work / "xfs.img", work / "mnt"
     mnt.mkdir()
