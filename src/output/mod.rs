@@ -246,11 +246,7 @@ impl RunRecord {
 /// read as bytes.
 pub fn data_segment_bytes(pid: i32) -> Option<u64> {
     let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
-    status.split(|&b| b == b'\n').find_map(|line| {
-        let rest = line.strip_prefix(b"VmData:")?;
-        let kb = std::str::from_utf8(rest).ok()?.trim().strip_suffix("kB")?;
-        kb.trim().parse::<u64>().ok().map(|k| k << 10)
-    })
+    crate::sandbox::rlimits::status_kib(&status, b"VmData").map(|k| k << 10)
 }
 
 fn truncation_line(stream: &str, t: &Truncation) -> String {

@@ -315,13 +315,7 @@ fn child_holds(pid: i32) -> Option<(u64, u64)> {
     let Some(rollup) = rollup_of(pid) else {
         return Some((full, threads));
     };
-    let field = |text: &[u8], name: &[u8]| -> Option<u64> {
-        text.split(|&b| b == b'\n').find_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix(b":")?;
-            let text = std::str::from_utf8(rest).ok()?;
-            text.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
-        })
-    };
+    let field = crate::sandbox::rlimits::status_kib;
     let Some(pss) = field(&rollup, b"Pss_Anon") else {
         return Some((full, threads));
     };
@@ -484,13 +478,7 @@ fn threads_in(status: &[u8]) -> Option<u64> {
 /// counting them: 4 KiB mappings 1 GiB apart need a page-table page each (#128: ~0.5 GB per
 /// session); an honest worker's are a few MiB.
 fn anonymous_bytes_in(status: &[u8]) -> Option<u64> {
-    let field = |name: &[u8]| {
-        status.split(|&b| b == b'\n').find_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix(b":")?;
-            let text = std::str::from_utf8(rest).ok()?;
-            text.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
-        })
-    };
+    let field = |name: &[u8]| crate::sandbox::rlimits::status_kib(status, name);
     let resident = field(b"RssAnon")?;
     let extra = field(b"VmSwap").unwrap_or(0) + field(b"VmPTE").unwrap_or(0);
     Some((resident + extra) << 10)

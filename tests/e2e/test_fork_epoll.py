@@ -7,11 +7,12 @@ sandbox, as root and as `nobody`."""
 
 from __future__ import annotations
 
-import pytest
-
 from conftest import pid_alive, wait_until
+import test_fork
 from test_fork import fork, value
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import Sandboxed
+
+box = test_fork.box  # the fixture: a server whose sessions may fork, root and nobody
 
 # Defined in a session before it forks, so its forks have it too. The gate counts every
 # EPOLL_CTL_ADD, whether or not it succeeds, so adding one descriptor again and again (EEXIST)
@@ -62,19 +63,15 @@ def in_child(n, leave_group=False, grandchild=False):
 '''
 
 
-@pytest.fixture(scope="module", params=USERS)
-def box(request):
-    b = Sandboxed(request.param, IRONCELL_MAX_SESSIONS="40")
-    status = b.srv.info()["sandbox"]["child_processes"]
-    if not status.startswith("allowed"):
-        b.close()
-        pytest.skip(f"sessions cannot fork on this host: {status}")
-    yield b
-    b.close()
-
-
 def epoll(b: Sandboxed) -> dict:
     return b.srv.info()["sandbox"]["epoll_watches"]
+
+
+def reset_and_wait(box, before, *sessions):
+    """Resets `sessions` and waits until the server holds no more watches than `before`."""
+    for s in sessions:
+        box.srv.call("1", session=s, reset=True)
+    assert wait_until(lambda: epoll(box)["held"] <= before, timeout=30), epoll(box)
 
 
 def test_245_a_fork_and_its_parent_each_have_a_share_neither_can_take_from_the_other(box):
@@ -92,9 +89,7 @@ def test_245_a_fork_and_its_parent_each_have_a_share_neither_can_take_from_the_o
     assert value(box.run(f"add({share} + 10)", session="ep-c")) == (share, "ENOSPC")
     # No more than one share each, all of them counted against the server's.
     assert epoll(box)["held"] - before == 4 * share
-    for s in ("ep-a", "ep-b", "ep-bb", "ep-c"):
-        box.srv.call("1", session=s, reset=True)
-    assert wait_until(lambda: epoll(box)["held"] <= before, timeout=30), epoll(box)
+    reset_and_wait(box, before, "ep-a", "ep-b", "ep-bb", "ep-c")
 
 
 def test_246_a_forks_children_count_against_the_fork_and_unmapped_callers_are_refused(box):
@@ -114,9 +109,7 @@ def test_246_a_forks_children_count_against_the_fork_and_unmapped_callers_are_re
     # The parent's share is whole: its forks' children took none of it.
     assert value(box.run(f"add({share} + 1)", session="ch-a")) == (share, "ENOSPC")
     assert epoll(box)["held"] - before == 3 * share
-    for s in ("ch-a", "ch-b", "ch-c"):
-        box.srv.call("1", session=s, reset=True)
-    assert wait_until(lambda: epoll(box)["held"] <= before, timeout=30), epoll(box)
+    reset_and_wait(box, before, "ch-a", "ch-b", "ch-c")
 
 
 def test_247_a_forks_share_comes_back_when_it_ends_and_its_parents_stays(box):
@@ -144,9 +137,7 @@ def test_247_a_forks_share_comes_back_when_it_ends_and_its_parents_stays(box):
     assert value(box.run(f"add({share})", session="end-grand")) == (share - 50, "ENOSPC")
     fork(box, "end-a", "end-new")
     assert value(box.run(f"add({share} + 1)", session="end-new")) == (share, "ENOSPC")
-    for s in ("end-a", "end-grand", "end-new", "end-reset", "end-killed", "end-timeout"):
-        box.srv.call("1", session=s, reset=True)
-    assert wait_until(lambda: epoll(box)["held"] <= before, timeout=30), epoll(box)
+    reset_and_wait(box, before, "end-a", "end-grand", "end-new", "end-reset", "end-killed", "end-timeout")
 
 
 def test_248_a_forks_share_is_kept_while_a_process_it_left_behind_lives(box):
