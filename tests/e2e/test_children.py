@@ -225,7 +225,10 @@ RAW_FORK = (
     "r = libc.syscall(nr, 17, 0, 0, 0, 0)  # clone(SIGCHLD): a plain fork, without libc's wrapper\n"
     "if r == 0:\n    os._exit(0)\n"
     "clone3 = libc.syscall(435, 0, 0)\n"
-    "(r, ctypes.get_errno(), clone3)"
+    "e = ctypes.get_errno()\n"
+    "# vfork (x86_64 only), let through only where children are (SECURITY.md #233): refused here\n"
+    "vf = libc.syscall(58) if platform.machine() == 'x86_64' else -1\n"
+    "(r, e, clone3, vf)"
 )
 
 
@@ -244,8 +247,8 @@ def test_below_landlock_abi_6_children_are_refused_and_the_note_says_why(user, a
         assert "refused a child process" in notes and f"ABI {abi}" in notes, rec
         raw = b.run(RAW_FORK, session="raw")
         assert raw["status"] == "ok", raw
-        r, errno_, clone3 = ast.literal_eval(raw["result"])
-        assert r == -1 and errno_ in (1, 38) and clone3 == -1, raw  # EPERM or ENOSYS
+        r, errno_, clone3, vfork = ast.literal_eval(raw["result"])
+        assert r == -1 and errno_ in (1, 38) and clone3 == -1 and vfork == -1, raw  # EPERM or ENOSYS
         # The pid rules there still let the worker name itself.
         assert b.outcome("os.getsid(os.getpid()) == os.getpid()") == "ok:True"
     finally:
