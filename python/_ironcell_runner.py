@@ -423,7 +423,7 @@ def _warm_worker_paths(rounds=1):
         # names from the zygote's other lookups; replacing one lowers the old name's refcount,
         # each in a page of its own (~33 pages per idle session on 3.11). Only on 3.11, where
         # it was measured to help: from 3.12 on, interned names are immortal (their refcounts
-        # are not written); on 3.9 and 3.10 it showed no gain (docs/ARCHITECTURE.md).
+        # are not written); on 3.9 and 3.10 it showed no gain (docs/PERFORMANCE.md).
         if sys.version_info[:2] == (3, 11):
             sys._clear_type_cache()
         for _ in range(rounds):

@@ -418,13 +418,13 @@ PLOT = ("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as p
 
 # The plot, counting the page faults it takes (its worker's own, from getrusage): unlike its
 # time, the count does not move with the machine's hour, and a new session's extra faults are
-# the copy-on-write and fresh pages its first plot pays for (docs/ARCHITECTURE.md).
+# the copy-on-write and fresh pages its first plot pays for (docs/PERFORMANCE.md).
 COUNTED_PLOT = ("import resource as _r\n_f0 = _r.getrusage(_r.RUSAGE_SELF).ru_minflt\n" + PLOT
                 + "_r.getrusage(_r.RUSAGE_SELF).ru_minflt - _f0\n")
 
 
 # Pages a new session's worker wrote ahead before its first plotting cell ran (not counted in
-# the cell's own faults; docs/ARCHITECTURE.md, "A first plot's pages written ahead"). 0 from a
+# the cell's own faults; docs/PERFORMANCE.md, "A first plot's pages written ahead"). 0 from a
 # binary without it.
 PAGES_AHEAD = ("import _ironcell_runner\n"
                "getattr(_ironcell_runner, '_plot_pages_ahead', [None, 0])[1]")

@@ -21,6 +21,7 @@
 //! - [`zygote`]: starting the zygote (the interpreter plus the embedded extension) and the
 //!   host's handle on it: spawn requests, exits, readiness.
 //! - [`server`]: the rmcp `ServerHandler`: the tools and the `system://info` resource.
+//! - [`run`]: what a run is asked (`RunRequest`), why it may be refused, what it reports.
 //! - [`stdio`]: the stdio transport: bounded lines, an answer for every malformed one.
 //! - [`http`]: `serve --http`: Streamable HTTP at `/mcp`, bearer-token authentication, and a
 //!   world of sessions per principal.
@@ -43,6 +44,7 @@
 //!   unpacked into a content-addressed store, linked read-only into the session's worker.
 //! - [`setup`]: `ironcell setup`, which writes or merges MCP client configs, and WSL2 detection.
 //! - [`doctor`]: `ironcell doctor`, which shows the interpreter and each sandbox layer.
+//! - [`demo`]: `ironcell demo`, a scripted MCP session against ironcell itself, for a person.
 //! - [`system_info`]: what `system://info` reports.
 //! - `python/`: the boot script, the cell runner and the in-sandbox `mcp` module, embedded.
 

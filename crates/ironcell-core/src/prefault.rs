@@ -6,7 +6,7 @@
 //! development machine, against ~160 faults for a plot in a warm session. Taking the same copies
 //! in one `madvise(MADV_POPULATE_WRITE)` per run of pages costs about a third of that per page
 //! (measured in a plain python3.11 forked from a warm parent: 3,600 pages in 12.8 ms ahead,
-//! against ~33 ms of extra plot time when faulted one by one; `docs/ARCHITECTURE.md`).
+//! against ~33 ms of extra plot time when faulted one by one).
 //!
 //! So once it has warmed matplotlib, the zygote forks a probe that draws the same figure and
 //! reports, from its own `/proc/self/pagemap`, which pages of its private writable mappings it

@@ -234,8 +234,8 @@ fn send_memory_counters() -> anyhow::Result<()> {
 }
 
 /// Long on purpose: the worker's setup steps 0b-6 in the order the lockdown needs them (each a
-/// few lines, numbered as in docs/ARCHITECTURE.md), then its serve loop; split up, that order
-/// would no longer be read in one place.
+/// few lines; docs/ARCHITECTURE.md, "The lockdown, in order", lists the same steps), then its
+/// serve loop; split up, that order would no longer be read in one place.
 fn serve_session(
     py: Python<'_>,
     spec: WorkerSpec,
