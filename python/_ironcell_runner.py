@@ -1266,7 +1266,9 @@ class _ImageScan:
         try:
             import _ironcell_bridge
 
-            answer = json.loads(_ironcell_bridge.request("files.changed", "{}"))
+            # Every bridge answer is `{"result": ...}` or `{"error": ...}` (ironcell-core's
+            # bridge.rs); an error, or an answer the host cannot vouch for, means scan.
+            answer = json.loads(_ironcell_bridge.request("files.changed", "{}")).get("result")
         except Exception:  # noqa: BLE001 - no host, an old host: scan instead
             return None
         if not isinstance(answer, dict) or answer.get("complete") is not True:
