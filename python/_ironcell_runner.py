@@ -129,10 +129,15 @@ def _utime_through_host():
 
                 import _ironcell_bridge
 
-                _ironcell_bridge.request("files.set_times", json.dumps(
-                    {"path": rel, "atime_ns": int(atime_ns), "mtime_ns": int(mtime_ns)}))
-            except Exception:  # noqa: BLE001 - the host refused or is not there: the refusal stands
+                answer = json.loads(_ironcell_bridge.request("files.set_times", json.dumps(
+                    {"path": rel, "atime_ns": int(atime_ns), "mtime_ns": int(mtime_ns)})))
+            except Exception:  # noqa: BLE001 - the host is not there: the refusal stands
                 raise refused from None
+            if not isinstance(answer, dict) or "result" not in answer:
+                # The host refused ({"error": ...}): so does utime, saying why.
+                why = (answer.get("error") or {}).get("message") if isinstance(answer, dict) else None
+                raise PermissionError(1, f"Operation not permitted ({why or 'refused by the host'})",
+                                      path) from None
             return None
 
     utime.__doc__ = real_utime.__doc__

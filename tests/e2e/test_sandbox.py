@@ -1298,20 +1298,27 @@ def test_202_the_host_sets_the_times_of_session_files_and_of_nothing_else(box):
         "import json, _ironcell_bridge\n"
         "open('mine', 'w').close()\n"
         "os.symlink(VICTIM, 'to-victim')\n"
+        "open('linked', 'w').close()\n"
+        "os.link('linked', 'twin')\n"
+        "os.mkdir('adir')\n"
         "def raw(path):\n"
         "    return outcome(lambda: _ironcell_bridge.request('files.set_times', json.dumps(\n"
         "        {'path': path, 'atime_ns': 5, 'mtime_ns': 5})))\n"
         "[outcome(lambda: os.utime('mine', (1e9, 2e9))), os.stat('mine').st_mtime,\n"
         " outcome(lambda: os.utime(os.path.abspath('mine'), ns=(7, 3_000_000_000))), os.stat('mine').st_mtime_ns,\n"
         " outcome(lambda: os.utime('to-victim', (5, 5))), outcome(lambda: os.utime(VICTIM, (5, 5))),\n"
-        " raw('to-victim')[:13], raw('../x')[:13], raw(VICTIM)[:13]]"
+        " raw('to-victim')[:13], raw('../x')[:13], raw(VICTIM)[:13],\n"
+        # What the host refuses, utime refuses too (it once returned as if it had set them).
+        " outcome(lambda: os.utime('linked', (5, 5))), os.stat('linked').st_mtime != 5,\n"
+        " outcome(lambda: os.utime('adir', (5, 5))), os.stat('adir').st_mtime != 5]"
     ).replace("VICTIM", repr(str(victim)))
     rec = box.run(code, session="times")
     assert rec["status"] == "ok", rec
     got = ast.literal_eval(rec["result"])
     assert got[:4] == ["ok:None", 2e9, "ok:None", 3_000_000_000], got
     assert got[4:6] == ["PermissionError:1"] * 2, got
-    assert all('{"error"' in r for r in got[6:]), got  # the host refuses each: symlink, `..`, absolute
+    assert all('{"error"' in r for r in got[6:9]), got  # the host refuses each: symlink, `..`, absolute
+    assert got[9:] == ["PermissionError:1", True] * 2, got  # a file with two names; a directory
     after = victim.stat()
     assert (after.st_mtime_ns, after.st_atime_ns) == (before.st_mtime_ns, before.st_atime_ns)
 
