@@ -195,13 +195,21 @@ pub(crate) fn kill_children_of(pid: i32, zygote: i32) {
     });
 }
 
-/// SIGKILLs the zygote's children that belong to no live worker: a session's child that left
-/// its worker's process group (`setpgid(0, 0)`, which forked sessions need: SECURITY.md #194)
-/// and was orphaned is adopted by the zygote outside every worker's group, where nothing would
-/// count or end it. Spared: the workers, the orphans of a live worker's group (counted as its),
-/// the zygote's own children before they made their session (its session) or right after (a
-/// session leader, not yet reported), and a fork under way (`fork::FORKING`).
-fn kill_escaped_orphans(zygote: &crate::zygote::Zygote) {
+/// The zygote's children that are not live workers (orphans it adopted, a fork under way, a
+/// worker before the host knew it), with their process groups; SIGKILLs on the way those that
+/// belong to no live worker: a session's child that left its worker's process group
+/// (`setpgid(0, 0)`, which forked sessions need: SECURITY.md #194) and was orphaned is adopted
+/// by the zygote outside every worker's group, where nothing would count or end it. Spared: the
+/// orphans of a live worker's group (counted as its), the zygote's own children before they
+/// made their session (its session) or right after (a session leader, not yet reported), and a
+/// fork under way (`fork::FORKING`).
+///
+/// The live workers themselves are not read: each leads its own group (a spawned worker calls
+/// `setsid`, a fork `setpgid(0, 0)` before it is adopted; a worker the host just learned of may
+/// still be in the zygote's), so none is in another's group, and each is watched as a worker.
+/// With 100 idle sessions, reading every child's `stat` here and again for the counting cost
+/// the host ~2% of a CPU.
+fn sweep_zygote_children(zygote: &crate::zygote::Zygote) -> Vec<(i32, Option<i32>)> {
     // Forks under way first, then the live workers: a fork is listed live before it leaves
     // `FORKING`, so it is always in one of the two.
     let forking = lock(&super::fork::FORKING).clone();
@@ -212,6 +220,7 @@ fn kill_escaped_orphans(zygote: &crate::zygote::Zygote) {
         .collect();
     let zygote = zygote.pid();
     let zygote_session = stat_fields(zygote).and_then(|f| f.get(3)?.parse::<i32>().ok());
+    let mut others = Vec::new();
     for child in descendants_to_depth(zygote, 1) {
         if live.contains(&child) {
             continue;
@@ -221,6 +230,7 @@ fn kill_escaped_orphans(zygote: &crate::zygote::Zygote) {
         };
         let field = |i: usize| fields.get(i).and_then(|f| f.parse::<i32>().ok());
         let (group, session) = (field(2), field(3));
+        others.push((child, group));
         let spared = group.is_some_and(|g| live.contains(&g))
             || session.is_none()
             || session == zygote_session
@@ -238,6 +248,25 @@ fn kill_escaped_orphans(zygote: &crate::zygote::Zygote) {
             );
         }
     }
+    others
+}
+
+/// Workers found without a process of their session at their last walk, with their CPU clock
+/// then (taken before the walk), by pid: a worker makes a process only by running (its process
+/// CPU clock moves), and no other process can join its group, so while its clock stands still
+/// it has none but the orphans of its group the zygote lists, and its children are not walked
+/// again. A walk reads `/proc/<pid>/task/*/children` of each of its threads: every 100 ms for
+/// every idle session, it was ~5% of a CPU with 100 sessions, taken from the calls of the
+/// moment.
+static CHILDLESS: LazyLock<Mutex<HashMap<i32, (WorkerProcess, WorkerMark)>>> =
+    LazyLock::new(Default::default);
+
+/// Whether `worker`, as `now` reads it, has not run since a walk found it without children.
+fn still_childless(worker: &WorkerProcess, now: Option<&WorkerMark>) -> bool {
+    let Some(now) = now else { return false };
+    lock(&CHILDLESS)
+        .get(&worker.pid())
+        .is_some_and(|(w, then)| w.is(worker) && now.unchanged_since(then))
 }
 
 /// Each worker's own `/proc/<pid>/smaps_rollup`, opened by the worker before its lockdown and
@@ -491,6 +520,65 @@ fn allowed_bytes(limit: u64, zygote_anonymous: u64) -> u64 {
         .saturating_add(zygote_anonymous)
 }
 
+/// One live worker in one look of the memory watch.
+struct Look {
+    worker: WorkerProcess,
+    /// Its own memory is due a reading (its clock moved, or a resync is due).
+    due: bool,
+    /// Its session's processes are to be listed (see [`CHILDLESS`]).
+    walk: bool,
+    /// Its CPU clock, read before anything else of it this look.
+    mark: Option<WorkerMark>,
+}
+
+/// The blocking part of one look: sweeps the zygote's children (where workers may have
+/// children), reads the zygote's own anonymous memory and what each worker whose [`Look`] says
+/// so holds with its session's processes; notes the workers found without any in [`CHILDLESS`].
+fn read_workers(
+    zygote: &crate::zygote::Zygote,
+    looks: Vec<Look>,
+    children_possible: bool,
+) -> (u64, Vec<(WorkerProcess, u64, u64)>) {
+    let others = if children_possible {
+        sweep_zygote_children(zygote)
+    } else {
+        Vec::new()
+    };
+    let base = anonymous_bytes(zygote.pid()).unwrap_or(0);
+    let mut childless = Vec::new();
+    let held = looks
+        .into_iter()
+        .filter_map(|look| {
+            let pid = look.worker.pid();
+            // An orphan in its group (its child's child, whose parent ended) is found without
+            // the worker running: it is walked then whatever its clock says.
+            let orphaned = others.iter().any(|&(_, group)| group == Some(pid));
+            let children = if look.walk || orphaned {
+                session_children_among(pid, &others)
+            } else {
+                Vec::new()
+            };
+            if look.walk || orphaned {
+                let mark = look.mark.filter(|_| children.is_empty());
+                childless.push((look.worker.clone(), mark));
+            }
+            if !look.due && children.is_empty() {
+                return None;
+            }
+            let (bytes, threads) = group_holds(pid, look.worker.is_forked(), &children)?;
+            Some((look.worker, bytes, threads))
+        })
+        .collect();
+    let mut known = lock(&CHILDLESS);
+    for (worker, mark) in childless {
+        match mark {
+            Some(mark) => known.insert(worker.pid(), (worker, mark)),
+            None => known.remove(&worker.pid()),
+        };
+    }
+    (base, held)
+}
+
 impl SessionManager {
     /// [`kill_children_of`] the worker `pid` of this manager's zygote.
     pub(super) fn kill_children_of(&self, pid: i32) {
@@ -509,7 +597,12 @@ impl SessionManager {
             return;
         };
         let live = zygote.live_workers();
-        let due: Vec<(WorkerProcess, bool)> = {
+        // Workers have children only where the sandbox lets them fork: elsewhere no walk (a
+        // thread storm's thousands of tasks would each be read every tick).
+        let tmp =
+            crate::sandbox::private_tmp::host_status(self.settings.private_tmp, self.state_dir());
+        let children_possible = self.sandbox.children(&tmp).is_ok();
+        let looks: Vec<Look> = {
             let mut marks = lock(&self.memory_marks);
             marks.retain(|pid, _| live.iter().any(|w| w.pid() == *pid));
             {
@@ -519,66 +612,43 @@ impl SessionManager {
                 let now = zygote.live_workers();
                 counters.retain(|pid, _| now.iter().any(|w| w.pid() == *pid));
                 fitted.retain(|pid, _| now.iter().any(|w| w.pid() == *pid && w.is_forked()));
+                lock(&CHILDLESS).retain(|_, (w, _)| now.iter().any(|n| n.is(w)));
             }
             live.into_iter()
                 .map(|worker| {
                     let pid = worker.pid();
                     // A clock that cannot be read is no reason to skip a live worker.
-                    let Some(now) = WorkerMark::now(pid) else {
-                        marks.remove(&pid);
-                        return (worker, true);
+                    let now = WorkerMark::now(pid);
+                    let due = match &now {
+                        None => {
+                            marks.remove(&pid);
+                            true
+                        }
+                        Some(now) => marks.get(&pid).is_none_or(|last| {
+                            !now.unchanged_since(last) || last.at.elapsed() >= RESYNC_EVERY
+                        }),
                     };
-                    let due = marks.get(&pid).is_none_or(|last| {
-                        !now.unchanged_since(last) || last.at.elapsed() >= RESYNC_EVERY
-                    });
-                    if due {
+                    if let (true, Some(now)) = (due, now) {
                         marks.insert(pid, now);
                     }
                     // A worker with children is read every tick: their work does not move its
                     // clock. Which ones have any is found on the blocking thread.
-                    (worker, due)
+                    Look {
+                        walk: children_possible && !still_childless(&worker, now.as_ref()),
+                        worker,
+                        due,
+                        mark: now,
+                    }
                 })
                 .collect()
         };
-        // Workers have children only where the sandbox lets them fork: elsewhere no walk (a
-        // thread storm's thousands of tasks would each be read every tick).
-        let tmp =
-            crate::sandbox::private_tmp::host_status(self.settings.private_tmp, self.state_dir());
-        let children_possible = self.sandbox.children(&tmp).is_ok();
-        if !children_possible && due.iter().all(|(_, d)| !d) {
+        if !children_possible && looks.iter().all(|l| !l.due) {
             return;
         }
-        let zygote_pid = zygote.pid();
         let sweep = zygote.clone();
-        let read = tokio::task::spawn_blocking(move || {
-            if children_possible {
-                kill_escaped_orphans(&sweep);
-            }
-            let base = anonymous_bytes(zygote_pid).unwrap_or(0);
-            let orphans = if children_possible {
-                zygote_children(zygote_pid)
-            } else {
-                Vec::new()
-            };
-            let held: Vec<(WorkerProcess, u64, u64)> = due
-                .into_iter()
-                .filter_map(|(worker, due)| {
-                    let children = if children_possible {
-                        session_children_among(worker.pid(), &orphans)
-                    } else {
-                        Vec::new()
-                    };
-                    if !due && children.is_empty() {
-                        return None;
-                    }
-                    let (bytes, threads) =
-                        group_holds(worker.pid(), worker.is_forked(), &children)?;
-                    Some((worker, bytes, threads))
-                })
-                .collect();
-            (base, held)
-        })
-        .await;
+        let read =
+            tokio::task::spawn_blocking(move || read_workers(&sweep, looks, children_possible))
+                .await;
         let Ok((base, held)) = read else { return };
         let limit = self.sandbox.memory_bytes;
         let allowed = allowed_bytes(limit, base);

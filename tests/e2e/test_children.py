@@ -186,6 +186,15 @@ def test_children_count_against_the_session_memory_limit(box):
         f"        a = bytearray({share}); a[::4096] = b'x' * len(a[::4096]); time.sleep(30); os._exit(0)\n"
         "time.sleep(20)", session="memhog", timeout_s=60)
     assert rec["status"] == "crashed" and "memory" in rec["error"]["message"], rec
+    # Children that grow only after the worker has sat still for a second: its CPU clock no
+    # longer moves, which spares a childless worker's walk, never one with children.
+    rec = box.run(
+        "import time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        f"        time.sleep(1.5); a = bytearray({share}); a[::4096] = b'x' * len(a[::4096]); time.sleep(30); os._exit(0)\n"
+        "time.sleep(20)", session="latehog", timeout_s=60)
+    assert rec["status"] == "crashed" and "memory" in rec["error"]["message"], rec
     # A pool forked from a session holding a third of the limit is fine.
     got = value(box.run(
         f"import multiprocessing as mp\nbig = bytearray({limit // 3}); big[::4096] = b'y' * len(big[::4096])\n"
