@@ -242,7 +242,9 @@ pub fn supervise(listener: OwnedFd, first_pid: i32, zygote: Weak<Zygote>) -> std
                         respond(fd, id, allowed);
                     }
                 }
-                _ = tick.tick() => lineage.release_ended(),
+                // Only while a session holds a share: a lineage that never added a watch (most)
+                // sets no timer, which woke the host 5 times a second per session.
+                _ = tick.tick(), if !lineage.shares.is_empty() => lineage.release_ended(),
             }
         }
         // Every process using the filter is gone: every share of the lineage comes back.
