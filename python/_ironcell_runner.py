@@ -56,6 +56,7 @@ def zygote_prepare():
     _watch_figure_saves()
     _copy_data_without_modes()
     _utime_through_host()
+    _explain_fixed_memory_limits()
     _prepare_worker_template()
     _zygote_prepared[0] = True
 
@@ -69,6 +70,45 @@ def _poll_instead_of_epoll():
     import selectors
 
     selectors.DefaultSelector = selectors.PollSelector
+
+
+# The start of the refusal below, which the host's notes look for (src/output/notes.rs).
+FIXED_MEMORY_LIMITS = "the sandbox fixes this session's memory limits (RLIMIT_AS and RLIMIT_DATA)"
+
+
+def _explain_fixed_memory_limits():
+    """The filter refuses every change of RLIMIT_AS and RLIMIT_DATA, lowering too (SECURITY.md
+    #239, #260): it cannot read the new value behind the pointer. CPython words that EPERM as
+    "not allowed to raise maximum limit" even for a lower limit, so `resource.setrlimit` and
+    `resource.prlimit` say what happened instead, with the same exception types (code that
+    catches ValueError or OSError around them goes on as before)."""
+    import functools
+    import resource
+
+    fixed = (resource.RLIMIT_AS, resource.RLIMIT_DATA)
+    why = (FIXED_MEMORY_LIMITS + ": they cannot be changed from inside the session, lowered or "
+           "raised (resource.getrlimit reads them)")
+    real_setrlimit, real_prlimit = resource.setrlimit, resource.prlimit
+
+    @functools.wraps(real_setrlimit)
+    def setrlimit(res, limits, /):
+        try:
+            return real_setrlimit(res, limits)
+        except ValueError as e:
+            if str(e) == "not allowed to raise maximum limit" and res in fixed:
+                raise ValueError(why) from None
+            raise
+
+    @functools.wraps(real_prlimit)
+    def prlimit(pid, res, *limits):
+        try:
+            return real_prlimit(pid, res, *limits)
+        except PermissionError as e:
+            if e.errno == 1 and limits and res in fixed:
+                raise PermissionError(1, why) from None
+            raise
+
+    resource.setrlimit, resource.prlimit = setrlimit, prlimit
 
 
 def _session_relative(path):

@@ -55,7 +55,11 @@ pub fn sandbox_notes(record: &RunRecord, ctx: &NoteContext) -> Vec<String> {
     let error_kind = record.error.as_ref().map(|e| e.kind.as_str());
     let error_message = record.error.as_ref().map_or("", |e| e.message.as_str());
     let children_refused = ctx.children_refused.as_ref().map(ToString::to_string);
-    let mut notes = refusal_notes(&text, children_refused.as_deref());
+    let mut notes = Vec::new();
+    if let Some(n) = fixed_limits_note(&text, ctx) {
+        notes.push(n);
+    }
+    notes.extend(refusal_notes(&text, children_refused.as_deref()));
     if let Some(n) = memory_note(&text, error_kind, ctx) {
         notes.push(n);
     }
@@ -289,6 +293,30 @@ fn refused_path(text: &str) -> Option<String> {
     None
 }
 
+/// The start of the runner's refusal of a change of the memory limits (`FIXED_MEMORY_LIMITS`
+/// in python/_ironcell_runner.py).
+const FIXED_MEMORY_LIMITS: &str =
+    "the sandbox fixes this session's memory limits (RLIMIT_AS and RLIMIT_DATA)";
+
+/// A cell that tried to change its own memory limits (`resource.setrlimit`/`prlimit` on
+/// `RLIMIT_AS` or `RLIMIT_DATA`, lowering too: SECURITY.md #239, #260): where they come from.
+fn fixed_limits_note(text: &str, ctx: &NoteContext) -> Option<String> {
+    if !text.contains(FIXED_MEMORY_LIMITS) {
+        return None;
+    }
+    let limit = match ctx.memory_limit >> 20 {
+        0 => String::new(),
+        mib => format!(" ({mib} MiB)"),
+    };
+    Some(format!(
+        "a session cannot change its own memory limits, not even lower them: the sandbox \
+         refuses setrlimit and prlimit on RLIMIT_AS and RLIMIT_DATA. The session's memory \
+         limit{limit} is the server's setting (--memory-limit / MCP_BRIDGE_MEMORY_LIMIT, or \
+         memory_mib in the policy); code that only caps itself can skip the call, and \
+         resource.getrlimit reads the limits"
+    ))
+}
+
 const MEMORY_WORDS: &[&str] = &[
     "MemoryError",
     "Cannot allocate memory",
@@ -450,6 +478,33 @@ mod tests {
 
     fn notes(kind: &str, message: &str, traceback: &str, stderr: &str) -> String {
         sandbox_notes(&failed(kind, message, traceback, stderr), &ctx()).join("\n")
+    }
+
+    #[test]
+    fn a_refused_change_of_the_memory_limits_names_the_setting_and_nothing_else() {
+        let why = "the sandbox fixes this session's memory limits (RLIMIT_AS and RLIMIT_DATA): \
+                   they cannot be changed from inside the session, lowered or raised";
+        for (kind, message) in [
+            ("ValueError", why.to_string()),
+            ("PermissionError", format!("[Errno 1] {why}")),
+        ] {
+            let n = notes(kind, &message, "", "");
+            assert!(
+                n.contains("cannot change its own memory limits, not even lower them"),
+                "{n}"
+            );
+            assert!(
+                n.contains("memory limit (1024 MiB) is the server's setting"),
+                "{n}"
+            );
+            assert!(
+                n.contains("MCP_BRIDGE_MEMORY_LIMIT") && !n.contains("system-call filter"),
+                "{n}"
+            );
+        }
+        // CPython's own words for another limit are left alone.
+        let n = notes("ValueError", "not allowed to raise maximum limit", "", "");
+        assert!(!n.contains("memory limits"), "{n}");
     }
 
     #[test]

@@ -447,10 +447,16 @@ for r, (soft, hard) in zip(memory, before):
 """
 
 
+# The runner's words for the filter's refusal (CPython's would be "not allowed to raise maximum
+# limit", lowering too: SECURITY.md #260).
+FIXED = ("the sandbox fixes this session's memory limits (RLIMIT_AS and RLIMIT_DATA): they cannot be "
+         "changed from inside the session, lowered or raised (resource.getrlimit reads them)")
+
+
 def assert_memory_limits_unchanged(got, errno_eperm=1):
     before, after, tried = got
     assert after == before, got
-    assert tried == (["not allowed to raise maximum limit"] * 3 + [(-1, errno_eperm)] * 2) * 2, tried
+    assert tried == ([FIXED] * 3 + [(-1, errno_eperm)] * 2) * 2, tried
     return before
 
 

@@ -114,6 +114,35 @@ def test_a_refused_mode_change_says_the_data_is_still_usable(box):
     assert "refuses changing a file's mode" in notes_of(rec, text)
 
 
+def test_a_cell_that_changes_its_memory_limits_is_told_they_are_the_servers_setting(box):
+    # Lowering, which the filter refuses too (SECURITY.md #239, #260): CPython's own words for
+    # that EPERM are "not allowed to raise maximum limit".
+    low = "(64 << 20, 64 << 20)"
+    for code, kind in ((f"import resource\nresource.setrlimit(resource.RLIMIT_AS, {low})", "ValueError"),
+                       (f"import resource\nresource.prlimit(0, resource.RLIMIT_DATA, {low})", "PermissionError")):
+        rec, text = call(box, code)
+        assert rec["error"]["type"] == kind, rec
+        assert "the sandbox fixes this session's memory limits (RLIMIT_AS and RLIMIT_DATA)" in rec["error"]["message"], rec
+        assert "not allowed to raise" not in rec["error"]["message"], rec
+        notes = notes_of(rec, text)
+        assert "cannot change its own memory limits, not even lower them" in notes, notes
+        assert "memory limit (256 MiB) is the server's setting" in notes and "MCP_BRIDGE_MEMORY_LIMIT" in notes, notes
+        assert "system-call filter" not in notes, notes
+    # Code that catches the refusal goes on as before; the limits are unchanged and readable.
+    rec, _ = call(box, "import resource\nbefore = resource.getrlimit(resource.RLIMIT_DATA)\n"
+                       f"try:\n    resource.setrlimit(resource.RLIMIT_DATA, {low})\nexcept ValueError:\n    pass\n"
+                       "before == resource.getrlimit(resource.RLIMIT_DATA) and before[0] > (64 << 20)")
+    assert rec["status"] == "ok" and rec["result"] == "True" and not rec.get("notices"), rec
+    # Other limits are the session's own to lower, and raising one past its hard limit keeps
+    # CPython's words, with no note about memory.
+    rec, text = call(box, "import resource\nsoft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+                          "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+                          "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard + 1))", session="nofile")
+    assert rec["error"]["type"] == "ValueError", rec
+    assert rec["error"]["message"] == "not allowed to raise maximum limit", rec
+    assert "memory limits" not in notes_of(rec, text), rec
+
+
 def test_a_missing_module_names_the_interpreter_and_how_to_add_it(box):
     python = box.srv.info()["python"]
     rec, text = call(box, "import ironcell_no_such_package_xyz")
