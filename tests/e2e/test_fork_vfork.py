@@ -108,10 +108,18 @@ def test_257_a_spinning_vfork_child_ends_with_the_runs_timeout(box):
     assert value(box.run("'unaffected'", session="vbystander")) == "unaffected"
 
 
+def thread_vfork(leave_group: bool = False) -> str:
+    """A cell whose thread vforks a child that spins forever (after leaving the worker's process
+    group, with `leave_group`: `setpgid(0, 0)` is allowed where sessions fork, #194); the cell
+    returns the child's pid."""
+    return THREAD_VFORK.replace("LEAVE", "os.setpgid(0, 0)" if leave_group else "pass")
+
+
 THREAD_VFORK = (
     SYSCALL + "def make():\n"
     "    r = sc(58, 0)\n"
     "    if os.getpid() != me:\n"
+    "        LEAVE\n"
     "        fd = os.open('vchild.pid', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
     "        os.write(fd, str(os.getpid()).encode())\n"
     "        while True:\n            pass\n"
@@ -123,27 +131,34 @@ THREAD_VFORK = (
 )
 
 
-def test_258_a_vfork_child_of_a_thread_outlives_its_cell_but_not_a_reset_and_keeps_its_session_from_forking(box):
+@pytest.mark.parametrize("leave_group", [False, True], ids=["in-group", "left-group"])
+def test_258_a_vfork_child_of_a_thread_outlives_its_cell_but_not_a_reset_and_keeps_its_session_from_forking(box, leave_group):
     # vfork stops only the calling thread: the cell returns while its child spins, sharing the
     # worker's memory (and its domain before any fork, which reaches a fork's directory).
-    child = value(box.run(THREAD_VFORK, session="vthread", timeout_s=60))
+    session = f"vthread-{int(leave_group)}"
+    child = value(box.run(thread_vfork(leave_group), session=session, timeout_s=60))
     assert pid_alive(child)
-    assert value(box.run("'still served'", session="vthread")) == "still served"
-    r = box.srv.call("1", session="vthread-fork", fork_from="vthread")
+    with open(f"/proc/{child}/stat") as f:
+        group = int(f.read().rsplit(")", 1)[1].split()[2])
+    worker = value(box.run("os.getpid()", session=session))
+    assert (group == child) if leave_group else (group == worker), (group, child, worker)
+    assert value(box.run("'still served'", session=session)) == "still served"
+    r = box.srv.call("1", session=f"{session}-fork", fork_from=session)
     assert r["isError"], r
     why = r["content"][0]["text"]
     assert "1 thread of its own code" in why and "1 child process" in why, why
-    assert "vthread-fork" not in {f["name"] for f in box.srv.info()["sessions"]["forks"]}
-    # A reset ends the worker with its thread still waiting in vfork, and the child with it.
-    assert value(box.run("'fresh'", session="vthread", reset=True)) == "fresh"
+    assert f"{session}-fork" not in {f["name"] for f in box.srv.info()["sessions"]["forks"]}
+    # A reset ends the worker with its thread still waiting in vfork, and the child with it (in
+    # the worker's group, or, having left it, as an orphan the memory watch kills, #194).
+    assert value(box.run("'fresh'", session=session, reset=True)) == "fresh"
     assert wait_until(lambda: not pid_alive(child), timeout=30), child
     # Nothing of it is left to refuse a fork for.
-    r = box.srv.call("1", session="vthread-fork", fork_from="vthread")
+    r = box.srv.call("1", session=f"{session}-fork", fork_from=session)
     assert not r["isError"], r["content"][0]["text"]
 
 
 def test_258_a_vfork_child_of_a_thread_dies_with_the_runs_timeout(box):
-    rec = box.run(THREAD_VFORK + "\ntime.sleep(60)", session="vthread-timeout", timeout_s=3)
+    rec = box.run(thread_vfork() + "\ntime.sleep(60)", session="vthread-timeout", timeout_s=3)
     assert rec["status"] == "timeout", rec
     child = int(value(box.run("open('vchild.pid').read()", session="vthread-timeout")))
     assert wait_until(lambda: not pid_alive(child), timeout=30), child
