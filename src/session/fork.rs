@@ -338,10 +338,12 @@ impl SessionManager {
             // Its own pids group (as root), on a thread of its own while the host checks the
             // parent and the fork sets itself up. Chosen by the kernel's word; `finish_fork`
             // waits for it and checks it is the process that says ready.
-            let grouping = line.fork_process(&z).map(|pid| {
+            // Read once for both: the parent answered, so it has narrowed.
+            let strays = line.strays_now(&z);
+            let grouping = fork_guard::Line::fork_process(&strays).map(|pid| {
                 runtime.spawn_blocking(move || group.is_none_or(|g| g.move_in(pid)).then_some(pid))
             });
-            line.check_parent(&from_name, parent_pid, own_tasks.as_ref(), &z)?;
+            line.check_parent(&from_name, parent_pid, own_tasks.as_ref(), &strays)?;
             if given_up.load(Ordering::SeqCst) {
                 return Err("the fork was given up".to_string());
             }

@@ -82,18 +82,16 @@ pub(super) struct Line {
 }
 
 impl Line {
-    /// The zygote's children in this line that belong to no live worker (`live`): neither a
-    /// worker nor in a worker's group. `with_socket`: those holding this fork's socket;
-    /// otherwise those holding no socket of a fork under way (another fork of the line is one).
-    /// A process whose descriptors cannot be read is in both.
-    fn strays(&self, zygote: &Zygote, with_socket: bool) -> Vec<i32> {
+    /// The zygote's children in this line that belong to no live worker: neither a worker nor
+    /// in a worker's group, with the sockets each holds, read once ([`Strays`] sorts them).
+    pub(super) fn strays_now(&self, zygote: &Zygote) -> Strays {
         // The forks under way first, then the live workers: a fork is listed live before it
         // leaves the forks under way, so it is always in one of the two. Read the other way
         // round, a fork taken between the reads was in neither, and a fork of another parent
         // of the line was refused for it ("1 child process").
         let under_way = crate::lock(&UNDER_WAY).clone();
         let live = &live_pids(zygote)[..];
-        descendants_to_depth(self.zygote, 1)
+        let found = descendants_to_depth(self.zygote, 1)
             .into_iter()
             .filter(|&p| !live.contains(&p) && alive(p))
             .filter(|&p| {
@@ -101,22 +99,24 @@ impl Line {
                 let field = |i: usize| f.get(i).and_then(|v| v.parse::<i32>().ok());
                 field(3) == Some(self.sid) && !field(2).is_some_and(|g| live.contains(&g))
             })
-            .filter(|&p| match sockets_held(p) {
-                None => true,
-                Some(held) if with_socket => held.contains(&self.socket_ino),
-                Some(held) => !held.iter().any(|i| under_way.contains(i)),
-            })
-            .collect()
+            .map(|p| (p, sockets_held(p)))
+            .collect();
+        Strays {
+            found,
+            under_way,
+            socket_ino: self.socket_ino,
+        }
     }
 
     /// Once the parent `pid` has narrowed: why B must not go on, if it must not. `own` is the
     /// parent's threads at its `ready` (`None`: never taken, so none is known to be its own).
+    /// `strays` is read once the parent has narrowed.
     pub(super) fn check_parent(
         &self,
         session: &str,
         pid: i32,
         own: Option<&Tasks>,
-        zygote: &Zygote,
+        strays: &Strays,
     ) -> Result<(), String> {
         let Some(own) = own else {
             return Err(format!(
@@ -130,8 +130,8 @@ impl Line {
             .collect();
         // B is in its own group by now (it said so), so only one process may hold its socket.
         let mut children: Vec<i32> = session_children(pid, self.zygote);
-        children.extend(self.strays(zygote, false));
-        children.extend(self.strays(zygote, true).into_iter().skip(1));
+        children.extend(strays.others());
+        children.extend(strays.holding_the_socket().into_iter().skip(1));
         children.retain(|&c| alive(c));
         children.sort_unstable();
         children.dedup();
@@ -184,8 +184,8 @@ impl Line {
     /// The fork's process, by the kernel's word (the one zygote's child of this line, outside
     /// every live worker's group, holding the fork's socket), once it said it left the
     /// parent's group; `None` unless there is exactly one.
-    pub(super) fn fork_process(&self, zygote: &Zygote) -> Option<i32> {
-        match self.strays(zygote, true)[..] {
+    pub(super) fn fork_process(strays: &Strays) -> Option<i32> {
+        match strays.holding_the_socket()[..] {
             [pid] => Some(pid),
             _ => None,
         }
@@ -194,7 +194,7 @@ impl Line {
     /// SIGKILLs the fork's process and its group: the zygote's children in this line, outside
     /// every live worker's group, that hold the fork's socket. Returns how many it signalled.
     pub(super) fn end_fork(&self, zygote: &Zygote) -> usize {
-        let found = self.strays(zygote, true);
+        let found = self.strays_now(zygote).holding_the_socket();
         for &pid in &found {
             let leads = stat_fields(pid).and_then(|f| f.get(2)?.parse::<i32>().ok()) == Some(pid);
             if leads {
@@ -209,6 +209,37 @@ impl Line {
             );
         }
         found.len()
+    }
+}
+
+/// The zygote's children of one line that belong to no live worker ([`Line::strays_now`]),
+/// with the sockets each holds (`None`: its descriptors cannot be read).
+pub(super) struct Strays {
+    found: Vec<(i32, Option<Vec<u64>>)>,
+    /// The socket inodes of the forks under way when they were read.
+    under_way: Vec<u64>,
+    /// This fork's socket.
+    socket_ino: u64,
+}
+
+impl Strays {
+    /// Those holding this fork's socket (and those whose descriptors cannot be read).
+    fn holding_the_socket(&self) -> Vec<i32> {
+        self.kept(|held| held.contains(&self.socket_ino))
+    }
+
+    /// Those holding no socket of a fork under way (another fork of the line is one), and
+    /// those whose descriptors cannot be read.
+    fn others(&self) -> Vec<i32> {
+        self.kept(|held| !held.iter().any(|i| self.under_way.contains(i)))
+    }
+
+    fn kept(&self, keep: impl Fn(&[u64]) -> bool) -> Vec<i32> {
+        self.found
+            .iter()
+            .filter(|(_, held)| held.as_deref().is_none_or(&keep))
+            .map(|&(pid, _)| pid)
+            .collect()
     }
 }
 
