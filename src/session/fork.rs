@@ -304,7 +304,10 @@ impl SessionManager {
             return refuse(format!("session {from:?}'s worker is not reading"));
         }
         let parent_ms;
-        match parent_answer(worker).await {
+        let parent_forking = super::resident::Forking::start(worker.pid());
+        let answered = parent_answer(worker).await;
+        drop(parent_forking);
+        match answered {
             Ok(()) => {
                 parent_ms = started.elapsed().as_secs_f64() * 1000.0;
                 // The parent's next forks area now, made or not.

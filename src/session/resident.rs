@@ -365,16 +365,59 @@ fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
         held_by(pid)
     };
     let (mut bytes, mut threads) = own?;
+    let mut middle_discount = if is_forking(pid) { bytes } else { 0 };
     for &child in children {
         if runs_in_the_memory_of(pid, child) {
             continue; // counted with the worker's own
         }
-        if let Some((b, t)) = child_holds(child) {
+        if let Some((mut b, t)) = child_holds(child) {
+            // Where `kcmp` cannot tell (a user's host, non-dumpable workers), a fork's middle
+            // process shows the worker's own memory: one direct child, while the worker forks,
+            // is counted less the worker's own bytes (SECURITY.md #261).
+            if middle_discount > 0 && parent_of(child) == Some(pid) {
+                let off = b.min(middle_discount);
+                b -= off;
+                middle_discount = 0;
+            }
             bytes = bytes.saturating_add(b);
             threads = threads.saturating_add(t);
         }
     }
     Some((bytes, threads))
+}
+
+/// The workers the host has asked to fork and whose answer it awaits ([`Forking`]).
+static FORKING: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// While held, worker `pid` is forking: its `vfork` middle process may live (SECURITY.md #261).
+pub(super) struct Forking(i32);
+
+impl Forking {
+    pub(super) fn start(pid: i32) -> Forking {
+        lock(&FORKING).push(pid);
+        Forking(pid)
+    }
+}
+
+impl Drop for Forking {
+    fn drop(&mut self) {
+        let mut forking = lock(&FORKING);
+        if let Some(i) = forking.iter().position(|&p| p == self.0) {
+            forking.swap_remove(i);
+        }
+    }
+}
+
+fn is_forking(pid: i32) -> bool {
+    lock(&FORKING).contains(&pid)
+}
+
+/// The parent pid of process `pid` (`/proc/<pid>/stat` field 4, after the command's `)`).
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let at = stat.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(&stat[at + 1..]).ok()?;
+    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// What a forked worker's memory limits were last fitted to: the bytes it shares
@@ -693,6 +736,20 @@ impl SessionManager {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forking_worker_is_known_until_its_answer_and_its_parent_is_read_from_stat() {
+        assert_eq!(
+            parent_of(std::process::id() as i32),
+            Some(nix::unistd::getppid().as_raw())
+        );
+        let pid = i32::MAX - 7;
+        assert!(!is_forking(pid));
+        let forking = Forking::start(pid);
+        assert!(is_forking(pid));
+        drop(forking);
+        assert!(!is_forking(pid));
+    }
 
     #[test]
     fn the_watch_counts_anonymous_memory_swap_and_page_tables() {
