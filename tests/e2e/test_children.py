@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from conftest import pid_alive, wait_until
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 
 def children_allowed(b: Sandboxed) -> str:
@@ -23,11 +23,7 @@ def children_allowed(b: Sandboxed) -> str:
 
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = Sandboxed(request.param)
-    status = children_allowed(b)
-    if not status.startswith("allowed"):
-        b.close()
-        pytest.skip(f"children are refused on this host: {status}")
+    b = forking_sandbox(request.param)
     yield b
     b.close()
 
@@ -179,21 +175,19 @@ def test_children_count_against_the_session_memory_limit(box):
     limit = json.loads(box.srv.request("resources/read", {"uri": "system://info"})["result"]["contents"][0]["text"])["sandbox"]["limits"]["memory_bytes"]
     share = int(limit * 0.4)
     # Each child alone is under the limit; four together are not.
-    rec = box.run(
-        "import time\n"
-        "for _ in range(4):\n"
-        "    if os.fork() == 0:\n"
-        f"        a = bytearray({share}); a[::4096] = b'x' * len(a[::4096]); time.sleep(30); os._exit(0)\n"
-        "time.sleep(20)", session="memhog", timeout_s=60)
+
+    def four_children_growing(after: str) -> str:
+        return ("import time\n"
+                "for _ in range(4):\n"
+                "    if os.fork() == 0:\n"
+                f"        {after}a = bytearray({share}); a[::4096] = b'x' * len(a[::4096]); time.sleep(30); os._exit(0)\n"
+                "time.sleep(20)")
+
+    rec = box.run(four_children_growing(""), session="memhog", timeout_s=60)
     assert rec["status"] == "crashed" and "memory" in rec["error"]["message"], rec
     # Children that grow only after the worker has sat still for a second: its CPU clock no
     # longer moves, which spares a childless worker's walk, never one with children.
-    rec = box.run(
-        "import time\n"
-        "for _ in range(4):\n"
-        "    if os.fork() == 0:\n"
-        f"        time.sleep(1.5); a = bytearray({share}); a[::4096] = b'x' * len(a[::4096]); time.sleep(30); os._exit(0)\n"
-        "time.sleep(20)", session="latehog", timeout_s=60)
+    rec = box.run(four_children_growing("time.sleep(1.5); "), session="latehog", timeout_s=60)
     assert rec["status"] == "crashed" and "memory" in rec["error"]["message"], rec
     # A pool forked from a session holding a third of the limit is fine.
     got = value(box.run(

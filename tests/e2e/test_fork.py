@@ -18,16 +18,12 @@ from pathlib import Path
 import pytest
 
 from conftest import pid_alive, shared_tmp_dir, wait_until
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = Sandboxed(request.param, IRONCELL_MAX_SESSIONS="40")
-    status = b.srv.info()["sandbox"]["child_processes"]
-    if not status.startswith("allowed"):
-        b.close()
-        pytest.skip(f"sessions cannot fork on this host: {status}")
+    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="40")
     yield b
     b.close()
 

@@ -20,7 +20,7 @@ import platform
 import pytest
 
 from conftest import pid_alive, wait_until
-from test_sandbox import USERS, Sandboxed
+from test_sandbox import USERS, forking_sandbox
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="vfork (58) is x86_64's")
 
@@ -39,11 +39,7 @@ def box(request):
     # As a user the memory watch may not tell a vfork child's memory from the worker's and
     # counts each at the worker's whole size (SECURITY.md #233: twice, never less), so a chain
     # of 253 counts ~1.2 GiB: room for it, or the watch ends the chain before the task cap does.
-    b = Sandboxed(user, abi_max=abi, IRONCELL_MAX_SESSIONS="40", MCP_BRIDGE_MEMORY_LIMIT="4g")
-    status = b.srv.info()["sandbox"]["child_processes"]
-    if not status.startswith("allowed"):
-        b.close()
-        pytest.skip(f"sessions cannot fork on this host: {status}")
+    b = forking_sandbox(user, abi_max=abi, IRONCELL_MAX_SESSIONS="40", MCP_BRIDGE_MEMORY_LIMIT="4g")
     yield b
     b.close()
 

@@ -70,6 +70,16 @@ class Sandboxed:
         self.srv.close()
 
 
+
+def forking_sandbox(user: str, **kwargs) -> Sandboxed:
+    """A `Sandboxed` server whose sessions may have children, or the test skipped, saying why."""
+    b = Sandboxed(user, **kwargs)
+    status = b.srv.info()["sandbox"]["child_processes"]
+    if not status.startswith("allowed"):
+        b.close()
+        pytest.skip(f"sessions cannot fork on this host: {status}")
+    return b
+
 def background_filler(after_s: float) -> str:
     """A cell that leaves a thread behind which, `after_s` seconds later (the run long
     returned), writes 400 files of 64 KiB (25 MiB) and then idles: a quota breach nobody's run
