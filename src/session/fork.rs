@@ -305,7 +305,7 @@ impl SessionManager {
         }
         let parent_ms;
         let parent_forking = super::resident::Forking::start(worker.pid());
-        let answered = parent_answer(worker).await;
+        let answered = parent_answer(worker, from).await;
         drop(parent_forking);
         match answered {
             Ok(()) => {
@@ -645,15 +645,27 @@ fn rand_tag() -> u64 {
     u64::from_ne_bytes(buf)
 }
 
-/// Waits (30 s at most) for the parent's `forked` answer; its output is logged, requests its
-/// threads send meanwhile are answered with an error.
-async fn parent_answer(worker: &mut LiveWorker) -> Result<(), String> {
+/// Waits (30 s at most) for the parent's `forked` answer, or until the zygote reports the
+/// parent gone: the fork holds a copy of the parent's socket until the host's go-ahead, so a
+/// parent that dies after the fork (in an `os.register_at_fork` hook of its own, say) never
+/// reads as closed. Its output is logged, requests its threads send meanwhile are answered
+/// with an error.
+async fn parent_answer(worker: &mut LiveWorker, from: &str) -> Result<(), String> {
     let budget = worker.image_budget_bytes;
+    let ended = |how: Option<ExitInfo>| {
+        let how = how.map_or_else(String::new, |status| format!(" (it {status})"));
+        format!(
+            "session {from:?}'s worker ended during the fork{how}, before it answered; code of \
+             the session's own may have ended it (an os.register_at_fork hook runs in the \
+             fork's parent then); its next run starts afresh"
+        )
+    };
     let wait = async {
         loop {
-            let f = match worker.frames.next().await {
-                Some(Ok(f)) => f,
-                _ => return Err("the parent's worker ended during the fork".to_string()),
+            let f = match worker.next_frame_or_exit().await {
+                FrameOrExit::Frame(Some(Ok(f))) => f,
+                FrameOrExit::Frame(_) => return Err(ended(None)),
+                FrameOrExit::Exited(how) => return Err(ended(how)),
             };
             match frame::decode_worker_frame(&f, budget) {
                 Ok(WorkerFrame::Message(FromWorker::Forked { error: None })) => return Ok(()),

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::SinkExt;
+use futures::{SinkExt, StreamExt};
 use nix::sys::signal::Signal;
 use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -51,6 +51,14 @@ pub(super) enum Liveness {
     /// The zygote is gone, so nobody can report (or reap) the worker any more; it died with
     /// the zygote through its parent-death signal.
     ZygoteGone,
+}
+
+/// What [`LiveWorker::next_frame_or_exit`] got first.
+pub(super) enum FrameOrExit {
+    /// A frame, an error reading one, or `None` at the end of the stream.
+    Frame(Option<std::io::Result<bytes::BytesMut>>),
+    /// The zygote reported the worker's end (`None`: the zygote is gone, so no report comes).
+    Exited(Option<ExitInfo>),
 }
 
 /// Why a frame could not be queued for the worker.
@@ -221,6 +229,26 @@ impl LiveWorker {
                 Liveness::ZygoteGone
             }
         }
+    }
+
+    /// The worker's next frame, or the zygote's report that it ended, whichever comes first: a
+    /// worker whose socket another process still holds (a fork of it before the host's
+    /// go-ahead) never reads as closed. The report stays known to [`LiveWorker::liveness`].
+    pub async fn next_frame_or_exit(&mut self) -> FrameOrExit {
+        let Some(rx) = self.exit.as_mut() else {
+            return FrameOrExit::Frame(self.frames.next().await);
+        };
+        let exited = tokio::select! {
+            biased;
+            frame = self.frames.next() => return FrameOrExit::Frame(frame),
+            exited = rx => exited.ok(),
+        };
+        self.exit = exited.map(|status| {
+            let (tx, rx) = oneshot::channel();
+            let _ = tx.send(status);
+            rx
+        });
+        FrameOrExit::Exited(exited)
     }
 
     pub fn signal(&self, sig: Signal) {

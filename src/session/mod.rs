@@ -46,7 +46,7 @@ mod spawn;
 use cell::Cell;
 use dirs::{remove_sessions_of_dead_servers, set_private};
 use font_cache::FONT_CACHE_BUILD_DIR;
-use live::{LiveWorker, Liveness, Outgoing, SendError};
+use live::{FrameOrExit, LiveWorker, Liveness, Outgoing, SendError};
 use outcome::link_outputs;
 use quota::{enforce_scratch_quotas_periodically, guard_free_disk_periodically, remove_scratch};
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -510,3 +511,83 @@ def test_239_a_parent_that_fills_its_memory_before_a_fork_gets_the_fork_nothing_
         assert value(b.run("m[-4096]", session="ia")) == 97
     finally:
         b.close()
+
+
+def session_members(sid: int) -> list[int]:
+    """The live processes of Unix session `sid` (a worker's line of forks stays in it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def fork_in_the_making(sid: int) -> list[int]:
+    """A session fork's process B before it is taken: in its parent's Unix session `sid`, and
+    the zygote's child (not the short-lived middle process, nor B while still the middle's)."""
+    members = session_members(sid)
+    return [p for p in members if p != sid and parent_of(p) not in (*members, None)]
+
+
+def pids_group_of(pid: int) -> Path | None:
+    """A root worker's own pids group (`.../w<pid>`, cgroup v1), if it has one."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        rel = next((line.split(":", 2)[2].strip() for line in f if ":pids:" in line), "")
+    return Path("/sys/fs/cgroup/pids" + rel) if rel.endswith(f"/w{pid}") else None
+
+
+def test_a_parent_that_dies_mid_fork_fails_the_fork_at_once_and_leaves_nothing_behind(box):
+    # A's `after_in_parent` hook runs once the fork B exists, before A answers the host: it waits
+    # for the test's word, then kills A. B holds a copy of A's socket until the host's go-ahead,
+    # so A's end never reads as closed: the host must learn of A's death from the zygote.
+    a_pid, a_dir = value(box.run(
+        "import signal, time\n"
+        "def die():\n"
+        "    while not os.path.exists('die-now'):\n        time.sleep(0.01)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "os.register_at_fork(after_in_parent=die)\n(os.getpid(), os.getcwd())", session="dying"))
+    group = pids_group_of(a_pid)
+    assert (group is not None) == (box.user == "root" and os.path.isdir("/sys/fs/cgroup/pids")), group
+    answer: list = []
+    call = threading.Thread(target=lambda: answer.append(box.srv.call("1", session="dying-kid", fork_from="dying")))
+    call.start()
+    # B: the other process of A's Unix session, waiting for the host's go-ahead.
+    assert wait_until(lambda: fork_in_the_making(a_pid), timeout=30), "no fork seen"
+    (b_pid,) = fork_in_the_making(a_pid)
+    told = time.monotonic()
+    Path(a_dir, "die-now").touch()
+    call.join(60)
+    took = time.monotonic() - told
+    assert answer, "no answer to the fork"
+    r = answer[0]
+    assert r["isError"], r
+    text = r["content"][0]["text"]
+    # Well before the 30 s the host waits for a parent's answer: it was told A ended.
+    assert took < 15, (took, text)
+    assert 'session "dying"\'s worker ended during the fork' in text and "SIGKILL" in text, text
+    # Nothing is left: not B, not its directories, not A's pids group (B was in it).
+    assert wait_until(lambda: not pid_alive(b_pid) and not session_members(a_pid), timeout=10), session_members(a_pid)
+    assert glob.glob(f"{box.dir}/state/**/dying-kid-*", recursive=True) == []
+    if group is not None:
+        assert wait_until(lambda: not group.exists(), timeout=10), group
+    assert "dying-kid" not in {f["name"] for f in box.srv.info()["sessions"]["forks"]}
+    # A starts afresh, told why; the zygote still forks sessions, and the name is free.
+    rec = box.run("'fresh'", session="dying")
+    assert value(rec) == "fresh" and any("failed fork" in n for n in rec.get("notices", [])), rec
+    value(box.run("seed = 'S'", session="other-parent"))
+    assert value(fork(box, "other-parent", "other-kid", "seed")["structuredContent"]) == "S"
+    assert value(fork(box, "dying", "dying-kid", "'made'")["structuredContent"]) == "made"
