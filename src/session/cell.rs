@@ -57,6 +57,7 @@ impl SessionManager {
             ControlFlow::Continue(()) => run.run_to_end(state).await,
             ControlFlow::Break(ending) => ending,
         };
+        run.children_killed(state).await;
         run.into_outcome(ending)
     }
 }
@@ -232,6 +233,9 @@ pub(super) struct CellRun<'a> {
     progress: Option<&'a tokio::sync::watch::Sender<Progress>>,
     progress_tick: tokio::time::Interval,
     started: tokio::time::Instant,
+    /// The kills of this run's children (a timeout, a cancel, the output cap) under way: the
+    /// run ends only once they are done ([`CellRun::children_killed`]).
+    killing_children: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl<'a> CellRun<'a> {
@@ -276,6 +280,24 @@ impl<'a> CellRun<'a> {
             progress,
             progress_tick: tokio::time::interval_at(started + PROGRESS_EVERY, PROGRESS_EVERY),
             started,
+            killing_children: Vec::new(),
+        }
+    }
+
+    /// Once the cell ended: waits for the kills of its children under way, then kills once
+    /// more what the cell made meanwhile (it ran until it took the interrupt), so a kill still
+    /// running never reaches the next run's children, nor does a child of this one outlive it.
+    async fn children_killed(&mut self, state: &SessionState) {
+        if self.killing_children.is_empty() {
+            return;
+        }
+        for kill in self.killing_children.drain(..) {
+            let _ = kill.await;
+        }
+        if let Some(w) = state.worker.as_ref()
+            && let Some(last) = self.manager.kill_children_of(w.pid())
+        {
+            let _ = last.await;
         }
     }
 
@@ -442,7 +464,8 @@ impl<'a> CellRun<'a> {
             )
         {
             worker.signal(Signal::SIGINT);
-            self.manager.kill_children_of(worker.pid());
+            self.killing_children
+                .extend(self.manager.kill_children_of(worker.pid()));
         }
         ControlFlow::Continue(())
     }
@@ -559,7 +582,8 @@ impl<'a> CellRun<'a> {
         let grace = self.grace();
         match self.phase.on_wake(tokio::time::Instant::now(), grace) {
             WakeAction::Interrupt => {
-                interrupt_worker(self.manager, state);
+                let kill = interrupt_worker(self.manager, state);
+                self.killing_children.extend(kill);
                 ControlFlow::Continue(())
             }
             WakeAction::Kill { reason } => {
@@ -630,7 +654,8 @@ impl<'a> CellRun<'a> {
             .phase
             .interrupt(RunStatus::Cancelled, now, self.grace())
         {
-            interrupt_worker(self.manager, state);
+            let kill = interrupt_worker(self.manager, state);
+            self.killing_children.extend(kill);
         }
         ControlFlow::Continue(())
     }
@@ -700,12 +725,14 @@ fn vanished() -> Ending {
 }
 
 /// Interrupts the run: SIGINT to the worker (KeyboardInterrupt in the cell), SIGKILL to its
-/// children (a timed-out or cancelled run's processes end with it).
-fn interrupt_worker(manager: &SessionManager, state: &SessionState) {
-    if let Some(w) = state.worker.as_ref() {
-        w.signal(Signal::SIGINT);
-        manager.kill_children_of(w.pid());
-    }
+/// children (a timed-out or cancelled run's processes end with it): returns that kill's task.
+fn interrupt_worker(
+    manager: &SessionManager,
+    state: &SessionState,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let w = state.worker.as_ref()?;
+    w.signal(Signal::SIGINT);
+    manager.kill_children_of(w.pid())
 }
 
 /// Kills the session's worker (if it still has one) and waits briefly for its reaping.

@@ -172,8 +172,9 @@ pub(super) fn descendants_to_depth(pid: i32, depth: usize) -> Vec<i32> {
 /// SIGKILLs every process of worker `pid`'s session but the worker ([`session_children`]): a
 /// timed-out, cancelled or over-output run's children die with the run (SECURITY.md #159).
 /// Rounds until none is left (a child forking while it is killed; the task cap bounds them).
-/// On a blocking thread.
-pub(crate) fn kill_children_of(pid: i32, zygote: i32) {
+/// On a blocking thread; the run awaits it before it ends, so no round of it reaches the
+/// children of the session's next run.
+pub(crate) fn kill_children_of(pid: i32, zygote: i32) -> tokio::task::JoinHandle<()> {
     tokio::task::spawn_blocking(move || {
         for _ in 0..64 {
             // A killed child stays a zombie until its parent reaps it: not one to wait for.
@@ -192,7 +193,7 @@ pub(crate) fn kill_children_of(pid: i32, zygote: i32) {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
-    });
+    })
 }
 
 /// The zygote's children that are not live workers (orphans it adopted, a fork under way, a
@@ -623,11 +624,11 @@ fn read_workers(
 }
 
 impl SessionManager {
-    /// [`kill_children_of`] the worker `pid` of this manager's zygote.
-    pub(super) fn kill_children_of(&self, pid: i32) {
-        if let Some(zygote) = lock(&self.zygote).as_ref() {
-            kill_children_of(pid, zygote.pid());
-        }
+    /// [`kill_children_of`] the worker `pid` of this manager's zygote: done when the returned
+    /// task is.
+    pub(super) fn kill_children_of(&self, pid: i32) -> Option<tokio::task::JoinHandle<()>> {
+        let zygote = lock(&self.zygote).as_ref()?.pid();
+        Some(kill_children_of(pid, zygote))
     }
 
     /// One look: reads every live worker that is due (see the module's doc) and kills those
