@@ -166,18 +166,22 @@ fn not_applicable(s: &crate::config::Settings) -> Value {
 }
 
 /// The pool of pre-forked spares: how many wait (and of them, the plot spare: whether one is
-/// kept, and its pid while it waits), the pool's size, and the private memory they hold (USS
+/// kept, and its pid while it waits), the pool's size, how many new workers' sets of
+/// directories wait made ahead of how many kept (`pool_dirs.rs`), and the private memory they
+/// hold (USS
 /// from `smaps_rollup`; `null` where the kernel does not let the host read it).
 fn spare_workers(sessions: &SessionManager) -> Value {
     let spares = sessions.spare_pids();
     let private: Option<u64> = spares.iter().map(|(pid, _)| private_bytes(*pid)).sum();
     let plot_spare_pid = spares.iter().find(|(_, plots)| *plots).map(|(pid, _)| *pid);
+    let (ready, kept) = sessions.dirs_made_ahead();
     json!({
         "waiting": spares.len(),
         "plot_spare_waiting": plot_spare_pid.is_some(),
         "plot_spare_pid": plot_spare_pid,
         "pool_size": sessions.settings().pool_size,
         "plot_spare": sessions.plot_spare_kept(),
+        "dirs_made_ahead": {"ready": ready, "kept": kept},
         "private_bytes": private,
         "not_counted_in": "max_sessions (IRONCELL_POOL_SIZE sets how many plain spares, 0 disables the pool; IRONCELL_PLOT_SPARE one more, with a first plot's pages written)",
     })

@@ -40,6 +40,7 @@ mod idle;
 mod live;
 mod outcome;
 mod pool;
+mod pool_dirs;
 mod quota;
 mod resident;
 mod spawn;
@@ -342,6 +343,12 @@ impl SessionManager {
     /// spare.
     pub fn spare_pids(&self) -> Vec<(i32, bool)> {
         self.pool.pids()
+    }
+
+    /// How many new workers' sets of directories wait made ahead, of how many the pool keeps
+    /// (see [`pool_dirs`]).
+    pub fn dirs_made_ahead(&self) -> (usize, usize) {
+        self.pool.dirs_made_ahead()
     }
 
     /// Whether the pool keeps a plot spare: `IRONCELL_PLOT_SPARE`, with the pool and

@@ -20,7 +20,7 @@
 //! itself. Any other session leaves it waiting (it holds ~12 MiB of private memory, which an
 //! idle session that never plots should not carry) and takes a plain spare or a fresh fork.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
@@ -83,7 +83,11 @@ pub(super) struct Pool {
     /// [`Pool::until_no_session_worker_starts`]).
     starting: AtomicUsize,
     all_started: Notify,
+    /// Whether a worker was started for a session since the refill last looked.
+    started_since: AtomicBool,
     next_id: AtomicU64,
+    /// Directories made ahead for new workers (see [`super::pool_dirs`]).
+    pub(super) dirs: super::pool_dirs::DirStock,
 }
 
 /// Counts one worker being started for a session while it lives ([`Pool::session_worker_starts`]).
@@ -112,7 +116,9 @@ impl Pool {
             answered_once: tokio::sync::watch::Sender::new(false),
             starting: AtomicUsize::new(0),
             all_started: Notify::new(),
+            started_since: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
+            dirs: Default::default(),
         }
     }
 
@@ -172,7 +178,32 @@ impl Pool {
     /// A worker is being started for a session (no spare fitted), until the guard drops.
     pub(super) fn session_worker_starts(&self) -> Starting<'_> {
         self.starting.fetch_add(1, Ordering::AcqRel);
+        self.started_since.store(true, Ordering::Release);
         Starting(self)
+    }
+
+    /// After workers were started for sessions (a burst past the pool), waits for one more run
+    /// to answer (and [`AFTER_ANSWER`]), at most [`REFILL_DELAY`]: the last sessions of a burst
+    /// answer after their workers are ready, and work made then would take a CPU from them.
+    pub(super) async fn after_a_burst(&self) {
+        if self.started_since.swap(false, Ordering::AcqRel) {
+            let _ = tokio::time::timeout(REFILL_DELAY, async {
+                self.answered.notified().await;
+                tokio::time::sleep(AFTER_ANSWER).await;
+            })
+            .await;
+        }
+    }
+
+    /// A worker took directories made ahead: the refill tops the stock up (as after a spare
+    /// was taken).
+    pub(super) fn dirs_taken(&self) {
+        self.taken.notify_one();
+    }
+
+    /// Whether a worker is being started for a session.
+    pub(super) fn session_workers_starting(&self) -> bool {
+        self.starting.load(Ordering::Acquire) > 0
     }
 
     /// Waits while workers are being started for sessions, at most [`MAX_REFILL_DEFER`]. In a
@@ -268,8 +299,9 @@ impl SessionManager {
         Ok(spare.worker)
     }
 
-    /// Keeps the pool full until the server shuts down: one spare at a time, again whenever
-    /// one was found dead, or soon after one was taken (not while its first answer is on the
+    /// Keeps the pool full until the server shuts down: the directories made ahead first
+    /// ([`super::pool_dirs`]), then one spare at a time, again whenever one was found dead, or
+    /// soon after one (or a set of directories) was taken (not while its first answer is on the
     /// way: on a small machine the fork would delay it).
     pub(super) async fn keep_pool_filled(self: Arc<Self>, stop: CancellationToken) {
         loop {
@@ -278,6 +310,7 @@ impl SessionManager {
                 _ = stop.cancelled() => return,
                 _ = self.pool.until_no_session_worker_starts() => {}
             }
+            self.top_up_dirs().await;
             if let Some((place, plots)) = self.free_place() {
                 match self.start_spare(place, plots).await {
                     Ok(()) => continue,

@@ -51,9 +51,10 @@ impl SessionManager {
         scratch: &Path,
         slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<LiveWorker, RunRefusal> {
-        std::fs::create_dir_all(scratch)
-            .map_err(|e| RunRefusal::WorkerStart(format!("creating {}: {e}", scratch.display())))?;
-        set_private(scratch);
+        // A session's worker takes directories made ahead; a spare makes its own (it is forked
+        // off any session's path, and taking the stock would make the pool refill it after each
+        // spare, beside the next session).
+        let (packages_view, forks_area) = self.worker_dirs(scratch, name.is_some())?;
         let zygote = self
             .current_zygote()
             .map_err(|e| RunRefusal::WorkerStart(format!("{e:#}")))?;
@@ -80,7 +81,6 @@ impl SessionManager {
         // `%pip install`: an empty directory the worker may only read, on its `sys.path`; the
         // host links the session's packages into it (Landlock grants are fixed at lockdown,
         // which a spare does before it knows its session).
-        let packages_view = self.packages.new_view().map(Arc::new);
         if let Some(view) = &packages_view {
             if let Some(fs) = sandbox.filesystem.as_mut() {
                 fs.read_only.push(view.dir.clone());
@@ -92,7 +92,6 @@ impl SessionManager {
         }
         // Where this worker's forks of its session will live: granted now, since Landlock
         // grants are fixed at lockdown (docs/ARCHITECTURE.md, "Forking a session").
-        let forks_area = self.new_forks_area();
         if let (Some(area), Some(fs)) = (&forks_area, sandbox.filesystem.as_mut()) {
             fs.read_write.push(area.clone());
         }

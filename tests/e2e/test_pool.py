@@ -227,3 +227,115 @@ def test_81_a_session_cannot_reach_the_spares_waiting_next_to_it(user):
         assert not any((sessions_dir / n / "planted.py").exists() for n in spares)
     finally:
         s.close()
+
+
+# Directories made ahead (src/session/pool_dirs.rs): a worker started past the pool takes a
+# session directory, a packages view and a forks area the host made before it was asked.
+
+
+def wait_for_dirs_made_ahead(srv: RawServer) -> int:
+    """Waits until the pool keeps its whole stock of directories made ahead; returns its size."""
+
+    def stock() -> tuple[int, int]:
+        made = srv.info()["spare_workers"]["dirs_made_ahead"]
+        return made["ready"], made["kept"]
+
+    assert wait_until(lambda: stock()[0] == stock()[1] > 0, timeout=60, step=0.1), stock()
+    return stock()[1]
+
+
+def burst(srv: RawServer, codes: dict[str, str]) -> dict[str, dict]:
+    """Sends one `run_python` per session at once; each session's record."""
+    ids = {}
+    for session, code in codes.items():
+        ids[srv.next_id] = session
+        srv.send({"jsonrpc": "2.0", "id": srv.next_id, "method": "tools/call",
+                  "params": {"name": "run_python", "arguments": {"code": code, "session": session}}})
+        srv.next_id += 1
+    out: dict[str, dict] = {}
+    while len(out) < len(ids):
+        msg = srv.read(60)
+        if msg.get("id") in ids:
+            assert not msg["result"].get("isError"), msg
+            out[ids[msg["id"]]] = msg["result"]["structuredContent"]
+    return out
+
+
+FIRST_CELL_OF_A_BURST = """\
+import os
+_first = sorted(os.listdir('.'))
+open('mine.txt', 'w').write(os.environ['IRONCELL_SESSION'])
+_pkgs = os.environ.get('IRONCELL_PACKAGES_DIR')
+try:
+    open(os.path.join(_pkgs, 'planted.py'), 'w').write('x')
+    _planted = 'ok'
+except OSError as e:
+    _planted = e.errno
+(os.getcwd(), _first, _pkgs and sorted(os.listdir(_pkgs)), _planted)
+"""
+
+
+def test_a_burst_past_the_pool_gets_directories_made_ahead_each_its_own_and_private(server):
+    kept = wait_for_dirs_made_ahead(server.srv)
+    server.wait_for_full_pool()
+    sessions_dir = next(server.state.glob("sessions-*"))
+    names = [f"burst{i}" for i in range(6)]  # past the pool of 2: four workers take a made set
+    records = burst(server.srv, dict.fromkeys(names, FIRST_CELL_OF_A_BURST))
+    for name, rec in records.items():
+        assert rec["status"] == "ok" and rec["session_state"] == "new", rec
+        cwd, first, pkgs, planted = ast.literal_eval(rec["result"])
+        assert cwd == str(sessions_dir / name), rec
+        assert first == [], f"{name} was handed a directory that is not empty: {first}"
+        assert pkgs == [] and planted != "ok", f"{name}'s packages view is not an empty read-only dir: {rec}"
+        assert (sessions_dir / name / "mine.txt").read_text() == name
+        assert (sessions_dir / name).stat().st_mode & 0o777 == 0o700
+    # What waits made ahead holds nothing of a session's, and the stock is made again.
+    assert all(not any(d.iterdir()) for d in sessions_dir.glob("@dir-*"))
+    assert wait_for_dirs_made_ahead(server.srv) == kept
+    # Each worker's packages view is its own: an install in one session shows in no other.
+    rec = server.run("import os; os.environ['IRONCELL_PACKAGES_DIR']", "burst0")
+    others = {server.run("import os; os.environ['IRONCELL_PACKAGES_DIR']", n)["result"] for n in names[1:]}
+    assert rec["result"] not in others and len(others) == len(names) - 1
+
+
+def test_a_session_with_files_keeps_its_directory_over_one_made_ahead(server):
+    wait_for_dirs_made_ahead(server.srv)
+    server.run("open('data.txt', 'w').write('kept')", "keeps")
+    lost = server.srv.call("import os; os._exit(3)", session="keeps")["structuredContent"]
+    assert lost["session_state"] == "lost", lost
+    # Its next worker is started with directories from the stock, but not the session's own.
+    rec = server.run("import os; open('data.txt').read(), os.getcwd().endswith('/keeps')", "keeps")
+    assert rec["result"] == "('kept', True)", rec
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_262_a_session_cannot_reach_the_directories_made_ahead(user):
+    """docs/SECURITY.md #262: the directories waiting for the next workers (a session's
+    directory, a forks area, a packages view) are the host's: a session can neither list them
+    nor plant anything in them for the next session to find."""
+    s = Server(user)
+    try:
+        wait_for_dirs_made_ahead(s.srv)
+        s.run("1", "attacker")
+        sessions_dir = next(s.state.glob("sessions-*"))
+        views_dir = next((s.state / "packages").glob("views-*"))
+        own_view = s.run("import os; os.environ['IRONCELL_PACKAGES_DIR']", "attacker")["result"].strip("'")
+        targets = sorted(sessions_dir.glob("@dir-*")) + sorted(sessions_dir.glob("@forks-*"))[-3:]
+        targets += [v for v in sorted(views_dir.iterdir()) if str(v) != own_view][-3:]
+        assert len(targets) >= 5, targets
+        for d in targets:
+            for expr in (f"os.listdir({str(d)!r})", f"open({str(d / 'planted.py')!r}, 'w').write('x')",
+                         f"os.symlink('/etc', {str(d / 'link')!r})", f"os.mkdir({str(d / 'sub')!r})"):
+                rec = s.run(f"import os\ntry:\n    {expr}\n    _r = 'ok'\nexcept OSError as e:\n    _r = e.errno\n_r",
+                            "attacker")
+                assert rec["status"] == "ok" and rec["result"] != "'ok'", (d, expr, rec)
+        # Nothing planted anywhere, including where those directories went meanwhile (a spare
+        # taken by the attacker's first run was replaced with one of them).
+        planted = [p for root in (sessions_dir, views_dir) for p in root.rglob("*")
+                   if p.name in ("planted.py", "link", "sub")]
+        assert not planted, planted
+        # The next sessions take those directories, empty.
+        records = burst(s.srv, {f"next{i}": "import os; sorted(os.listdir('.'))" for i in range(5)})
+        assert all(r["result"] == "[]" for r in records.values()), records
+    finally:
+        s.close()
