@@ -345,12 +345,6 @@ impl SessionManager {
         self.pool.pids()
     }
 
-    /// How many new workers' sets of directories wait made ahead, of how many the pool keeps
-    /// (see [`pool_dirs`]).
-    pub fn dirs_made_ahead(&self) -> (usize, usize) {
-        self.pool.dirs_made_ahead()
-    }
-
     /// Whether the pool keeps a plot spare: `IRONCELL_PLOT_SPARE`, with the pool and
     /// `IRONCELL_WARM_PLOTS` on, once the shared font cache is published (never without
     /// matplotlib).

@@ -6,11 +6,12 @@
 //! ext4 without a journal (as here), each one walks the block group's recently freed inodes
 //! (0.1-0.6 ms measured), and in a burst of 20 new sessions made inline on the async runtime
 //! they were a third of the host's CPU samples. With the pool on, the host keeps up to
-//! [`DIR_STOCK`] of each made ahead: one set at a time on a blocking thread, when the pool
-//! refills (before its spares: the pool is full only with the stock), and never while a worker
-//! is being started for a session (a refill does not compete with a burst). A session's new
-//! worker takes its set with one `rename` (the session's directory) and nothing else; past the
-//! stock, and for a spare (forked off any session's path), they are made as before.
+//! [`DIR_STOCK`] sets made ahead (at most one per session it may hold): one set at a time on a
+//! blocking thread, when the pool refills (before its spares: the pool is full only with the
+//! stock), and never while a worker is being started for a session (a refill does not compete
+//! with a burst). A session's new worker takes its set with one `rename` (the session's
+//! directory) and nothing else; past the stock, and for a spare (forked off any session's
+//! path), they are made as before.
 //!
 //! The stock holds nothing of a worker's: its directories live in the host's own directories
 //! (`sessions-<pid>/@dir-N` and `@forks-N`, `packages/views-<pid>/wN`), which no worker can
@@ -46,23 +47,30 @@ pub(super) struct DirStock {
     failed_at: Mutex<Option<Instant>>,
 }
 
-impl pool::Pool {
-    /// How many whole sets wait, of how many are kept (none without a pool).
-    pub(super) fn dirs_made_ahead(&self) -> (usize, usize) {
-        let ready = lock(&self.dirs.scratches)
-            .len()
-            .min(lock(&self.dirs.grants).len());
-        (ready, if self.size() > 0 { DIR_STOCK } else { 0 })
-    }
-}
-
 impl DirStock {
-    fn full(&self) -> bool {
-        lock(&self.scratches).len() >= DIR_STOCK && lock(&self.grants).len() >= DIR_STOCK
+    fn full(&self, kept: usize) -> bool {
+        lock(&self.scratches).len() >= kept && lock(&self.grants).len() >= kept
     }
 }
 
 impl SessionManager {
+    /// How many sets the pool keeps: [`DIR_STOCK`], at most one per session the server may
+    /// hold, none without a pool.
+    fn dirs_kept(&self) -> usize {
+        if self.pool.size() == 0 {
+            return 0;
+        }
+        DIR_STOCK.min(self.settings.max_sessions as usize)
+    }
+
+    /// How many whole sets of a new worker's directories wait made ahead, of how many the pool
+    /// keeps (for `system://info`).
+    pub fn dirs_made_ahead(&self) -> (usize, usize) {
+        let dirs = &self.pool.dirs;
+        let ready = lock(&dirs.scratches).len().min(lock(&dirs.grants).len());
+        (ready, self.dirs_kept())
+    }
+
     /// The directories of a worker about to be spawned in `scratch`: that directory (made, or
     /// a stocked one renamed to it, unless it exists), its packages view and its forks area
     /// (each `None` where this server gives none); from the stock only if `from_stock`.
@@ -112,7 +120,8 @@ impl SessionManager {
 
     /// Makes one more set for the stock (blocking: on a blocking thread).
     fn stock_one(&self) -> Result<(), String> {
-        if lock(&self.pool.dirs.scratches).len() < DIR_STOCK {
+        let kept = self.dirs_kept();
+        if lock(&self.pool.dirs.scratches).len() < kept {
             let n = self.pool.dirs.next.fetch_add(1, Ordering::Relaxed);
             let dir = self.root.join(format!("@dir-{n}"));
             std::fs::DirBuilder::new()
@@ -122,7 +131,7 @@ impl SessionManager {
             set_private(&dir);
             lock(&self.pool.dirs.scratches).push(dir);
         }
-        if lock(&self.pool.dirs.grants).len() < DIR_STOCK {
+        if lock(&self.pool.dirs.grants).len() < kept {
             let grants = self.make_grants();
             lock(&self.pool.dirs.grants).push(grants);
         }
@@ -135,11 +144,12 @@ impl SessionManager {
         if lock(&self.pool.dirs.failed_at).is_some_and(|t| t.elapsed() < STOCK_BACKOFF) {
             return;
         }
-        if self.pool.dirs.full() {
+        let kept = self.dirs_kept();
+        if self.pool.dirs.full(kept) {
             return;
         }
         self.pool.after_a_burst().await;
-        while !self.pool.dirs.full() && !self.pool.session_workers_starting() {
+        while !self.pool.dirs.full(kept) && !self.pool.session_workers_starting() {
             let m = self.clone();
             match tokio::task::spawn_blocking(move || m.stock_one()).await {
                 Ok(Ok(())) => {}

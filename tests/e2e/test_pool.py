@@ -122,6 +122,8 @@ def test_a_taken_spare_is_replaced_and_spares_stay_outside_the_session_cap(tmp_p
         i = s.srv.info()
         assert i["sessions"]["live_workers"] == 1, i
         assert i["spare_workers"]["pool_size"] == 2
+        # Directories made ahead: at most one set per session the server may hold.
+        assert i["spare_workers"]["dirs_made_ahead"]["kept"] == 1, i
         # A second session evicts the first (cap 1) and still takes a spare.
         s.new_session_from_spare("two")
         assert wait_until(lambda: s.srv.info()["sessions"]["live_workers"] == 1)
@@ -148,6 +150,9 @@ def test_pool_size_zero_keeps_no_spares():
         time.sleep(1.0)
         i = s.srv.info()
         assert i["spare_workers"]["waiting"] == 0 and i["spare_workers"]["pool_size"] == 0, i
+        assert i["spare_workers"]["dirs_made_ahead"] == {"ready": 0, "kept": 0}, i
+        sessions_dir = next(s.state.glob("sessions-*"))
+        assert not list(sessions_dir.glob("@dir-*")), "directories made ahead without a pool"
     finally:
         s.close()
 
