@@ -988,6 +988,34 @@ def run_cell(code, run_id=0):
     return out
 
 
+def warm(run_waiting=False):
+    """A run is on its way (the host read a request for this worker and is still parsing it):
+    runs the code every cell runs on throwaway values, so it is back in the caches when the
+    cell comes (after an idle pause that code runs several times slower: docs/PERFORMANCE.md,
+    "After idle"). Leaves the session as it was: nothing printed, no global set, no image
+    remembered, no directory listed (the image scan walks its cached listings only). Nothing
+    when the run is already waiting (`run_waiting`): the warm-up would only delay it."""
+    if run_waiting:
+        return
+    tree = ast.parse(_WARM_CELL, CELL_FILENAME, "exec")
+    last = ast.Expression(tree.body.pop().value)
+    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    scratch = {}
+    eval(compile(tree, CELL_FILENAME, "exec", flags=flags, dont_inherit=True), scratch)
+    value = eval(compile(last, CELL_FILENAME, "eval", flags=flags, dont_inherit=True), scratch)
+    _repr(value)
+    if len(_image_scan.dirs) <= _image_scan.ASK_HOST_ABOVE_DIRS:
+        _image_scan.images(listing=False)
+    import os
+
+    home = os.environ.get("HOME")
+    if home is not None:  # a spare's hand-off (`bind_session`) runs this; here it changes nothing
+        _set_environment({"HOME": home}, replace=False)
+
+
+_WARM_CELL = "w = 0\nw += 1\nw"
+
+
 # ---------------------------------------------------------------------------------------------
 # Children: where the sandbox lets a worker fork (SECURITY.md #158-#160), process pools run as
 # written. Never exec: the start methods that exec a fresh interpreter are pointed at fork.
@@ -1352,7 +1380,9 @@ class _ImageScan:
             return [], []
         return images, subdirs
 
-    def images(self):
+    def images(self, listing=True):
+        """Image paths; without `listing` (the warm-up's dry run), from the listings cached
+        only: no directory is listed and the cache is left as it was."""
         import os
         import time
 
@@ -1367,14 +1397,20 @@ class _ImageScan:
                 continue
             cached = self.dirs.get(path)
             if cached is None or cached[0] != mtime or now_ns - mtime < self.RACY_S * 1e9:
-                images, subdirs = self._list(path)
-                self.dirs[path] = (mtime, images, subdirs)
+                if not listing:
+                    if cached is None:
+                        continue
+                    _, images, subdirs = cached
+                else:
+                    images, subdirs = self._list(path)
+                    self.dirs[path] = (mtime, images, subdirs)
             else:
                 _, images, subdirs = cached
             out.extend(os.path.normpath(os.path.join(path, n)) for n in images)
             stack.extend(os.path.join(path, d) for d in subdirs)
-        for gone in set(self.dirs) - seen:
-            del self.dirs[gone]
+        if listing:
+            for gone in set(self.dirs) - seen:
+                del self.dirs[gone]
         return out
 
 

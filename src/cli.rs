@@ -303,7 +303,9 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let outcome = async {
         let (stdin, stdout) = crate::stdio::std_streams();
-        let transport = crate::stdio::StdioTransport::new(stdin, stdout, max_line);
+        let warm = sessions.clone();
+        let transport = crate::stdio::StdioTransport::new(stdin, stdout, max_line)
+            .with_line_hook(Box::new(move |line| warm.warm_for_request(line)));
         let running = server.serve(transport).await.context("MCP handshake")?;
         tokio::select! {
             quit = running.waiting() => { tracing::info!(?quit, "client disconnected"); }

@@ -46,7 +46,12 @@ pub struct StdioTransport<R, W> {
     /// because `receive` runs inside rmcp's `select!` and can be dropped mid-line.
     discarding: bool,
     writer: Writer<W>,
+    /// Shown each whole line before it is parsed ([`StdioTransport::with_line_hook`]).
+    on_line: Option<LineHook>,
 }
+
+/// What [`StdioTransport::with_line_hook`] takes.
+pub type LineHook = Box<dyn Fn(&[u8]) + Send + Sync>;
 
 enum LineRead {
     Line,
@@ -67,7 +72,15 @@ where
             max_line,
             discarding: false,
             writer: Arc::new(Mutex::new(Some(write))),
+            on_line: None,
         }
+    }
+
+    /// `hook` sees each whole line as soon as it is read, before it is parsed (the server warms
+    /// the worker a request will run on: `SessionManager::warm_for_request`). It must not wait.
+    pub fn with_line_hook(mut self, hook: LineHook) -> Self {
+        self.on_line = Some(hook);
+        self
     }
 
     /// Reads one `\n`-terminated line into `self.line`, never letting it grow past the cap.
@@ -320,6 +333,9 @@ where
                     tracing::error!("reading stdin failed: {e}");
                     return None;
                 }
+            }
+            if let Some(hook) = &self.on_line {
+                hook(&self.line);
             }
             let parsed = parse_line(self.line.strip_suffix(b"\n").unwrap_or(&self.line));
             self.line.clear();

@@ -17,11 +17,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{SinkExt, StreamExt};
+use futures::StreamExt;
 use nix::sys::signal::Signal;
 use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
-use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 use tokio_util::sync::CancellationToken;
 
 use crate::frame::{self, MAX_INFLIGHT_REQUESTS};
@@ -109,6 +109,19 @@ pub(super) struct LiveWorker {
     blocking_turn: Arc<Semaphore>,
     /// JSON values the open bridge requests may hold in all ([`frame::MAX_OPEN_REQUEST_VALUES`]).
     request_values: Arc<Semaphore>,
+    /// The socket's sending side as the writer task and [`LiveWorker::warm`] share it.
+    wire: Arc<std::sync::Mutex<Wire>>,
+}
+
+/// What the writer task and [`LiveWorker::warm`] must agree on to write whole frames: each
+/// write is one non-blocking `send` made under this lock.
+#[derive(Default)]
+struct Wire {
+    /// The writer task has sent part of a frame (the socket was full): nothing may go between.
+    mid_frame: bool,
+    /// The rest of a `warm` frame whose `send` was cut short (a small send into a Unix socket
+    /// goes whole or not at all, so this stays empty): the writer sends it first.
+    warm_rest: Vec<u8>,
 }
 
 impl LiveWorker {
@@ -134,10 +147,8 @@ impl LiveWorker {
             .max_frame_length(frame::max_worker_frame_bytes(image_budget_bytes))
             .new_codec();
         let (outbox, queued) = mpsc::channel(OUTBOX_FRAMES);
-        tokio::spawn(write_frames_to_worker(
-            FramedWrite::new(write, frame::host_codec()),
-            queued,
-        ));
+        let wire = Arc::new(std::sync::Mutex::new(Wire::default()));
+        tokio::spawn(write_frames_to_worker(write, wire.clone(), queued));
         guard.0 = None;
         Ok(LiveWorker {
             process,
@@ -157,7 +168,45 @@ impl LiveWorker {
             tools_turn: Arc::new(Semaphore::new(1)),
             blocking_turn: Arc::new(Semaphore::new(1)),
             request_values: Arc::new(Semaphore::new(frame::MAX_OPEN_REQUEST_VALUES)),
+            wire,
         })
+    }
+
+    /// Tells the worker, waiting between cells, that a request for it is on its way (the
+    /// client's line was just read): it brings the code a cell runs back into its caches while
+    /// the host parses the request, runs the handler and sends the `run` (docs/PERFORMANCE.md,
+    /// "After idle"). Call it only while holding the session's state (no cell runs). One
+    /// non-blocking `send` of [`frame::WARM_FRAME`], and only when the worker has read every
+    /// byte sent to it before (the socket's send queue is empty): a worker that stops reading
+    /// holds one of these at most. Nothing is sent while the writer task is in the middle of a
+    /// frame, and nothing is waited for.
+    pub fn warm(&self) {
+        use std::os::fd::AsRawFd;
+        let mut wire = crate::lock(&self.wire);
+        if wire.mid_frame || !wire.warm_rest.is_empty() {
+            return;
+        }
+        let sock: &tokio::net::UnixStream = self.frames.get_ref().as_ref();
+        let mut unread: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ writes one int: the bytes sent on this socket its peer has not read.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::TIOCOUTQ, &mut unread) } != 0 || unread != 0
+        {
+            return;
+        }
+        let wanted = frame::WARM_FRAME;
+        // SAFETY: a plain send(2) of a static buffer on the socket this handle owns.
+        let sent = unsafe {
+            libc::send(
+                sock.as_raw_fd(),
+                wanted.as_ptr().cast(),
+                wanted.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        let Ok(sent) = usize::try_from(sent) else {
+            return; // a full socket (EAGAIN) or a gone worker: the run finds out
+        };
+        wire.warm_rest = wanted[sent.min(wanted.len())..].to_vec();
     }
 
     pub fn pid(&self) -> i32 {
@@ -397,52 +446,14 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// The writer task: sends queued frames in order until the queue closes or the socket breaks.
-/// Writes one frame (length prefix and body) with `fd` passed on its first byte, after what
-/// the sink holds. The socket is non-blocking: each write waits until it is writable.
-async fn send_frame_passing(
-    sink: &mut FramedWrite<tokio::net::unix::OwnedWriteHalf, LengthDelimitedCodec>,
-    body: &[u8],
-    fd: std::os::fd::OwnedFd,
-) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    SinkExt::<Bytes>::flush(sink).await?;
-    let mut bytes = (body.len() as u32).to_be_bytes().to_vec();
-    bytes.extend_from_slice(body);
-    let stream: &tokio::net::UnixStream = sink.get_ref().as_ref();
-    let mut sent = 0;
-    let fds = [fd.as_raw_fd()];
-    while sent < bytes.len() {
-        stream.writable().await?;
-        let cmsgs = if sent == 0 {
-            vec![nix::sys::socket::ControlMessage::ScmRights(&fds)]
-        } else {
-            Vec::new()
-        };
-        let iov = [std::io::IoSlice::new(&bytes[sent..])];
-        let tried = stream.try_io(tokio::io::Interest::WRITABLE, || {
-            nix::sys::socket::sendmsg::<()>(
-                stream.as_raw_fd(),
-                &iov,
-                &cmsgs,
-                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
-                None,
-            )
-            .map_err(std::io::Error::from)
-        });
-        match tried {
-            Ok(n) => sent += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
+/// The writer task: sends queued frames in order until the queue closes or the socket breaks,
+/// each as length prefix and body, a descriptor passed with its first byte.
 async fn write_frames_to_worker(
-    mut sink: FramedWrite<tokio::net::unix::OwnedWriteHalf, LengthDelimitedCodec>,
+    write: tokio::net::unix::OwnedWriteHalf,
+    wire: Arc<std::sync::Mutex<Wire>>,
     mut queued: mpsc::Receiver<Outgoing>,
 ) {
+    let stream: &tokio::net::UnixStream = write.as_ref();
     while let Some(Outgoing {
         body,
         _slot: slot,
@@ -454,17 +465,81 @@ async fn write_frames_to_worker(
         // cannot see the answer (and reuse the slot) before the host counts the slot free, and
         // the queue still holds at most one answer per slot.
         drop(slot);
-        if let Some(fd) = pass_fd {
-            if let Err(e) = send_frame_passing(&mut sink, &body, fd).await {
-                tracing::debug!(error = %e, "writing to a worker failed; it is gone");
-                break;
-            }
-            continue;
+        if body.len() > frame::MAX_FRAME_BYTES {
+            tracing::warn!(
+                bytes = body.len(),
+                "a frame too large for a worker was dropped"
+            );
+            break;
         }
-        if let Err(e) = sink.send(body).await {
+        let mut bytes = Vec::with_capacity(4 + body.len());
+        bytes.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(&body);
+        if let Err(e) = write_whole(stream, &wire, &bytes, pass_fd).await {
             tracing::debug!(error = %e, "writing to a worker failed; it is gone");
             break;
         }
         drop(turn);
     }
+}
+
+/// Writes `bytes` whole (after the rest of a `warm` frame, if one was cut short), each `send`
+/// under the wire's lock, marking the wire mid-frame until the last byte is out. The socket
+/// is non-blocking: each write waits until it is writable.
+async fn write_whole(
+    stream: &tokio::net::UnixStream,
+    wire: &std::sync::Mutex<Wire>,
+    bytes: &[u8],
+    fd: Option<std::os::fd::OwnedFd>,
+) -> std::io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    use std::os::fd::AsRawFd;
+    let fds = fd.as_ref().map(|fd| [fd.as_raw_fd()]);
+    let mut sent = 0;
+    while sent < bytes.len() {
+        stream.writable().await?;
+        let tried = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            let mut w = crate::lock(wire);
+            let rest = std::mem::take(&mut w.warm_rest);
+            let (chunk, from_rest) = if rest.is_empty() {
+                (&bytes[sent..], false)
+            } else {
+                (&rest[..], true)
+            };
+            let cmsgs: Vec<ControlMessage<'_>> = match &fds {
+                Some(fds) if sent == 0 && !from_rest => vec![ControlMessage::ScmRights(fds)],
+                _ => Vec::new(),
+            };
+            let iov = [std::io::IoSlice::new(chunk)];
+            let n = sendmsg::<()>(
+                stream.as_raw_fd(),
+                &iov,
+                &cmsgs,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            );
+            let n = match n {
+                Ok(n) => n,
+                Err(e) => {
+                    if from_rest {
+                        w.warm_rest = rest;
+                    }
+                    return Err(std::io::Error::from(e));
+                }
+            };
+            if from_rest {
+                w.warm_rest = rest[n..].to_vec();
+            } else {
+                sent += n;
+                w.mid_frame = sent < bytes.len();
+            }
+            Ok(())
+        });
+        match tried {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }

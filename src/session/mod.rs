@@ -44,6 +44,7 @@ mod pool_dirs;
 mod quota;
 mod resident;
 mod spawn;
+mod warm;
 use cell::Cell;
 use dirs::{remove_sessions_of_dead_servers, set_private};
 use font_cache::FONT_CACHE_BUILD_DIR;

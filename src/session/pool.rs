@@ -146,6 +146,14 @@ impl Pool {
         Some(spares.remove(at))
     }
 
+    /// Tells the spare a new session would take next (a plain one) that a run is coming
+    /// ([`LiveWorker::warm`], from `warm.rs`).
+    pub(super) fn warm_next_spare(&self) {
+        if let Some(spare) = lock(&self.spares).iter().rev().find(|s| !s.plots) {
+            spare.worker.warm();
+        }
+    }
+
     pub(super) fn size(&self) -> usize {
         self.size
     }

@@ -65,7 +65,16 @@ pub enum ToWorker {
     /// attached by `SCM_RIGHTS`). The worker answers [`FromWorker::Forked`]; the fork says
     /// `ready` on its own socket.
     Fork(ForkOrder),
+    /// A request for this worker is on its way (the host has just read a line naming its
+    /// session, or one that may take this spare): it may bring the code a cell runs back into
+    /// its caches meanwhile. Carries nothing, asks for no answer, and the host never waits on
+    /// it; sent between cells only, when the worker has read all it was sent ([`WARM_FRAME`]).
+    Warm,
 }
+
+/// The whole `warm` frame on the wire (length, kind, payload): the host writes it in one
+/// non-blocking `send` on the stdin-reading path, without the writer task.
+pub const WARM_FRAME: &[u8] = b"\0\0\0\x0eJ{\"op\":\"warm\"}";
 
 /// Where each side of a fork lives afterwards (docs/ARCHITECTURE.md, "Forking a session"). The
 /// host made every directory; each is beneath the worker's forks area, which its Landlock
@@ -473,17 +482,7 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Option<(u8, Vec<u8>)>> {
     Ok(Some((kind, buf)))
 }
 
-/// The codec the host uses on its end of a session socket.
-#[cfg(feature = "host")]
-pub fn host_codec() -> tokio_util::codec::LengthDelimitedCodec {
-    tokio_util::codec::LengthDelimitedCodec::builder()
-        .length_field_length(4)
-        .big_endian()
-        .max_frame_length(MAX_FRAME_BYTES)
-        .new_codec()
-}
-
-/// Encodes a JSON control frame body for the host codec (kind byte + JSON).
+/// Encodes a JSON control frame body (kind byte + JSON); the host's writer adds the length.
 #[cfg(feature = "host")]
 pub fn json_body<T: Serialize>(msg: &T) -> io::Result<bytes::Bytes> {
     let mut body = vec![KIND_JSON];
@@ -509,6 +508,19 @@ mod tests {
         frame.extend_from_slice(zeros.as_bytes());
         let err = decode_worker_frame(&frame, 0).unwrap_err();
         assert!(err.0.contains("JSON values"), "{err}");
+    }
+
+    #[test]
+    fn the_warm_frame_is_a_whole_frame_of_the_warm_order() {
+        let (kind, body) = read_frame(&mut &WARM_FRAME[..]).unwrap().unwrap();
+        assert_eq!(kind, KIND_JSON);
+        assert!(matches!(serde_json::from_slice(&body), Ok(ToWorker::Warm)));
+        assert_eq!(
+            read_frame(&mut &WARM_FRAME[..WARM_FRAME.len() - 1])
+                .ok()
+                .flatten(),
+            None
+        );
     }
 
     #[test]

@@ -47,6 +47,18 @@ pub struct RunOrder {
     pub fork: Option<frame::ForkOrder>,
 }
 
+/// What the main thread does next.
+pub enum Next {
+    /// Boxed: the order is large.
+    Run(Box<RunOrder>),
+    /// A `warm` frame: a run is on its way ([`ToWorker::Warm`]).
+    Warm {
+        /// More is already waiting to be read (this thread woke after the host sent the run:
+        /// no CPU was free meanwhile): a warm-up would only delay that run.
+        run_waiting: bool,
+    },
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Owner {
     /// The main thread, waiting for a frame (between cells).
@@ -117,6 +129,7 @@ pub struct Inbox {
 enum Frame {
     /// Boxed: the order is large, and most frames are answers.
     Run(Box<RunOrder>),
+    Warm,
     Other,
     Closed,
 }
@@ -208,8 +221,10 @@ impl Inbox {
     /// Blocks (call it without the GIL) until the host sends the next cell, reading the socket
     /// itself once the reader thread has given it back; `None` once the host closed the
     /// session. When this returns a cell, the main thread holds the socket without reading it
-    /// ([`Owner::MainBusy`]) until a request needs the reader thread.
-    pub fn next_run(&mut self) -> Option<RunOrder> {
+    /// ([`Owner::MainBusy`]) until a request needs the reader thread. A `warm` frame read
+    /// between cells returns [`Next::Warm`], the socket staying the main thread's; one that the
+    /// reader thread reads (it came during a cell) is dropped.
+    pub fn next_run(&mut self) -> Option<Next> {
         let shared = &*self.shared;
         {
             let mut st = crate::lock(&shared.state);
@@ -228,7 +243,7 @@ impl Inbox {
                     if st.owner == Owner::Main {
                         busy(shared, st);
                     }
-                    return Some(run);
+                    return Some(Next::Run(Box::new(run)));
                 }
                 match st.owner {
                     Owner::Main => break,
@@ -250,7 +265,12 @@ impl Inbox {
                     if st.owner == Owner::Main {
                         busy(shared, st);
                     }
-                    return Some(*run);
+                    return Some(Next::Run(run));
+                }
+                Frame::Warm => {
+                    return Some(Next::Warm {
+                        run_waiting: readable_now(&shared.sock),
+                    });
                 }
                 Frame::Other => {}
                 Frame::Closed => {
@@ -338,7 +358,7 @@ impl MainWait {
                     // Not sent during a cell; kept for the next `next_run` all the same.
                     crate::lock(&self.shared.state).queued.push_back(*run);
                 }
-                Frame::Other => {}
+                Frame::Warm | Frame::Other => {}
                 Frame::Closed => {
                     self.shared.close();
                     return Waited::Closed;
@@ -412,7 +432,7 @@ fn read_while_a_cell_runs(shared: &Shared, sock: UnixStream) {
                     crate::lock(&shared.state).queued.push_back(*run);
                     shared.changed.notify_all();
                 }
-                Frame::Other => {}
+                Frame::Warm | Frame::Other => {}
                 Frame::Closed => return shared.close(),
             }
         }
@@ -445,6 +465,7 @@ fn read_one(sock: &UnixStream) -> Frame {
                 bind: None,
                 fork: Some(order),
             })),
+            Ok(ToWorker::Warm) => Frame::Warm,
             Ok(ToWorker::Response { id, payload }) => {
                 crate::bridge::resolve(id, payload.to_string());
                 Frame::Other
@@ -472,6 +493,12 @@ fn wait_readable(sock: &UnixStream) {
             _ => return,
         }
     }
+}
+
+/// Whether `sock` has something to read right now.
+fn readable_now(sock: &UnixStream) -> bool {
+    let mut fds = [PollFd::new(sock.as_fd(), PollFlags::POLLIN)];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
 }
 
 /// Descriptors the host passed with a frame (a fork's socket), for [`take_passed_fd`]. At most

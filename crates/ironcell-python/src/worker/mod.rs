@@ -356,14 +356,15 @@ fn serve_session(
             (next, inbox)
         });
         inbox = back;
-        let Some(inbox::RunOrder {
-            id,
-            code,
-            bind,
-            fork,
-        }) = next
-        else {
-            return Ok(()); // the host closed the session
+        let (id, code, bind, fork) = match next {
+            Some(inbox::Next::Run(run)) => (run.id, run.code, run.bind, run.fork),
+            Some(inbox::Next::Warm { run_waiting }) => {
+                // A run is on its way: the runner brings the code a cell runs back into the
+                // caches meanwhile (`warm`, SECURITY.md #265). A failure is a colder run.
+                let _ = runner.call_method1("warm", (run_waiting,));
+                continue;
+            }
+            None => return Ok(()), // the host closed the session
         };
         if let Some(order) = fork {
             // In the fork, this returns serving the new session on the same loop.
