@@ -27,8 +27,14 @@ use tokio_util::sync::CancellationToken;
 use crate::frame::{self, MAX_INFLIGHT_REQUESTS};
 use crate::zygote::{ExitInfo, SpawnedWorker, WorkerProcess};
 
-/// How long to wait for the zygote's report after a worker's socket closed or it was killed.
+/// How long to wait for the zygote's report after a worker's socket closed or it was killed,
+/// before it is SIGKILLed to make sure.
 const EXIT_REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How much longer the report is waited for then: the zygote reaps between its steps, and one
+/// step can take seconds under load (importing matplotlib for the plots' warm-up took over 3 s
+/// beside two busy loops, and a worker the memory watch killed then was reported "ended, its
+/// exit status unknown" instead of over its memory limit). A zygote that is gone answers at once.
+const EXIT_REPORT_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Frames queued for the writer: every possible answer, plus a few control frames (`run`).
 const OUTBOX_FRAMES: usize = MAX_INFLIGHT_REQUESTS + 4;
@@ -408,14 +414,15 @@ impl LiveWorker {
 
     /// After the socket closed: how did the process end? (Killed if it still runs.)
     pub async fn wait_exit(mut self) -> Option<ExitInfo> {
-        let rx = self.exit.take()?;
-        match tokio::time::timeout(EXIT_REPORT_TIMEOUT, rx).await {
+        let mut rx = self.exit.take()?;
+        match tokio::time::timeout(EXIT_REPORT_TIMEOUT, &mut rx).await {
             Ok(Ok(status)) => Some(status),
             Ok(Err(_)) => None, // the zygote went away: no report will come
             Err(_) => {
-                // No report in time: make sure, then give up waiting.
+                // No report in time: make sure, then wait for the busy zygote's word.
                 self.process.signal(Signal::SIGKILL);
-                None
+                let late = tokio::time::timeout(EXIT_REPORT_PATIENCE, rx).await;
+                late.ok().and_then(Result::ok)
             }
         }
     }
