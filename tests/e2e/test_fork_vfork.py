@@ -108,9 +108,14 @@ def test_257_a_spinning_vfork_child_ends_with_the_runs_timeout(box):
 
 
 def thread_vfork(leave_group: bool = False) -> str:
-    """A cell whose thread vforks a child that spins forever (after leaving the worker's process
-    group, with `leave_group`: `setpgid(0, 0)` is allowed where sessions fork, #194); the cell
-    returns the child's pid."""
+    """A cell whose thread vforks a child that waits until it is killed (after leaving the
+    worker's process group, with `leave_group`: `setpgid(0, 0)` is allowed where sessions fork,
+    #194); the cell returns the child's pid. The child waits in `pause` called as `sc(34, 0)`,
+    the vfork's own shape, so once it is killed the thread resumes as from that call (the
+    module's note) and ends. A child that spun in Python instead left the thread to return
+    through frames the child overwrote: the worker crashed when the thread next ran, which
+    under load was often during the session's next run (4 failures in 20 runs of this file
+    beside two busy loops)."""
     return THREAD_VFORK.replace("LEAVE", "os.setpgid(0, 0)" if leave_group else "pass")
 
 
@@ -121,7 +126,7 @@ THREAD_VFORK = (
     "        LEAVE\n"
     "        fd = os.open('vchild.pid', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
     "        os.write(fd, str(os.getpid()).encode())\n"
-    "        while True:\n            pass\n"
+    "        sc(34, 0)\n"
     "threading.Thread(target=make, daemon=True).start()\n"
     "for _ in range(3000):\n"
     "    if os.path.exists('vchild.pid') and os.path.getsize('vchild.pid'):\n        break\n"
@@ -132,7 +137,7 @@ THREAD_VFORK = (
 
 @pytest.mark.parametrize("leave_group", [False, True], ids=["in-group", "left-group"])
 def test_258_a_vfork_child_of_a_thread_outlives_its_cell_but_not_a_reset_and_keeps_its_session_from_forking(box, leave_group):
-    # vfork stops only the calling thread: the cell returns while its child spins, sharing the
+    # vfork stops only the calling thread: the cell returns while its child waits, sharing the
     # worker's memory (and its domain before any fork, which reaches a fork's directory).
     session = f"vthread-{int(leave_group)}"
     child = value(box.run(thread_vfork(leave_group), session=session, timeout_s=60))
