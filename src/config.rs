@@ -334,6 +334,7 @@ impl Settings {
         // Sessions, plain spares and the plot spare (src/session/pool.rs).
         sandbox.max_workers = u64::from(self.max_sessions) + u64::from(self.pool_size) + 1;
         sandbox.set_cgroups(self.cgroups);
+        sandbox.files_in_memory = memory_backed_state_dir(&self.resolved_state_dir()).is_some();
         Ok(sandbox)
     }
 

@@ -230,6 +230,8 @@ struct Shared {
     /// Where root workers make their pids cgroups: each one's group is removed when the zygote
     /// reports it reaped.
     pids_groups: Option<PathBuf>,
+    /// Where root workers make their memory cgroups (one per lineage: SECURITY.md #271).
+    memory_groups: Option<crate::sandbox::memcg::MemoryGroups>,
     /// The last lines the zygote wrote to stderr (passed on to ours as they come): what an
     /// interpreter that dies before it is ready has to say.
     stderr_tail: Mutex<String>,
@@ -282,7 +284,7 @@ impl Zygote {
         python: &Interpreter,
         preload: &[String],
         log_filter: &str,
-        pids_groups: Option<&Path>,
+        groups: &crate::sandbox::cgroup::WorkerGroups,
         code_cache: &Path,
     ) -> anyhow::Result<Zygote> {
         let (host_end, zygote_end) = socketpair(
@@ -338,7 +340,8 @@ impl Zygote {
             ready: tokio::sync::Notify::new(),
             dead: AtomicBool::new(false),
             python: python.clone(),
-            pids_groups: pids_groups.map(Path::to_path_buf),
+            pids_groups: groups.pids.clone(),
+            memory_groups: groups.memory.clone(),
             stderr_tail: Mutex::new(String::new()),
         });
         if let Some(stderr) = child.stderr.take() {
@@ -520,10 +523,17 @@ impl Zygote {
         let _ = child.kill();
         let _ = child.wait();
         drop(child);
-        if let Some(parent) = &self.shared.pids_groups {
+        let parents = [
+            self.shared.pids_groups.as_deref(),
+            self.shared
+                .memory_groups
+                .as_ref()
+                .map(|g| g.parent.as_path()),
+        ];
+        for parent in parents.into_iter().flatten() {
             crate::sandbox::cgroup::remove_groups_once_empty(
                 parent,
-                live,
+                live.clone(),
                 std::time::Duration::from_secs(1),
             );
         }
@@ -543,6 +553,9 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
     // Workers of an earlier zygote (or server) that died took theirs along unreported.
     if let Some(parent) = &shared.pids_groups {
         crate::sandbox::cgroup::remove_groups_of_gone_workers(parent);
+    }
+    if let Some(groups) = &shared.memory_groups {
+        crate::sandbox::memcg::remove_groups_of_gone_workers(&groups.parent);
     }
     let raw = fd.as_raw_fd();
     let mut buf = Vec::new();
@@ -617,7 +630,15 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 {
                     remove_group_once_empty(parent.clone(), pid);
                 }
-                let killed_for = lock(&shared.over_memory).remove(&pid);
+                // Killed by the kernel at its memory group's limit (SECURITY.md #271)?
+                let oom_peak = (shared.memory_groups.as_ref())
+                    .and_then(|g| crate::sandbox::memcg::worker_gone(g, pid).map(|p| (p, g)));
+                let killed_for = lock(&shared.over_memory).remove(&pid).or_else(|| {
+                    oom_peak.map(|(peak, g)| ExitInfo::OverMemory {
+                        held_mib: peak >> 20,
+                        limit_mib: g.limit_bytes >> 20,
+                    })
+                });
                 let status = match killed_for {
                     Some(why) if status == ExitInfo::Signal(libc::SIGKILL) => why,
                     _ => status,

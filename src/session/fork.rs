@@ -478,6 +478,12 @@ impl SessionManager {
         {
             group.move_in(pid);
         }
+        // It stays in its parent's memory group, whose limit grows by a session's (#271).
+        if let Some(groups) = self.sandbox.memory_groups()
+            && let Err(e) = crate::sandbox::memcg::fork_joined(&groups, pid)
+        {
+            tracing::warn!(pid, error = %e, "a fork's memory group keeps its limit");
+        }
     }
 
     /// Where a fork's own pids group is made (as root), with its cap.

@@ -240,7 +240,7 @@ impl SessionManager {
                     interpreter,
                     &settings.preload,
                     &crate::cli::log_filter(),
-                    sandbox.pids_cgroup_parent.as_deref(),
+                    &sandbox.worker_groups(),
                     &state_dir.join(crate::zygote::CODE_CACHE_DIR),
                 )?))
             }
@@ -421,7 +421,7 @@ impl SessionManager {
                     python,
                     &self.settings.preload,
                     &crate::cli::log_filter(),
-                    self.sandbox.pids_cgroup_parent.as_deref(),
+                    &self.sandbox.worker_groups(),
                     &self.state_dir().join(crate::zygote::CODE_CACHE_DIR),
                 )?);
                 // Workers given the shared font cache expect pyplot imported: ask again before

@@ -9,6 +9,7 @@ provide what Landlock cannot. Test names carry the catalogue's numbers.
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import pwd
@@ -895,15 +896,16 @@ def test_131_the_worker_cannot_make_bpf_programs_seccomp_or_socket_filters(box):
     bpf_programs_are_refused(box, "bpf")
 
 
-# 1,000 private anonymous 2 MiB-aligned ranges, each advised MADV_HUGEPAGE, touched once, then
-# unmapped but for their first 4 KiB: with huge pages on, each keeps a whole 2 MiB page that
-# neither rlimit nor RssAnon counts. Returns (the THP-disable flag, the pieces kept).
+# `pieces` private anonymous 2 MiB-aligned ranges, each advised MADV_HUGEPAGE, touched once,
+# then unmapped but for their first 4 KiB: each keeps a whole 2 MiB page that neither rlimit
+# nor RssAnon counts, unless huge pages are off or a memory cgroup charges them. Returns (the
+# THP-disable flag, the pieces kept, the worker's pid).
 HUGE_PAGES = RAW_MMAP + """
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 HUGE = 2 << 20
 PIECES = []
-for _ in range(1000):
+for _ in range(PIECE_COUNT):
     raw = libc.mmap(None, 2 * HUGE, 3, 0x22, -1, 0)
     assert raw > 0, ctypes.get_errno()
     start = (raw + HUGE - 1) & ~(HUGE - 1)
@@ -913,25 +915,145 @@ for _ in range(1000):
         libc.munmap(raw, start - raw)
     libc.munmap(start + 4096, raw + 2 * HUGE - start - 4096)
     PIECES.append(start)
-(libc.prctl(42, 0, 0, 0, 0), len(PIECES))  # PR_GET_THP_DISABLE
+(libc.prctl(42, 0, 0, 0, 0), len(PIECES), os.getpid())  # PR_GET_THP_DISABLE
 """
 
 
-def huge_pages_are_off(b: "Sandboxed", session: str) -> None:
+def memory_groups_of(b: "Sandboxed") -> Path | None:
+    """Where the server's workers have memory cgroups (and so huge pages), from system://info's
+    protection row; None where huge pages are off (SECURITY.md #132, #271)."""
+    rows = {p["protection"]: p["layers"] for p in b.srv.info()["sandbox"]["protections"]}
+    layers = " ".join(rows["no uncounted huge pages (2 MiB kept for 4 KiB)"])
+    if "memory cgroup" not in layers:
+        assert "PR_SET_THP_DISABLE" in layers, layers
+        return None
+    return Path(layers.split(" under ", 1)[1].split(")", 1)[0])
+
+
+def group_file(group: Path, name: str) -> int:
+    return int((group / name).read_text())
+
+
+@pytest.fixture(scope="module", params=USERS)
+def small_box(request):
+    """A server with a 256 MiB memory limit (a memory group of 384 MiB where there is one)."""
+    b = Sandboxed(request.param, MCP_BRIDGE_MEMORY_LIMIT="256m")
+    yield b
+    b.close()
+
+
+def huge_pages_are_bounded(b: "Sandboxed", session: str, pieces: int) -> None:
+    """`pieces` cut-down huge pages hold no more than the worker's limits allow: huge pages are
+    off (PR_SET_THP_DISABLE), or the worker's memory cgroup charges them whole and, at its
+    limit, the kernel splits them and frees their unmapped parts (#271)."""
+    groups = memory_groups_of(b)
     before = meminfo_mb("MemAvailable")
-    rec = b.run(HUGE_PAGES, session=session, timeout_s=120)
+    rec = b.run(f"PIECE_COUNT = {pieces}\n" + HUGE_PAGES, session=session, timeout_s=300)
     assert rec["status"] == "ok", rec
-    assert ast.literal_eval(rec["result"]) == (1, 1000), rec
+    flag, kept, pid = ast.literal_eval(rec["result"])
+    assert kept == pieces
     held = before - meminfo_mb("MemAvailable")
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[never]" not in thp.read_text():
-        # 2,000 MB with huge pages on; 1,000 pieces of 4 KiB are 4 MB (plus page tables).
-        assert held < 512, f"the session holds {held} MB in cut-down huge pages"
+    thp_on = "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if groups is None:
+        assert flag == 1, "huge pages are on in a worker that has no memory cgroup"
+        # 2 MiB each with huge pages on; 4 KiB each (plus page tables) with them off.
+        assert not thp_on or held < 256, f"the session holds {held} MB in cut-down huge pages"
+    else:
+        assert b.user == "root" and flag == 0
+        group = groups / f"w{pid}"
+        limit = group_file(group, "memory.limit_in_bytes")
+        info = b.srv.info()["sandbox"]["limits"]
+        assert limit == info["memory_bytes"] + (128 << 20), limit
+        peak = group_file(group, "memory.max_usage_in_bytes")
+        assert peak <= limit, (peak, limit)
+        # Never more than the group's limit (plus what else moved on this shared machine): the
+        # cut-down pages were split and freed at the limit, not kept.
+        assert held < (limit >> 20) + 256, f"the session holds {held} MB, its group {limit >> 20} MiB"
     assert b.run("1", session=session, reset=True)["status"] == "ok"
+    if groups is not None:  # the reset worker's group went with it
+        assert wait_until(lambda: not (groups / f"w{pid}").exists(), 10), f"w{pid} left behind"
 
 
-def test_132_workers_allocate_no_transparent_huge_pages(box):
-    huge_pages_are_off(box, "thp")
+def test_132_cut_down_huge_pages_hold_no_more_than_the_sessions_limit(small_box):
+    # 3,000 cut-down pages held 5,086 MB under a 256 MiB limit with huge pages on and nothing
+    # counting them (6,000 MB at most); now 12 MB with them off, or at most the worker's
+    # memory group (384 MiB) with them on.
+    huge_pages_are_bounded(small_box, "thp", 3000)
+
+
+CGROUP_WRITES = """
+import errno, glob
+def attempt(path, text):
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return "written"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+(attempt(GROUP + "/memory.limit_in_bytes", str(1 << 40)), attempt(GROUP + "/../cgroup.procs", str(os.getpid())),
+ attempt(GROUP + "/../tasks", "0"), attempt(GROUP + "/memory.oom_control", "1"),
+ attempt("/sys/fs/cgroup/memory/cgroup.procs", str(os.getpid())), libc.prctl(41, 1, 0, 0, 0), ctypes.get_errno())
+"""
+
+
+def test_271_a_worker_cannot_leave_its_memory_group_raise_its_limit_or_turn_huge_pages_off(small_box):
+    b = small_box
+    groups = memory_groups_of(b)
+    if groups is None:
+        pytest.skip("huge pages are off in this server's workers (no memory cgroups)")
+    pid = ast.literal_eval(b.run("os.getpid()", session="cg")["result"])
+    group = groups / f"w{pid}"
+    code = RAW_MMAP + f"GROUP = {str(group)!r}\n" + CGROUP_WRITES
+    rec = b.run(code, session="cg")
+    assert rec["status"] == "ok", rec
+    # Root without capabilities owns those 0644 files, so the DAC check would let it write:
+    # the worker's empty /sys hides them (ENOENT), and Landlock refuses every write beneath
+    # /sys where there is no namespace (EACCES); seccomp refuses PR_SET_THP_DISABLE (ENOSYS).
+    *writes, rc, err = ast.literal_eval(rec["result"])
+    assert all(w in ("ENOENT", "EACCES") for w in writes) and (rc, err) == (-1, errno.ENOSYS), rec
+    assert group_file(group, "memory.limit_in_bytes") == (256 + 128) << 20
+    assert f"{pid}\n" in (group / "cgroup.procs").read_text()
+
+
+def test_271_a_session_writing_files_to_its_quota_is_not_killed_by_its_memory_group(small_box):
+    # Page cache is charged to the writer's group: 896 MiB of files (the scratch quota is 1 GiB,
+    # a file at most 256 MiB) under a 384 MiB group is reclaimed within it, not an OOM kill.
+    b = small_box
+    tmp = "/tmp/" if b.private_tmp_is_namespace() else ""
+    rec = b.run(f"""
+chunk = b"y" * (8 << 20)
+names = [f"{tmp}big{{i}}.bin" for i in range(4)]
+for name in names:
+    with open(name, "wb") as f:
+        for _ in range(28):
+            f.write(chunk)
+n = 0
+for name in names:
+    with open(name, "rb") as f:
+        n += sum(len(c) for c in iter(lambda: f.read(8 << 20), b""))
+    os.remove(name)
+n >> 20""", session="files", timeout_s=300)
+    assert rec["status"] == "ok", rec.get("error")
+    assert rec["result"] == "896"
+
+
+def test_271_a_worker_killed_at_its_memory_groups_limit_is_reported_as_over_its_memory_limit(small_box):
+    # The kernel's OOM killer, acting in the worker's group, ends it like the host's memory
+    # watch would: the run says so, with the fix. (The group's limit is lowered from outside
+    # here, by root, as only the host can; inside, the data limit stops allocations first.)
+    b = small_box
+    groups = memory_groups_of(b)
+    if groups is None:
+        pytest.skip("no memory cgroups here")
+    pid = ast.literal_eval(b.run("os.getpid()", session="oom")["result"])
+    group = groups / f"w{pid}"
+    (group / "memory.limit_in_bytes").write_text(str(group_file(group, "memory.usage_in_bytes") + (8 << 20)))
+    rec = b.run("x = bytearray(40 << 20)", session="oom")  # within its data limit
+    assert rec["status"] == "crashed", rec.get("error")
+    message = rec["error"]["message"]
+    assert "past the memory limit" in message and "MCP_BRIDGE_MEMORY_LIMIT" in message, message
+    assert b.run("1 + 1", session="oom")["result"] == "2"
+    assert wait_until(lambda: not group.exists(), 10), f"{group} left behind"
 
 
 def test_33_a_segfault_is_reported_and_the_next_run_gets_a_fresh_worker(box):
@@ -1073,7 +1195,9 @@ def test_doctor_reports_each_layer_and_fails_when_serve_would_refuse(state_dir):
     for text in ("landlock", "seccomp", "NoNewPrivs 1, Seccomp 2, CapEff 0000000000000000"):
         assert text in ok.stdout, text
     if "THP_enabled:" in Path("/proc/self/status").read_text():  # Linux 6.x
-        assert "THP_enabled 0" in ok.stdout, ok.stdout  # huge pages off in the worker (#132)
+        # Huge pages off in the worker (#132), unless in a memory cgroup of its own (#271).
+        on = "huge pages on, charged whole" in ok.stdout
+        assert f"THP_enabled {int(on)}" in ok.stdout, ok.stdout
     if root_threads_capped():
         assert ok.returncode == 0 and "verdict       ready" in ok.stdout, ok.stdout + ok.stderr
     else:  # root with no pids cgroup: nothing caps its threads, and doctor says so (#49)
@@ -1703,7 +1827,7 @@ def _bpf_programs(b, ctx):
 
 
 def _huge_pages(b, ctx):
-    huge_pages_are_off(b, "doctor-thp")
+    huge_pages_are_bounded(b, "doctor-thp", 1000)
 
 
 def _hidden_memory(b, ctx):
@@ -1743,7 +1867,7 @@ ATTACK_FOR_PROTECTION = {
     "CPU, memory, file size, open files": _rlimits,
     "no uncounted shared memory: mmap(-1, n), memfd": _shared_memory,
     "no BPF programs of its own: seccomp, socket filters": _bpf_programs,
-    "no transparent huge pages (2 MiB kept for 4 KiB)": _huge_pages,
+    "no uncounted huge pages (2 MiB kept for 4 KiB)": _huge_pages,
     "memory the data limit misses (mprotect, MAP_GROWSDOWN)": _hidden_memory,
     "threads capped": _threads,
     "no other process visible in /proc or /sys": _proc_view,

@@ -25,15 +25,29 @@ use std::time::{Duration, Instant};
 
 const V1_PIDS_ROOT: &str = "/sys/fs/cgroup/pids";
 
+/// Where a server's workers make their cgroups (as root): the host removes each worker's as it
+/// is reaped.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerGroups {
+    pub pids: Option<PathBuf>,
+    pub memory: Option<super::memcg::MemoryGroups>,
+}
+
 /// Where workers of this server put their pids groups, when the host can use cgroups.
 /// `None` when not root (RLIMIT_NPROC applies then) or no writable v1 pids hierarchy exists.
 pub fn pids_parent_for_workers() -> Option<PathBuf> {
     if !nix::unistd::geteuid().is_root() {
         return None;
     }
+    v1_parent_for_workers(V1_PIDS_ROOT, "pids")
+}
+
+/// `<root>/<this process's group of `controller`>/ironcell`, where this process may make groups
+/// (root, a v1 hierarchy of that controller mounted at `root` and writable).
+pub(super) fn v1_parent_for_workers(root: &str, controller: &str) -> Option<PathBuf> {
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let rel = v1_pids_path(&own)?;
-    let base = Path::new(V1_PIDS_ROOT).join(rel.trim_start_matches('/'));
+    let rel = v1_path(&own, controller)?;
+    let base = Path::new(root).join(rel.trim_start_matches('/'));
     if !base.join("cgroup.procs").exists() {
         return None;
     }
@@ -43,12 +57,17 @@ pub fn pids_parent_for_workers() -> Option<PathBuf> {
 
 /// The pids controller's path in `/proc/self/cgroup` (v1 lines look like `5:pids:/user.slice`).
 fn v1_pids_path(proc_cgroup: &str) -> Option<String> {
+    v1_path(proc_cgroup, "pids")
+}
+
+/// A v1 controller's path in a `/proc/<pid>/cgroup` text.
+pub(super) fn v1_path(proc_cgroup: &str, controller: &str) -> Option<String> {
     proc_cgroup.lines().find_map(|line| {
         let mut parts = line.splitn(3, ':');
         let (_id, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         controllers
             .split(',')
-            .any(|c| c == "pids")
+            .any(|c| c == controller)
             .then(|| path.to_string())
     })
 }
@@ -57,6 +76,17 @@ fn v1_pids_path(proc_cgroup: &str) -> Option<String> {
 /// `max_tasks` tasks (the process and its threads). Needs the privileges the worker still has
 /// before its lockdown drops them.
 pub fn join_new_pids_group(parent: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
+    join_new_group(parent, pid, "pids.max", max_tasks)
+}
+
+/// Moves the calling process into the group `w<pid>` beneath `parent` (made if missing), with
+/// `value` written to its `limit_file` first.
+pub(super) fn join_new_group(
+    parent: &Path,
+    pid: u32,
+    limit_file: &str,
+    value: u64,
+) -> io::Result<()> {
     std::fs::create_dir_all(parent)?;
     let dir = parent.join(format!("w{pid}"));
     // The host's cleanup may remove an empty group between creating and joining it (a reused
@@ -64,7 +94,7 @@ pub fn join_new_pids_group(parent: &Path, pid: u32, max_tasks: u64) -> io::Resul
     // (NotFound), or, opened just before, refuses the write (ENODEV).
     let mut last = None;
     for _ in 0..3 {
-        match try_join(&dir, pid, max_tasks) {
+        match try_join(&dir, pid, limit_file, value) {
             Ok(()) => return Ok(()),
             Err(e)
                 if e.kind() == io::ErrorKind::NotFound
@@ -75,16 +105,16 @@ pub fn join_new_pids_group(parent: &Path, pid: u32, max_tasks: u64) -> io::Resul
             Err(e) => return Err(e),
         }
     }
-    Err(last.unwrap_or_else(|| io::Error::other("could not join the pids cgroup")))
+    Err(last.unwrap_or_else(|| io::Error::other("could not join the cgroup")))
 }
 
-fn try_join(dir: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
+fn try_join(dir: &Path, pid: u32, limit_file: &str, value: u64) -> io::Result<()> {
     match std::fs::create_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    std::fs::write(dir.join("pids.max"), max_tasks.to_string())?;
+    std::fs::write(dir.join(limit_file), value.to_string())?;
     // A worker joins before it starts any other thread, so moving the calling thread moves the
     // whole process, and every thread it starts later is created in the group. A thread moving
     // itself ("0" in `tasks`) skips the system-wide lock a whole-process move takes, whose first
@@ -143,13 +173,18 @@ const READY_EVERY: Duration = Duration::from_millis(3);
 /// worker in that group can never lose its cap; one reused before it joins finds the group gone
 /// and makes it again. Returns `false` only for that refusal: the group still has tasks.
 pub fn remove_group_of(parent: &Path, pid: i32) -> bool {
-    let dir = parent.join(format!("w{pid}"));
+    remove_group_of_name(parent, &format!("w{pid}"))
+}
+
+/// [`remove_group_of`] by the group's name.
+pub(super) fn remove_group_of_name(parent: &Path, name: &str) -> bool {
+    let dir = parent.join(name);
     match std::fs::remove_dir(&dir) {
         Ok(()) => true,
         Err(e) if e.kind() == io::ErrorKind::NotFound => true,
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => false,
         Err(e) => {
-            tracing::debug!(dir = %dir.display(), error = %e, "pids group not removed");
+            tracing::debug!(dir = %dir.display(), error = %e, "cgroup not removed");
             true
         }
     }

@@ -20,6 +20,9 @@ pub enum LayerError {
     /// Joining a pids cgroup of its own (root workers' thread cap) under `parent`.
     #[error("{} ({error})", parent.display())]
     PidsCgroup { parent: PathBuf, error: io::Error },
+    /// Joining a memory cgroup of its own under `parent` (where huge pages are then allowed).
+    #[error("{} ({error})", parent.display())]
+    MemoryCgroup { parent: PathBuf, error: io::Error },
     /// Mounting the empty `/proc` (in a namespace of its own).
     #[error("{0}")]
     EmptyProc(io::Error),
@@ -33,6 +36,8 @@ pub enum LayerError {
     IgnoreSigxfsz(io::Error),
     #[error("{0}")]
     HugePagesOff(io::Error),
+    #[error("{0}")]
+    HugePagesOn(io::Error),
     /// Counting the machine's tasks, for RLIMIT_NPROC shared with the uid.
     #[error("reading /proc/loadavg: {0}")]
     TaskCount(io::Error),
@@ -55,12 +60,14 @@ impl LayerError {
     pub fn layer(&self) -> &'static str {
         match self {
             LayerError::PidsCgroup { .. } => "pids cgroup",
+            LayerError::MemoryCgroup { .. } => "memory cgroup",
             LayerError::EmptyProc(_) => "empty /proc",
             LayerError::Capabilities(_) => "capabilities",
             LayerError::NoNewPrivs(_) => "no_new_privs",
             LayerError::NotDumpable(_) => "non-dumpable",
             LayerError::IgnoreSigxfsz(_) => "SIGXFSZ",
             LayerError::HugePagesOff(_) => "huge pages off",
+            LayerError::HugePagesOn(_) => "huge pages on",
             LayerError::TaskCount(_) | LayerError::Rlimits(_) => "rlimits",
             LayerError::Landlock(_) | LayerError::LandlockUnavailable => "landlock",
             LayerError::EpollGate(_) => "epoll gate",
@@ -152,6 +159,17 @@ pub fn apply_lockdown_with_compiled_filters(
             ),
         )?;
     }
+    let in_memory_group = match (&plan.memory_cgroup, &plan.pids_cgroup_parent) {
+        (Some(groups), Some(_)) => {
+            steps.step(groups.join(std::process::id()).map_err(|error| {
+                LayerError::MemoryCgroup {
+                    parent: groups.parent.clone(),
+                    error,
+                }
+            }))?
+        }
+        _ => false,
+    };
     let proc_view = process_steps(&mut steps, namespace)?;
     let landlocked = match &plan.filesystem {
         Some(grants) => {
@@ -168,6 +186,12 @@ pub fn apply_lockdown_with_compiled_filters(
         }
         None => steps.step(Err(LayerError::LandlockUnavailable))?,
     };
+    // Huge pages back on (step 3 turned them off) only in a memory group of its own, which
+    // charges them whole, and once Landlock keeps the worker from that group's files: as
+    // root without capabilities it could still write them (they are root's, 0644).
+    if in_memory_group && landlocked {
+        steps.step(sys::allow_transparent_huge_pages().map_err(LayerError::HugePagesOn))?;
+    }
     // Without Landlock's signal scope in force, a child's signals are fenced only by pid rules
     // (best-effort mode gets here with Landlock missing): no children then.
     let processes = if children_in_this_worker(plan, namespace) && landlocked {

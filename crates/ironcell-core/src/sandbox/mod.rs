@@ -14,7 +14,9 @@
 //!    privileges;
 //! 3. not dumpable — no core files, no same-uid ptrace or `/proc/<pid>/mem` of the worker;
 //!    transparent huge pages off — a 2 MiB page cut down to 4 KiB would stay whole, past
-//!    every limit (SECURITY.md #132);
+//!    every limit (SECURITY.md #132); a root worker in a memory cgroup of its own ([`memcg`],
+//!    joined at step 0) turns them back on once Landlock (step 5) keeps it from its cgroup's
+//!    files: the group charges them whole;
 //! 4. rlimits (and SIGXFSZ ignored, so a too-large file is an `OSError`, not a death; and at
 //!    most two malloc arenas, so threads do not spend RLIMIT_AS on reserved arenas);
 //! 5. Landlock — the filesystem view (and TCP, scopes on newer ABIs);
@@ -28,6 +30,7 @@ pub mod cgroup;
 pub mod epoll_gate;
 pub mod landlock;
 mod lockdown;
+pub mod memcg;
 pub mod policy;
 pub mod private_tmp;
 pub mod rlimits;
@@ -80,6 +83,10 @@ pub struct SandboxPlan {
     /// Where a root worker makes its pids cgroup (its thread cap); `None`: RLIMIT_NPROC.
     #[serde(default)]
     pub pids_cgroup_parent: Option<PathBuf>,
+    /// The memory cgroup a root worker makes and joins, and in which it may then have
+    /// transparent huge pages ([`memcg`]); `None`: huge pages off.
+    #[serde(default)]
+    pub memory_cgroup: Option<memcg::MemoryGroups>,
     /// Whether the worker tries a private mount namespace with its session dir over `/tmp`.
     #[serde(default)]
     pub private_tmp: private_tmp::PrivateTmpMode,
@@ -103,6 +110,12 @@ pub struct Sandbox {
     /// Where root workers make their pids cgroups (see [`cgroup`]); `None` when not root, when
     /// no writable pids hierarchy exists, or when cgroups are off.
     pub pids_cgroup_parent: Option<PathBuf>,
+    /// Where root workers make their memory cgroups ([`memcg`]): `None` where they cannot
+    /// (then huge pages are off in every worker).
+    pub memory_cgroup_parent: Option<PathBuf>,
+    /// Whether session files are memory (a state directory on tmpfs): a memory cgroup's limit
+    /// then includes the scratch quota.
+    pub files_in_memory: bool,
     /// The operator's choice (`--cgroups`, IRONCELL_CGROUPS); see [`Sandbox::set_cgroups`].
     pub cgroups: CgroupsMode,
     /// Whether workers run as real uid 0, for which the kernel ignores RLIMIT_NPROC.
@@ -173,6 +186,9 @@ impl Sandbox {
             seccomp_available: sys::seccomp_available(),
             memory_bytes,
             pids_cgroup_parent: cgroup::pids_parent_for_workers(),
+            memory_cgroup_parent: cgroup::pids_parent_for_workers()
+                .and(memcg::memory_parent_for_workers()),
+            files_in_memory: false,
             cgroups: CgroupsMode::Auto,
             root_workers: nix::unistd::getuid().is_root(),
             private_tmp: private_tmp::PrivateTmpMode::Auto,
@@ -193,6 +209,61 @@ impl Sandbox {
             CgroupsMode::Auto => cgroup::pids_parent_for_workers(),
             CgroupsMode::Off => None,
         };
+        self.memory_cgroup_parent = self
+            .pids_cgroup_parent
+            .as_ref()
+            .and(memcg::memory_parent_for_workers());
+    }
+
+    /// The memory cgroups root workers join, with one session's limit: the memory limit plus
+    /// [`memcg::SLACK_BYTES`], plus the scratch quota where session files are memory.
+    /// `None` also where a grant lets workers write beneath the groups (they could raise
+    /// their own limit).
+    pub fn memory_groups(&self) -> Option<memcg::MemoryGroups> {
+        let parent = self.memory_cgroup_parent.clone()?;
+        let fs = &self.policy.filesystem;
+        if fs
+            .read_write
+            .iter()
+            .chain(&fs.allow_write)
+            .any(|g| parent.starts_with(g))
+        {
+            return None;
+        }
+        let files = if self.files_in_memory {
+            self.scratch_quota_bytes()
+        } else {
+            0
+        };
+        Some(memcg::MemoryGroups {
+            parent,
+            limit_bytes: self
+                .memory_bytes
+                .saturating_add(memcg::SLACK_BYTES)
+                .saturating_add(files),
+        })
+    }
+
+    /// Where this server's workers make their cgroups: what the host removes as they go.
+    pub fn worker_groups(&self) -> cgroup::WorkerGroups {
+        cgroup::WorkerGroups {
+            pids: self.pids_cgroup_parent.clone(),
+            memory: self.memory_groups(),
+        }
+    }
+
+    /// How a worker's transparent huge pages are kept from holding memory no limit counts
+    /// (SECURITY.md #132, #271), for `doctor` and `system://info`.
+    pub fn huge_pages_layer(&self) -> String {
+        match self.memory_groups() {
+            Some(g) => format!(
+                "memory cgroup v1 per session and its forks ({} MiB each, under {}): huge pages \
+                 on, charged whole",
+                g.limit_bytes >> 20,
+                g.parent.display()
+            ),
+            None => "prctl(PR_SET_THP_DISABLE): huge pages off".into(),
+        }
     }
 
     /// `Ok` when a worker may `fork` children of its own (never `exec`), else why not, with the
@@ -323,6 +394,7 @@ impl Sandbox {
             },
             seccomp: self.seccomp_available,
             pids_cgroup_parent: self.pids_cgroup_parent.clone(),
+            memory_cgroup: self.memory_groups(),
             private_tmp: self.private_tmp,
             children: self.landlock_abi >= 6
                 && self.seccomp_available
@@ -432,8 +504,8 @@ impl Sandbox {
                 vec![sc("seccomp() and SO_ATTACH_* refused")],
             ),
             (
-                "no transparent huge pages (2 MiB kept for 4 KiB)",
-                vec![Some("prctl(PR_SET_THP_DISABLE)".into())],
+                "no uncounted huge pages (2 MiB kept for 4 KiB)",
+                vec![Some(self.huge_pages_layer())],
             ),
             (
                 "memory the data limit misses (mprotect, MAP_GROWSDOWN)",

@@ -135,6 +135,18 @@ pub fn disable_transparent_huge_pages() -> io::Result<()> {
     Ok(())
 }
 
+/// `PR_SET_THP_DISABLE` cleared: the worker may have transparent huge pages again (the zygote
+/// set the flag for itself, and a worker inherits it). Only for a worker in a memory cgroup of
+/// its own that cannot reach that group's files (SECURITY.md #271).
+pub fn allow_transparent_huge_pages() -> io::Result<()> {
+    // SAFETY: integer arguments only.
+    let rc = unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 0, 0, 0, 0) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Ignore SIGXFSZ so that exceeding RLIMIT_FSIZE makes `write` fail with EFBIG (a Python
 /// `OSError`) instead of killing the worker. Embedded CPython does not do this itself.
 pub fn ignore_sigxfsz() -> io::Result<()> {

@@ -1,0 +1,308 @@
+//! Transparent huge pages for root workers, counted whole: a memory cgroup per session lineage
+//! (SECURITY.md #271-#274).
+//!
+//! A fork of a session holding 512 MiB in 4 KiB pages copies 131,072 page-table entries
+//! (~14 ms here); in 2 MiB pages, 256 (~0.8 ms). Workers refuse huge pages elsewhere
+//! (`PR_SET_THP_DISABLE`, #132): a huge page unmapped but for 4 KiB stays whole while RssAnon
+//! and the rlimits count 4 KiB. A memory cgroup charges a huge page whole, and the kernel's
+//! deferred-split shrinker is cgroup-aware: at the group's limit, reclaim splits such pages and
+//! frees their unmapped parts (3,000 cut-down pages under a 256 MiB group: 2,942 split, the
+//! group never past its limit, no OOM kill). So where the host can give each worker a v1
+//! memory group of its own (root, a writable `memory` hierarchy), the worker joins
+//! `ironcell/w<pid>` beneath the server's own memory group before its lockdown and keeps huge
+//! pages once Landlock is in force; everywhere else huge pages stay off.
+//!
+//! One group per lineage, not per session: a page stays charged to the group of the process
+//! that allocated it, so after `fork_from` the pages a parent rewrites are charged to it twice
+//! (its new copy, and the original its fork keeps), and a session forked k times could be
+//! charged k times its size. The forks of a session stay in its group, whose limit is one
+//! session's ([`MemoryGroups::limit_bytes`]) per live member; the host raises it when a fork
+//! joins ([`fork_joined`]) and lowers it, or removes the group, as members are reaped
+//! ([`worker_gone`]).
+//!
+//! The limit: the memory limit (which RLIMIT_DATA already holds a worker's private memory to)
+//! plus [`SLACK_BYTES`] for page tables and kernel memory; plus the scratch quota when the
+//! state directory is on tmpfs (session files are then memory charged to the writer). Page
+//! cache is reclaimable and is reclaimed within the group.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{LazyLock, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
+
+/// Room in a group beyond the memory limit: page tables, kernel memory, dirty page cache.
+pub const SLACK_BYTES: u64 = 128 << 20;
+
+/// Where root workers make their memory groups, and each session's share of a group's limit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryGroups {
+    pub parent: PathBuf,
+    pub limit_bytes: u64,
+}
+
+/// Where workers of this server make their memory groups: `None` when not root or when no
+/// writable v1 memory hierarchy exists.
+pub fn memory_parent_for_workers() -> Option<PathBuf> {
+    if !nix::unistd::geteuid().is_root() {
+        return None;
+    }
+    super::cgroup::v1_parent_for_workers(V1_MEMORY_ROOT, "memory")
+}
+
+impl MemoryGroups {
+    /// Moves the calling worker (one thread, capabilities still held) into a new memory group
+    /// `w<pid>` limited to [`MemoryGroups::limit_bytes`]. A group of that name that still holds
+    /// processes (a lineage whose first worker had this pid, not yet renamed by the host) is
+    /// refused rather than shared: its limit is that lineage's.
+    pub fn join(&self, pid: u32) -> io::Result<()> {
+        let dir = self.parent.join(format!("w{pid}"));
+        if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs"))
+            && !procs.trim().is_empty()
+        {
+            return Err(io::Error::other(format!(
+                "{} still holds another session's processes",
+                dir.display()
+            )));
+        }
+        super::cgroup::join_new_group(&self.parent, pid, "memory.limit_in_bytes", self.limit_bytes)
+    }
+}
+
+/// The host's view of the groups that hold forks: members (the first worker while it lives,
+/// and each live fork) per group name, and the group of each live fork.
+#[derive(Default)]
+struct Lineages {
+    members: HashMap<String, u64>,
+    group_of_fork: HashMap<i32, String>,
+    /// `oom_kill` of each group when last read.
+    oom_kills: HashMap<String, u64>,
+    renamed: u64,
+}
+
+static LINEAGES: LazyLock<Mutex<Lineages>> = LazyLock::new(Default::default);
+
+fn lineages() -> std::sync::MutexGuard<'static, Lineages> {
+    LINEAGES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The fork `pid` (still in its parent's memory group, as forked) is a new member of that
+/// group: its limit grows by one session's. The group is read from the fork's own
+/// `/proc/<pid>/cgroup`, not assumed from its lineage. Once per fork: a second call for the
+/// same pid (a move retried) changes nothing.
+pub fn fork_joined(groups: &MemoryGroups, pid: i32) -> io::Result<()> {
+    if lineages().group_of_fork.contains_key(&pid) {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let rel = super::cgroup::v1_path(&text, "memory")
+        .ok_or_else(|| io::Error::other("the fork is in no v1 memory group"))?;
+    let path = Path::new(V1_MEMORY_ROOT).join(rel.trim_start_matches('/'));
+    let name = match path.parent() {
+        Some(p) if p == groups.parent => path.file_name().and_then(|n| n.to_str()),
+        _ => None,
+    }
+    .ok_or_else(|| io::Error::other(format!("{} is not a session's group", path.display())))?
+    .to_string();
+    let mut l = lineages();
+    let members = l.members.entry(name.clone()).or_insert(1);
+    *members += 1;
+    let limit = groups.limit_bytes.saturating_mul(*members);
+    l.group_of_fork.insert(pid, name);
+    drop(l);
+    std::fs::write(path.join("memory.limit_in_bytes"), limit.to_string())
+}
+
+/// Worker `pid` was reaped: its group loses a member, and is removed with its last one (a
+/// first worker whose forks live on leaves its group renamed, so that a new worker given its
+/// pid makes a group of its own). Returns the group's peak usage if the kernel's OOM killer
+/// acted in that group since the last look: the worker was killed at the group's limit.
+pub fn worker_gone(groups: &MemoryGroups, pid: i32) -> Option<u64> {
+    let mut l = lineages();
+    let (name, first) = match l.group_of_fork.remove(&pid) {
+        Some(name) => (name, false),
+        None => (format!("w{pid}"), true),
+    };
+    let dir = groups.parent.join(&name);
+    let kills = oom_kills(&dir);
+    let seen = l.oom_kills.get(&name).copied().unwrap_or(0);
+    let killed = kills.is_some_and(|k| k > seen);
+    let peak = killed
+        .then(|| read_u64(&dir.join("memory.max_usage_in_bytes")))
+        .flatten();
+    let left = match l.members.get_mut(&name) {
+        Some(m) => {
+            *m = m.saturating_sub(1);
+            *m
+        }
+        None => 0,
+    };
+    if left == 0 {
+        l.members.remove(&name);
+        l.oom_kills.remove(&name);
+        drop(l);
+        if !super::cgroup::remove_group_of_name(&groups.parent, &name) {
+            tracing::debug!(group = %dir.display(), "memory group not removed: it still has tasks");
+        }
+        return killed.then_some(peak.unwrap_or(0));
+    }
+    if let Some(k) = kills {
+        l.oom_kills.insert(name.clone(), k);
+    }
+    let limit = groups.limit_bytes.saturating_mul(left);
+    if let Err(e) = std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()) {
+        // EBUSY: the members left hold more than that right now; the group keeps its limit.
+        tracing::debug!(group = %dir.display(), error = %e, "memory group limit not lowered");
+    }
+    if first {
+        l.renamed += 1;
+        let new = format!("l{pid}.{}", l.renamed);
+        match std::fs::rename(&dir, groups.parent.join(&new)) {
+            Ok(()) => {
+                for g in l.group_of_fork.values_mut().filter(|g| **g == name) {
+                    *g = new.clone();
+                }
+                if let Some(m) = l.members.remove(&name) {
+                    l.members.insert(new.clone(), m);
+                }
+                if let Some(k) = l.oom_kills.remove(&name) {
+                    l.oom_kills.insert(new, k);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(group = %dir.display(), error = %e, "memory group not renamed")
+            }
+        }
+    }
+    killed.then_some(peak.unwrap_or(0))
+}
+
+/// Removes the groups left by workers that are gone without a report (a zygote that died took
+/// its workers along): `rmdir` on every `w<pid>` whose pid no longer exists and every renamed
+/// lineage group; the kernel refuses those that still hold tasks.
+pub fn remove_groups_of_gone_workers(parent: &Path) {
+    super::cgroup::remove_groups_of_gone_workers(parent);
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with('l'))
+        {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+}
+
+/// The `oom_kill` count of a v1 memory group's `memory.oom_control`.
+fn oom_kills(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join("memory.oom_control")).ok()?;
+    oom_kill_field(&text)
+}
+
+fn oom_kill_field(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_oom_kill_count_is_read_from_oom_control() {
+        let text = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
+        assert_eq!(oom_kill_field(text), Some(3));
+        assert_eq!(oom_kill_field("oom_kill_disable 0\n"), None);
+    }
+
+    /// As root with a writable hierarchy: a group per worker, grown per fork, renamed when its
+    /// first worker goes before its fork, removed with its last member.
+    #[test]
+    fn a_lineage_group_grows_with_forks_and_goes_with_its_last_member() {
+        let Some(parent) = memory_parent_for_workers() else {
+            eprintln!("skipped: no writable v1 memory hierarchy");
+            return;
+        };
+        let groups = MemoryGroups {
+            parent: parent.join(format!("unit-{}", std::process::id())),
+            limit_bytes: 64 << 20,
+        };
+        // SAFETY: the child only joins the group, forks once and waits to be killed.
+        let first = match unsafe { libc::fork() } {
+            0 => {
+                let code = if groups.join(std::process::id()).is_ok() {
+                    0
+                } else {
+                    1
+                };
+                // SAFETY: as above.
+                unsafe {
+                    if libc::fork() == 0 {
+                        libc::pause();
+                    }
+                    libc::pause();
+                    libc::_exit(code)
+                }
+            }
+            pid => pid,
+        };
+        let dir = groups.parent.join(format!("w{first}"));
+        let procs = || std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while procs().lines().count() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let fork: i32 = procs()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .find(|&p| p != first)
+            .expect("the first worker's fork is in its group");
+        fork_joined(&groups, fork).unwrap();
+        assert_eq!(
+            read_u64(&dir.join("memory.limit_in_bytes")),
+            Some(128 << 20)
+        );
+        let kill = |pid: i32| {
+            // SAFETY: signalling and reaping processes this test made.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0)
+            };
+        };
+        kill(first);
+        assert_eq!(worker_gone(&groups, first), None);
+        assert!(!dir.exists(), "renamed while its fork lives");
+        let renamed = std::fs::read_dir(&groups.parent)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.join("cgroup.procs").exists())
+            .expect("the lineage's group, renamed");
+        assert_eq!(
+            read_u64(&renamed.join("memory.limit_in_bytes")),
+            Some(64 << 20)
+        );
+        // The fork was re-parented to init, not to this test: killed here, reaped there; it
+        // leaves the group as it exits.
+        // SAFETY: as above.
+        unsafe { libc::kill(fork, libc::SIGKILL) };
+        let held = || std::fs::read_to_string(renamed.join("cgroup.procs")).unwrap_or_default();
+        while !held().trim().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(worker_gone(&groups, fork), None);
+        assert!(!renamed.exists(), "removed with its last member");
+        std::fs::remove_dir(&groups.parent).unwrap();
+    }
+}
