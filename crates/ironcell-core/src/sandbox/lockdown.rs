@@ -159,8 +159,9 @@ pub fn apply_lockdown_with_compiled_filters(
             ),
         )?;
     }
+    // Only where it may fork (what huge pages make faster), and in a pids group too.
     let in_memory_group = match (&plan.memory_cgroup, &plan.pids_cgroup_parent) {
-        (Some(groups), Some(_)) => {
+        (Some(groups), Some(_)) if children_in_this_worker(plan, namespace) => {
             steps.step(groups.join(std::process::id()).map_err(|error| {
                 LayerError::MemoryCgroup {
                     parent: groups.parent.clone(),
