@@ -841,8 +841,8 @@ def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table, py: s
     for name, forked, replayed, _ in rows:
         table.row(f"fork -> first result, {name}", ms(forked),
                   f"new session + replaying the parent's cells: {ms(replayed)}{ratio(forked, replayed)}")
-    pages = {"bytearray": "4 KiB pages",
-             "numpy": "2 MiB pages" if huge_pages else "4 KiB pages: huge pages are off in this server's workers"}
+    workers = "which this server's workers keep" if huge_pages else "which this server's workers refuse (4 KiB pages)"
+    pages = {"bytearray": "4 KiB pages", "numpy": f"2 MiB pages, {workers}"}
     for kind, times in bare.items():
         table.row(f"os.fork() of a Python holding {mib} MiB ({kind})", ms(times),
                   f"the kernel's copy of its page tables ({pages[kind]}), one after each fork above: the floor under it")
