@@ -432,7 +432,8 @@ struct Fit {
 /// Each forked worker's last [`Fit`], by pid.
 static FITTED: LazyLock<Mutex<HashMap<i32, Fit>>> = LazyLock::new(Default::default);
 
-/// Page faults (4 KiB each: transparent huge pages are off in workers) after which a fork's
+/// Page faults (4 KiB each: a copy-on-write fault copies 4 KiB even of a huge page, and where
+/// huge pages are on, in a memory group, the kernel charges them whole) after which a fork's
 /// limits are fitted again before its next cell: its sharing changes only by rewriting or
 /// touching pages, each a fault, so fewer than 16 MiB of them since the last fit moved it by
 /// less than the memory watch's slack, and the ~20 ms per GiB of `smaps_rollup` is spared.

@@ -149,28 +149,7 @@ pub fn apply_lockdown_with_compiled_filters(
         plan,
         missing: Vec::new(),
     };
-    if let Some(parent) = &plan.pids_cgroup_parent {
-        steps.step(
-            cgroup::join_new_pids_group(parent, std::process::id(), plan.limits.threads).map_err(
-                |error| LayerError::PidsCgroup {
-                    parent: parent.clone(),
-                    error,
-                },
-            ),
-        )?;
-    }
-    // Only where it may fork (what huge pages make faster), and in a pids group too.
-    let in_memory_group = match (&plan.memory_cgroup, &plan.pids_cgroup_parent) {
-        (Some(groups), Some(_)) if children_in_this_worker(plan, namespace) => {
-            steps.step(groups.join(std::process::id()).map_err(|error| {
-                LayerError::MemoryCgroup {
-                    parent: groups.parent.clone(),
-                    error,
-                }
-            }))?
-        }
-        _ => false,
-    };
+    let in_memory_group = cgroup_steps(&mut steps, namespace)?;
     let proc_view = process_steps(&mut steps, namespace)?;
     let landlocked = match &plan.filesystem {
         Some(grants) => {
@@ -228,6 +207,38 @@ pub fn apply_lockdown_with_compiled_filters(
         steps.step(Err(LayerError::SeccompUnavailable))?;
     }
     Ok(steps.missing)
+}
+
+/// Step 0 of the order in [`super`], as root: a pids group of its own, then, where the worker
+/// may fork, a memory group of its own. Returns whether it joined the memory group (huge pages
+/// may come back on once Landlock is in force).
+fn cgroup_steps(
+    steps: &mut Steps<'_>,
+    namespace: &private_tmp::PrivateTmp,
+) -> Result<bool, LockdownError> {
+    let plan = steps.plan;
+    if let Some(parent) = &plan.pids_cgroup_parent {
+        steps.step(
+            cgroup::join_new_pids_group(parent, std::process::id(), plan.limits.threads).map_err(
+                |error| LayerError::PidsCgroup {
+                    parent: parent.clone(),
+                    error,
+                },
+            ),
+        )?;
+    }
+    // Only where it may fork (what huge pages make faster), and in a pids group too.
+    Ok(match (&plan.memory_cgroup, &plan.pids_cgroup_parent) {
+        (Some(groups), Some(_)) if children_in_this_worker(plan, namespace) => {
+            steps.step(groups.join(std::process::id()).map_err(|error| {
+                LayerError::MemoryCgroup {
+                    parent: groups.parent.clone(),
+                    error,
+                }
+            }))?
+        }
+        _ => false,
+    })
 }
 
 /// Steps 1-4 of the order in [`super`]: the empty `/proc`, capabilities, `no_new_privs`, not
