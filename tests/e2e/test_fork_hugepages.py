@@ -6,12 +6,12 @@ shrinks and goes as its members do. Elsewhere (`nobody`) huge pages stay off."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 from conftest import wait_until, worker_python_has
+from test_fork import value
 from test_sandbox import USERS, Sandboxed, forking_sandbox, group_file, memory_groups_of
 
 pytestmark = pytest.mark.skipif(not worker_python_has("numpy"), reason="needs python3-numpy")
@@ -24,11 +24,6 @@ def box(request):
     b = forking_sandbox(request.param, MCP_BRIDGE_MEMORY_LIMIT="512m")
     yield b
     b.close()
-
-
-def value(rec: dict):
-    assert rec["status"] == "ok", (rec.get("error"), rec.get("notices"))
-    return ast.literal_eval(rec["result"])
 
 
 def huge_mib(pid: int) -> int:

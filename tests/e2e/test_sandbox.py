@@ -996,13 +996,19 @@ def attempt(path, text):
 """
 
 
-def test_271_a_worker_cannot_leave_its_memory_group_raise_its_limit_or_turn_huge_pages_off(small_box):
-    b = small_box
+def worker_memory_group(b: "Sandboxed", session: str) -> tuple[int, Path]:
+    """The pid of `session`'s worker and its memory group; skips where workers have none (huge
+    pages off: SECURITY.md #132)."""
     groups = memory_groups_of(b)
     if groups is None:
         pytest.skip("huge pages are off in this server's workers (no memory cgroups)")
-    pid = ast.literal_eval(b.run("os.getpid()", session="cg")["result"])
-    group = groups / f"w{pid}"
+    pid = ast.literal_eval(b.run("os.getpid()", session=session)["result"])
+    return pid, groups / f"w{pid}"
+
+
+def test_271_a_worker_cannot_leave_its_memory_group_raise_its_limit_or_turn_huge_pages_off(small_box):
+    b = small_box
+    pid, group = worker_memory_group(b, "cg")
     code = RAW_MMAP + f"GROUP = {str(group)!r}\n" + CGROUP_WRITES
     rec = b.run(code, session="cg")
     assert rec["status"] == "ok", rec
@@ -1042,11 +1048,7 @@ def test_271_a_worker_killed_at_its_memory_groups_limit_is_reported_as_over_its_
     # watch would: the run says so, with the fix. (The group's limit is lowered from outside
     # here, by root, as only the host can; inside, the data limit stops allocations first.)
     b = small_box
-    groups = memory_groups_of(b)
-    if groups is None:
-        pytest.skip("no memory cgroups here")
-    pid = ast.literal_eval(b.run("os.getpid()", session="oom")["result"])
-    group = groups / f"w{pid}"
+    pid, group = worker_memory_group(b, "oom")
     (group / "memory.limit_in_bytes").write_text(str(group_file(group, "memory.usage_in_bytes") + (8 << 20)))
     rec = b.run("x = bytearray(40 << 20)", session="oom")  # within its data limit
     assert rec["status"] == "crashed", rec.get("error")

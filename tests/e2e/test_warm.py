@@ -10,6 +10,7 @@ through the module each time, so a cell can wrap it.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -53,7 +54,7 @@ def test_a_warmed_session_sees_nothing_of_the_warm_up(as_user):
     srv = server(as_user)
     try:
         result(srv, COUNT_WARMS + "x = 41\nx", session="s")
-        names_before = eval(result(srv, "sorted(globals())", session="s")["result"])  # noqa: S307
+        names_before = ast.literal_eval(result(srv, "sorted(globals())", session="s")["result"])
         warms_before = int(result(srv, "len(_warm_calls)", session="s")["result"])
         for _ in range(3):
             time.sleep(0.05)  # idle: each call below is warmed first
@@ -61,7 +62,7 @@ def test_a_warmed_session_sees_nothing_of_the_warm_up(as_user):
             assert rec["stdout"] == "out\n" and not rec["stderr"], rec
         time.sleep(0.05)
         rec = result(srv, "_, x, sorted(globals()), len(_warm_calls)", session="s")
-        last, x, names, warms = eval(rec["result"])  # noqa: S307 - our own cell's repr
+        last, x, names, warms = ast.literal_eval(rec["result"])
         # `_` is the last value a cell showed, not the warm-up's; the warm-up set no global.
         assert (last, x) == (warms_before, 44)
         assert names == names_before
