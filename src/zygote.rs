@@ -690,44 +690,20 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
 /// How long a reaped worker's pids group is waited for to empty (its last tasks being killed).
 const GROUP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Removes the pids group of reaped worker `pid` once it is empty, on one thread for all: at
-/// its exit report it still held tasks (a fork of it not yet in a group of its own, a child of
-/// its session being killed), which the host is ending. One left after [`GROUP_PATIENCE`], the
-/// next zygote's start removes.
+/// Removes the pids group of reaped worker `pid` once it is empty, off the events thread: at its
+/// exit report it still held tasks (a fork of it not yet in a group of its own, a child of its
+/// session being killed), which the host is ending. One left after [`GROUP_PATIENCE`], the next
+/// zygote's start removes. Rare (a worker reaped mid-fork or mid-kill), so a thread each.
 fn remove_group_once_empty(parent: PathBuf, pid: i32) {
-    use std::sync::mpsc::{RecvTimeoutError, Sender};
-    use std::time::{Duration, Instant};
-    static LEFT: std::sync::LazyLock<Option<Sender<(PathBuf, i32)>>> =
-        std::sync::LazyLock::new(|| {
-            let (tx, rx) = std::sync::mpsc::channel::<(PathBuf, i32)>();
-            let mut left: Vec<(PathBuf, i32, Instant)> = Vec::new();
-            let removing = move || {
-                loop {
-                    let next = if left.is_empty() {
-                        rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
-                    } else {
-                        rx.recv_timeout(Duration::from_millis(10))
-                    };
-                    match next {
-                        Ok((parent, pid)) => left.push((parent, pid, Instant::now())),
-                        Err(RecvTimeoutError::Timeout) => {}
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                    left.retain(|(parent, pid, since)| {
-                        !crate::sandbox::cgroup::remove_group_of(parent, *pid)
-                            && since.elapsed() < GROUP_PATIENCE
-                    });
-                }
-            };
-            std::thread::Builder::new()
-                .name("pids-groups".into())
-                .spawn(removing)
-                .ok()
-                .map(|_| tx)
-        });
     tracing::debug!(pid, "pids group not removed yet: it still has tasks");
-    if let Some(tx) = LEFT.as_ref() {
-        let _ = tx.send((parent, pid));
+    let removing = move || {
+        crate::sandbox::cgroup::remove_groups_once_empty(&parent, vec![pid], GROUP_PATIENCE)
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("pids-group".into())
+        .spawn(removing)
+    {
+        tracing::debug!(pid, "pids group left to the next zygote's start: {e}");
     }
 }
 
