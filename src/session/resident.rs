@@ -17,6 +17,7 @@
 //! holding its own `mmap_lock` must not stall the async runtime).
 
 use super::*;
+use crate::sandbox::memcg;
 use crate::zygote::WorkerProcess;
 use quota::WorkerMark;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -576,42 +577,64 @@ struct Look {
     mark: Option<WorkerMark>,
 }
 
+/// What one worker and its session's processes hold, as one look read it.
+struct Held {
+    worker: WorkerProcess,
+    bytes: u64,
+    threads: u64,
+    /// Its memory group waits at its limit: the index of that group in the look's list.
+    at_limit: Option<usize>,
+}
+
 /// The blocking part of one look: sweeps the zygote's children (where workers may have
 /// children), reads the zygote's own anonymous memory and what each worker whose [`Look`] says
 /// so holds with its session's processes; notes the workers found without any in [`CHILDLESS`].
+/// Every worker whose memory group waits at its limit is read, whatever its clock says: its
+/// tasks sleep there until the watch ends one ([`memcg::groups_at_limit`]).
 fn read_workers(
     zygote: &crate::zygote::Zygote,
     looks: Vec<Look>,
     children_possible: bool,
-) -> (u64, Vec<(WorkerProcess, u64, u64)>) {
+    memory_groups: Option<&std::path::Path>,
+) -> (u64, Vec<Held>, Vec<memcg::AtLimit>) {
     let others = if children_possible {
         sweep_zygote_children(zygote)
     } else {
         Vec::new()
     };
+    let at_limit = memory_groups
+        .map(memcg::groups_at_limit)
+        .unwrap_or_default();
     let base = anonymous_bytes(zygote.pid()).unwrap_or(0);
     let mut childless = Vec::new();
     let held = looks
         .into_iter()
         .filter_map(|look| {
             let pid = look.worker.pid();
+            let group = at_limit.iter().position(|g| g.pids.contains(&pid));
             // An orphan in its group (its child's child, whose parent ended) is found without
             // the worker running: it is walked then whatever its clock says.
             let orphaned = others.iter().any(|&(_, group)| group == Some(pid));
-            let children = if look.walk || orphaned {
+            let walk = look.walk || orphaned || group.is_some();
+            let children = if walk {
                 session_children_among(pid, &others)
             } else {
                 Vec::new()
             };
-            if look.walk || orphaned {
+            if walk {
                 let mark = look.mark.filter(|_| children.is_empty());
                 childless.push((look.worker.clone(), mark));
             }
-            if !look.due && children.is_empty() {
+            if !look.due && children.is_empty() && group.is_none() {
                 return None;
             }
             let (bytes, threads) = group_holds(pid, look.worker.is_forked(), &children)?;
-            Some((look.worker, bytes, threads))
+            Some(Held {
+                worker: look.worker,
+                bytes,
+                threads,
+                at_limit: group,
+            })
         })
         .collect();
     let mut known = lock(&CHILDLESS);
@@ -621,7 +644,31 @@ fn read_workers(
             None => known.remove(&worker.pid()),
         };
     }
-    (base, held)
+    (base, held, at_limit)
+}
+
+/// The workers to end because their memory group waits at its limit: in each such group, the
+/// one whose session's processes hold the most, unless one of them is past its own limit
+/// (the watch ends those anyway). Each with the group's usage.
+fn ends_at_group_limit(
+    held: &[Held],
+    at_limit: &[memcg::AtLimit],
+    allowed: u64,
+) -> Vec<(usize, u64)> {
+    (0..at_limit.len())
+        .filter_map(|g| {
+            let members = || {
+                held.iter()
+                    .enumerate()
+                    .filter(move |(_, h)| h.at_limit == Some(g))
+            };
+            if members().any(|(_, h)| h.bytes > allowed) {
+                return None;
+            }
+            let (i, _) = members().max_by_key(|(_, h)| h.bytes)?;
+            Some((i, at_limit[g].usage_bytes))
+        })
+        .collect()
 }
 
 impl SessionManager {
@@ -687,21 +734,44 @@ impl SessionManager {
                 })
                 .collect()
         };
-        if !children_possible && looks.iter().all(|l| !l.due) {
+        let memory_groups = self.sandbox.memory_groups().map(|g| g.parent);
+        if !children_possible && memory_groups.is_none() && looks.iter().all(|l| !l.due) {
             return;
         }
         let sweep = zygote.clone();
-        let read =
-            tokio::task::spawn_blocking(move || read_workers(&sweep, looks, children_possible))
-                .await;
-        let Ok((base, held)) = read else { return };
+        let read = tokio::task::spawn_blocking(move || {
+            read_workers(&sweep, looks, children_possible, memory_groups.as_deref())
+        })
+        .await;
+        let Ok((base, held, at_limit)) = read else {
+            return;
+        };
         let limit = self.sandbox.memory_bytes;
         let allowed = allowed_bytes(limit, base);
+        for (i, usage) in ends_at_group_limit(&held, &at_limit, allowed) {
+            let why = ExitInfo::OverMemory {
+                held_mib: usage >> 20,
+                limit_mib: limit >> 20,
+            };
+            if zygote.kill_for_memory(&held[i].worker, why) {
+                tracing::warn!(
+                    pid = held[i].worker.pid(),
+                    group_mib = usage >> 20,
+                    "killed a worker whose memory group reached its limit"
+                );
+            }
+        }
         // A worker's own tasks: its main thread plus the policy's threads, as RLIMIT_NPROC in a
         // user namespace of its own counts them. Only where the uid's count is shared can a
         // worker get past it; here it is killed (SECURITY.md #153).
         let max_threads = self.sandbox.policy.limits.threads.saturating_add(1);
-        for (worker, bytes, threads) in held {
+        for Held {
+            worker,
+            bytes,
+            threads,
+            ..
+        } in held
+        {
             if threads > max_threads {
                 let why = ExitInfo::OverThreads {
                     threads,

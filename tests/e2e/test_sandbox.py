@@ -1044,8 +1044,8 @@ n >> 20""", session="files", timeout_s=300)
 
 
 def test_271_a_worker_killed_at_its_memory_groups_limit_is_reported_as_over_its_memory_limit(small_box):
-    # The kernel's OOM killer, acting in the worker's group, ends it like the host's memory
-    # watch would: the run says so, with the fix. (The group's limit is lowered from outside
+    # A worker waiting at its group's limit (the kernel's OOM killer is off there, SECURITY.md
+    # #275) is ended by the host's memory watch: the run says so, with the fix. (The group's limit is lowered from outside
     # here, by root, as only the host can; inside, the data limit stops allocations first.)
     b = small_box
     pid, group = worker_memory_group(b, "oom")

@@ -76,17 +76,12 @@ pub(super) fn v1_path(proc_cgroup: &str, controller: &str) -> Option<String> {
 /// `max_tasks` tasks (the process and its threads). Needs the privileges the worker still has
 /// before its lockdown drops them.
 pub fn join_new_pids_group(parent: &Path, pid: u32, max_tasks: u64) -> io::Result<()> {
-    join_new_group(parent, pid, "pids.max", max_tasks)
+    join_new_group(parent, pid, &[("pids.max", &max_tasks.to_string())])
 }
 
 /// Moves the calling process into the group `w<pid>` beneath `parent` (made if missing), with
-/// `value` written to its `limit_file` first.
-pub(super) fn join_new_group(
-    parent: &Path,
-    pid: u32,
-    limit_file: &str,
-    value: u64,
-) -> io::Result<()> {
+/// each `(file, value)` of `settings` written first, in order.
+pub(super) fn join_new_group(parent: &Path, pid: u32, settings: &[(&str, &str)]) -> io::Result<()> {
     std::fs::create_dir_all(parent)?;
     let dir = parent.join(format!("w{pid}"));
     // The host's cleanup may remove an empty group between creating and joining it (a reused
@@ -94,7 +89,7 @@ pub(super) fn join_new_group(
     // (NotFound), or, opened just before, refuses the write (ENODEV).
     let mut last = None;
     for _ in 0..3 {
-        match try_join(&dir, pid, limit_file, value) {
+        match try_join(&dir, pid, settings) {
             Ok(()) => return Ok(()),
             Err(e)
                 if e.kind() == io::ErrorKind::NotFound
@@ -108,13 +103,15 @@ pub(super) fn join_new_group(
     Err(last.unwrap_or_else(|| io::Error::other("could not join the cgroup")))
 }
 
-fn try_join(dir: &Path, pid: u32, limit_file: &str, value: u64) -> io::Result<()> {
+fn try_join(dir: &Path, pid: u32, settings: &[(&str, &str)]) -> io::Result<()> {
     match std::fs::create_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    std::fs::write(dir.join(limit_file), value.to_string())?;
+    for (file, value) in settings {
+        std::fs::write(dir.join(file), value)?;
+    }
     // A worker joins before it starts any other thread, so moving the calling thread moves the
     // whole process, and every thread it starts later is created in the group. A thread moving
     // itself ("0" in `tasks`) skips the system-wide lock a whole-process move takes, whose first

@@ -68,8 +68,59 @@ impl MemoryGroups {
                 dir.display()
             )));
         }
-        super::cgroup::join_new_group(&self.parent, pid, "memory.limit_in_bytes", self.limit_bytes)
+        let limit = self.limit_bytes.to_string();
+        let settings = [
+            ("memory.limit_in_bytes", limit.as_str()),
+            // No kernel OOM kill in the group: a task that would take it past its limit waits
+            // there, and the host's memory watch ends the session ([`groups_at_limit`]).
+            ("memory.oom_control", "1"),
+        ];
+        super::cgroup::join_new_group(&self.parent, pid, &settings)
     }
+}
+
+/// A worker's memory group whose tasks wait at its limit, as the host's memory watch finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AtLimit {
+    /// The processes in the group: its session's worker (or a lineage's workers) and their
+    /// children.
+    pub pids: Vec<i32>,
+    /// What the group holds, as the kernel charges it.
+    pub usage_bytes: u64,
+}
+
+/// The groups beneath `parent` whose tasks wait at the group's limit (`under_oom`).
+///
+/// Workers' groups turn the kernel's OOM killer off (`oom_kill_disable`, SECURITY.md #275).
+/// With it on, the kernel chose whom to kill: the largest process in the group, often one of
+/// the session's children, killed silently while the session ran on (four children growing to
+/// 0.4 times the limit each at once: the run ended "ok", test_children's `latehog`). With it
+/// off, a task that would take the group past its limit, after reclaim (which splits cut-down
+/// huge pages first), sleeps until memory is freed or it is killed; the watch reads this every
+/// tick and ends the session whose processes hold the most, with the over-memory error a user
+/// sees for any other way past the limit.
+pub fn groups_at_limit(parent: &Path) -> Vec<AtLimit> {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let dir = entry.path();
+            let control = std::fs::read_to_string(dir.join("memory.oom_control")).ok()?;
+            if field(&control, "under_oom") != Some(1) {
+                return None;
+            }
+            let procs = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
+            Some(AtLimit {
+                pids: procs
+                    .lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect(),
+                usage_bytes: read_u64(&dir.join("memory.usage_in_bytes")).unwrap_or(0),
+            })
+        })
+        .collect()
 }
 
 /// The host's view of the groups that hold forks: members (the first worker while it lives,
@@ -206,8 +257,13 @@ fn oom_kills(dir: &Path) -> Option<u64> {
 }
 
 fn oom_kill_field(text: &str) -> Option<u64> {
+    field(text, "oom_kill")
+}
+
+/// The value of `name` in a `memory.oom_control` text (lines of "name value").
+fn field(text: &str, name: &str) -> Option<u64> {
     text.lines()
-        .find_map(|l| l.strip_prefix("oom_kill "))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|n| n.trim().parse().ok())
 }
 
@@ -224,6 +280,11 @@ mod tests {
         let text = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
         assert_eq!(oom_kill_field(text), Some(3));
         assert_eq!(oom_kill_field("oom_kill_disable 0\n"), None);
+        assert_eq!(field(text, "under_oom"), Some(0));
+        assert_eq!(
+            field("oom_kill_disable 1\nunder_oom 1\n", "under_oom"),
+            Some(1)
+        );
     }
 
     /// As root with a writable hierarchy: a group per worker, grown per fork, renamed when its
@@ -268,6 +329,8 @@ mod tests {
             .filter_map(|l| l.parse().ok())
             .find(|&p| p != first)
             .expect("the first worker's fork is in its group");
+        let control = std::fs::read_to_string(dir.join("memory.oom_control")).unwrap();
+        assert_eq!(field(&control, "oom_kill_disable"), Some(1), "{control}");
         fork_joined(&groups, fork).unwrap();
         assert_eq!(
             read_u64(&dir.join("memory.limit_in_bytes")),
