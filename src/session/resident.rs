@@ -734,8 +734,11 @@ impl SessionManager {
                 })
                 .collect()
         };
-        let memory_groups = self.sandbox.memory_groups().map(|g| g.parent);
-        if !children_possible && memory_groups.is_none() && looks.iter().all(|l| !l.due) {
+        // Workers join memory groups only where they may have children.
+        let memory_groups = (self.sandbox.memory_groups())
+            .filter(|_| children_possible)
+            .map(|g| g.parent);
+        if !children_possible && looks.iter().all(|l| !l.due) {
             return;
         }
         let sweep = zygote.clone();
