@@ -20,6 +20,7 @@ pub mod arenas;
 pub mod bridge;
 mod code_cache;
 mod heap_holes;
+mod large_blocks;
 mod plot_probe;
 pub mod scrub;
 pub mod worker;

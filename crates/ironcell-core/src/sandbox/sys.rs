@@ -147,6 +147,13 @@ pub fn allow_transparent_huge_pages() -> io::Result<()> {
     Ok(())
 }
 
+/// Whether transparent huge pages are on for this process (`PR_GET_THP_DISABLE` says 0): in a
+/// worker, only in a memory group of its own once Landlock is in force (SECURITY.md #271).
+pub fn transparent_huge_pages_on() -> bool {
+    // SAFETY: integer arguments only; reads the process's flag.
+    unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) == 0 }
+}
+
 /// Ignore SIGXFSZ so that exceeding RLIMIT_FSIZE makes `write` fail with EFBIG (a Python
 /// `OSError`) instead of killing the worker. Embedded CPython does not do this itself.
 pub fn ignore_sigxfsz() -> io::Result<()> {
