@@ -31,8 +31,9 @@ Row groups (`--groups`, default all; a full run takes about ten minutes):
   fork    fork_from -> the fork's first result (a small session, one holding 512 MiB in a
           bytearray, one in a numpy array) vs a new session replaying the parent's cells, beside
           os.fork() of a plain Python holding as much (the kernel's page-table copy: the floor).
-          numpy advises huge pages on large arrays, which only root workers in a memory cgroup
-          of their own keep (SECURITY.md #271); the bytearray is in 4 KiB pages everywhere
+          numpy advises huge pages on large arrays, and such workers on Python's own blocks of 4
+          MiB and more (the bytearray), which only root workers in a memory cgroup of their own
+          keep (SECURITY.md #271, #276); elsewhere both are in 4 KiB pages
 
 `--python PATH` runs the sessions on that interpreter (ironcell's --python flag where the binary
 has it, IRONCELL_PYTHON otherwise: harmless if neither is supported yet; the header says which
@@ -754,16 +755,18 @@ for _ in sys.stdin:
 
 
 class BareFork:
-    """`os.fork()` as seen by a plain Python holding `mib` MiB it wrote, in a bytearray (4 KiB
-    pages, as in every worker's) or a numpy array (which numpy advises MADV_HUGEPAGE: 2 MiB
-    pages where transparent huge pages are `madvise` or `always`, as in a root worker with a
-    memory cgroup of its own, SECURITY.md #271): the kernel's copy of its page tables, the floor
-    under forking a session that holds as much. One fork per `fork()`, so they alternate with
-    the session forks they are the floor of."""
+    """`os.fork()` as seen by a plain Python holding `mib` MiB it wrote, in a bytearray or a
+    numpy array (which numpy advises MADV_HUGEPAGE: 2 MiB pages where transparent huge pages are
+    `madvise` or `always`, as in a root worker with a memory cgroup of its own, SECURITY.md
+    #271): the kernel's copy of its page tables, the floor under forking a session that holds
+    as much. The bytearray is in 4 KiB pages unless `huge` (where the server's workers advise
+    their own large blocks, #276: this Python's malloc then does, `glibc.malloc.hugetlb=1`).
+    One fork per `fork()`, so they alternate with the session forks they are the floor of."""
 
-    def __init__(self, py: str, mib: int, kind: str = "bytearray"):
+    def __init__(self, py: str, mib: int, kind: str = "bytearray", huge: bool = False):
+        env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} if huge else None
         self.p = subprocess.Popen([py, "-c", BARE_FORK, str(mib), kind], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, text=True, env=env)
         assert self.p.stdout.readline().strip() == "ready"
 
     def fork(self) -> float:
@@ -819,7 +822,7 @@ def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table, py: s
             f"import numpy\nbig = numpy.ones(({mib} << 20) // 8)"], "numpy"))
     rows, bare = [], {}
     for name, cells, kind in sessions:
-        bare_fork = BareFork(py, mib, kind) if kind else None
+        bare_fork = BareFork(py, mib, kind, huge_pages) if kind else None
         parent = f"fork-parent-{len(rows)}"
         for cell in cells:
             c.run(cell, session=parent)
@@ -842,14 +845,16 @@ def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table, py: s
         table.row(f"fork -> first result, {name}", ms(forked),
                   f"new session + replaying the parent's cells: {ms(replayed)}{ratio(forked, replayed)}")
     workers = "which this server's workers keep" if huge_pages else "which this server's workers refuse (4 KiB pages)"
-    pages = {"bytearray": "4 KiB pages", "numpy": f"2 MiB pages, {workers}"}
+    pages = {"bytearray": "2 MiB pages, as this server's workers advise" if huge_pages else "4 KiB pages",
+             "numpy": f"2 MiB pages, {workers}"}
     for kind, times in bare.items():
         table.row(f"os.fork() of a Python holding {mib} MiB ({kind})", ms(times),
                   f"the kernel's copy of its page tables ({pages[kind]}), one after each fork above: the floor under it")
     # Issue 51's target assumed ~5 ms/GiB for the kernel's fork. On 4 KiB pages this machine's
     # bare fork of as much memory takes longer than the whole target (docs/PERFORMANCE.md,
     # "Forking a session"): the fork's own cost on top of that floor is the second target. In
-    # huge pages (numpy's arrays, root workers with a memory cgroup) the floor is ~1 ms.
+    # huge pages (root workers with a memory cgroup: numpy's arrays, Python's large blocks) the
+    # floor is ~1 ms.
     limit = 10 + 5 * mib / 1024
     for name, forked, _, kind in rows:
         if kind is None:
