@@ -630,7 +630,8 @@ fn read_zygote_events(fd: OwnedFd, shared: Arc<Shared>) {
                 {
                     remove_group_once_empty(parent.clone(), pid);
                 }
-                // Killed by the kernel at its memory group's limit (SECURITY.md #271)?
+                // Killed by the kernel's OOM killer in its memory group (a machine-wide OOM:
+                // at the group's own limit the memory watch ends it, SECURITY.md #274-#275)?
                 let oom_peak = (shared.memory_groups.as_ref())
                     .and_then(|g| crate::sandbox::memcg::worker_gone(g, pid).map(|p| (p, g)));
                 let killed_for = lock(&shared.over_memory).remove(&pid).or_else(|| {

@@ -170,7 +170,8 @@ pub fn fork_joined(groups: &MemoryGroups, pid: i32) -> io::Result<()> {
 /// Worker `pid` was reaped: its group loses a member, and is removed with its last one (a
 /// first worker whose forks live on leaves its group renamed, so that a new worker given its
 /// pid makes a group of its own). Returns the group's peak usage if the kernel's OOM killer
-/// acted in that group since the last look: the worker was killed at the group's limit.
+/// acted in that group since the last look: off in the group (#275), it acts there only in a
+/// machine-wide OOM, and the worker is reported as over its memory limit.
 pub fn worker_gone(groups: &MemoryGroups, pid: i32) -> Option<u64> {
     let mut l = lineages();
     let (name, first) = match l.group_of_fork.remove(&pid) {
