@@ -1,4 +1,4 @@
-"""Forking a session whose arrays are in transparent huge pages (docs/SECURITY.md #271-#274):
+"""Forking a session whose arrays are in transparent huge pages (docs/SECURITY.md #271-#276, #283):
 where root workers have a memory cgroup, a session and its forks share one group whose limit is
 one session's per live member, so pages a parent rewrites after a fork (charged to the group
 twice: its new copy, and the original its fork keeps) do not get it killed, and the group
@@ -186,4 +186,97 @@ def test_276_cut_down_huge_pages_from_plain_python_are_charged_to_the_sessions_g
     assert limit - (32 << 20) <= peak <= limit, (peak >> 20, limit >> 20)
     assert "oom_kill 0" in (group / "memory.oom_control").read_text()
     assert box.run("1", session="cut", reset=True)["status"] == "ok"
+    assert wait_until(lambda: not group.exists(), 10), f"{group} left behind"
+
+
+def advised_huge_mib(pid: int, addrs: list[int]) -> tuple[int, int]:
+    """Over the anonymous mappings of `pid` that hold one of `addrs` and are advised
+    MADV_HUGEPAGE (`hg`): their size and how much of them is in huge pages, in MiB."""
+    size = huge = 0
+    for (lo, hi), m in anonymous_mappings(pid).items():
+        if "hg" in m["VmFlags"].split() and any(lo <= a < hi for a in addrs):
+            size += (hi - lo) >> 20
+            huge += int(m["AnonHugePages"].split()[0]) >> 10
+    return size, huge
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1]) >> 10
+    raise AssertionError(f"no Rss for {pid}")
+
+
+# The 2 MiB ranges that hold a list's objects (CPython's id() is an object's address).
+ADDRESSES = "(os.getpid(), sorted({{id(x) >> 21 << 21 for x in {name}}}))"
+
+
+def test_283_many_small_objects_are_in_huge_pages_where_workers_keep_them_and_a_small_sessions_are_not(box):
+    # A worker that keeps huge pages advises MADV_HUGEPAGE on the arena chunks it maps once it
+    # holds 64 MiB of pymalloc's arenas more than it started with (arenas.rs, SECURITY.md #283):
+    # 6 M ints are ~180 MiB of arenas, ~120 of them past that. A session holding a few MiB of
+    # small objects maps none so advised.
+    groups = memory_groups_of(box)
+    pid, addrs = value(box.run(f"big = [i + 1000 for i in range(6_000_000)]\n{ADDRESSES.format(name='big')}",
+                               session="ints-a"))
+    # The fork leaves the list alone: touching an object writes its reference count, and a
+    # write to a page it shares with its parent copies it (splitting that huge page, 4 KiB each).
+    kid = value(fork(box, "ints-a", "ints-b", "os.getpid()"))
+    small_pid, small_addrs = value(box.run(f"small = [str(i) for i in range(200_000)]\n{ADDRESSES.format(name='small')}",
+                                           session="ints-small"))
+    advised = (advised_huge_mib(pid, addrs), advised_huge_mib(kid, addrs), advised_huge_mib(small_pid, small_addrs))
+    if groups is None:
+        # Huge pages off (#132): nothing is advised.
+        assert advised == ((0, 0), (0, 0), (0, 0)), advised
+        return
+    # The parent's arenas past the first 64 MiB, and the fork's view of them, in 2 MiB pages.
+    for size, huge in advised[:2]:
+        assert size >= 100 and huge >= size - 4, advised
+    assert advised[2] == (0, 0), advised
+    # Freed, the arenas go (pymalloc may keep one empty), and the worker's memory with them.
+    before = rss_mib(pid)
+    assert value(box.run("del big\n1", session="ints-a")) == 1
+    assert advised_huge_mib(pid, addrs)[0] <= 2 and rss_mib(pid) < before - 150, (before, rss_mib(pid))
+
+
+# #271 through pymalloc (#283): in a worker past 64 MiB of arenas (PAD), each new arena chunk is
+# one 2 MiB page once touched. Objects of 480 bytes fill arenas in order; dropping those in each
+# chunk's upper 1 MiB (id() // 1 MiB odd) frees that arena, which is unmapped: the chunk's huge
+# page is split, its lower half still mapped (RssAnon counts it), its upper half charged to the
+# group until reclaim splits it off. 192 MiB allocated: 96 kept, 96 cut down; then 96 MiB more.
+ARENAS_CUT_DOWN = """
+import ctypes
+objs = [bytes(440) for _ in range((192 << 20) // 480)]
+KEEP = [o for o in objs if not (id(o) >> 20) & 1]
+del objs
+MORE = b"x" * (96 << 20)
+(ctypes.CDLL(None).prctl(42, 0, 0, 0, 0), len(KEEP))  # PR_GET_THP_DISABLE
+"""
+
+
+def test_283_arena_chunks_cut_down_by_freed_arenas_are_charged_to_the_sessions_group(box):
+    # The group is given room for 256 MiB more than the padded session holds (its limit lowered
+    # from outside, as only root can): what the cell keeps (96 + 96 MiB) fits, with the cut-down
+    # halves it does not, so the group reaches its limit, where reclaim splits them and frees
+    # their unmapped halves, the cell done and nothing killed (#271, #275). A worker whose arenas
+    # are never in huge pages (an older server) peaks at ~195 MiB more (the 192 MiB in flight).
+    groups = memory_groups_of(box)
+    pid = value(box.run("PAD = [bytes(440) for _ in range((80 << 20) // 480)]\nos.getpid()", session="cut-arenas"))
+    group = None if groups is None else groups / Path(memory_group(pid)).name
+    if group is not None:
+        padded = group_file(group, "memory.usage_in_bytes")
+        (group / "memory.limit_in_bytes").write_text(str(padded + (256 << 20)))
+    flag, kept = value(box.run(ARENAS_CUT_DOWN, session="cut-arenas", timeout_s=300))
+    assert kept > 150_000, kept
+    if group is None:
+        assert flag == 1, "huge pages are on in a worker that has no memory cgroup"
+        return
+    assert flag == 0
+    limit, peak = group_file(group, "memory.limit_in_bytes"), group_file(group, "memory.max_usage_in_bytes")
+    assert limit - (32 << 20) <= peak <= limit, (peak >> 20, limit >> 20)
+    assert "oom_kill 0" in (group / "memory.oom_control").read_text()
+    # Freed, the kept halves go with what is left of their pages: the group's usage returns.
+    value(box.run("del KEEP, PAD, MORE\n1", session="cut-arenas"))
+    assert group_file(group, "memory.usage_in_bytes") < padded, (group_file(group, "memory.usage_in_bytes") >> 20, padded >> 20)
+    assert box.run("1", session="cut-arenas", reset=True)["status"] == "ok"
     assert wait_until(lambda: not group.exists(), 10), f"{group} left behind"

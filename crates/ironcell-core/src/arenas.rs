@@ -11,7 +11,13 @@
 //! below the previous one when that address is free, so neighbouring chunks merge into one
 //! mapping. Chunks are marked `MADV_NOHUGEPAGE`: no fault ever allocates a 2 MiB page for them,
 //! in the zygote or in a worker (which inherits the allocator with the fork); the zygote
-//! collapses its full ones explicitly. A freed arena is unmapped, as CPython's own allocator
+//! collapses its full ones explicitly. The exception is a worker that keeps huge pages and
+//! already holds many arenas ([`ArenaChunks::advise_huge_pages_past`], SECURITY.md #283): its
+//! new chunks are marked `MADV_HUGEPAGE` instead, so a session holding hundreds of MiB of small
+//! objects forks with one page-table entry per 2 MiB of them, not 512, while an idle or
+//! ordinary session never puts an arena in a private 2 MiB page (an arena freed there splits
+//! its chunk's huge page, whose unmapped half its memory group charges until reclaim splits it
+//! off). A freed arena is unmapped, as CPython's own allocator
 //! does, so the address-space and data limits count what they counted before (at most the
 //! unused rest of the newest chunk more); its slot is mapped again first when the next arena is
 //! needed, unless something else was mapped there meanwhile, and a chunk with no arena left is
@@ -42,6 +48,11 @@ struct Chunks {
     chunks: Vec<Chunk>,
     /// Arenas served so far, for the zygote's log.
     served: usize,
+    /// Arenas handed out and not taken back, in all chunks.
+    in_use: usize,
+    /// A chunk mapped while `in_use * arena` is this many bytes or more is advised
+    /// `MADV_HUGEPAGE`; `usize::MAX` (the default, and the zygote's) never.
+    huge_from: usize,
 }
 
 struct Chunk {
@@ -54,6 +65,8 @@ struct Chunk {
     /// mapped. Only those are ever unmapped: a freed slot's addresses may belong to another
     /// mapping by the time the chunk goes.
     mapped: u64,
+    /// Advised `MADV_HUGEPAGE` when it was mapped (its freed slots are mapped again the same way).
+    huge: bool,
 }
 
 /// The two arena sizes pymalloc has used.
@@ -71,7 +84,19 @@ impl ArenaChunks {
             arena: 0,
             chunks: Vec::new(),
             served: 0,
+            in_use: 0,
+            huge_from: usize::MAX,
         }))
+    }
+
+    /// From now on, a chunk mapped once this process holds `extra` bytes of arenas more than
+    /// it does now is advised `MADV_HUGEPAGE` (faults fill it with one 2 MiB page where the
+    /// process keeps transparent huge pages) instead of `MADV_NOHUGEPAGE`; chunks mapped
+    /// already, and any mapped while it holds less, keep theirs. A fork inherits the setting
+    /// with the allocator.
+    pub fn advise_huge_pages_past(&self, extra: usize) {
+        let mut c = self.state();
+        c.huge_from = c.in_use.saturating_mul(c.arena).saturating_add(extra);
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, Chunks> {
@@ -100,7 +125,7 @@ impl ArenaChunks {
                 }
                 let slot = chunk.base + i * size;
                 if chunk.mapped & bit == 0 {
-                    match map_at(slot, size) {
+                    match map_at(slot, size, chunk.huge) {
                         Placed::Mapped => chunk.mapped |= bit,
                         // Another mapping sits there now: maybe free again later.
                         Placed::Taken => continue,
@@ -111,18 +136,23 @@ impl ArenaChunks {
                 }
                 chunk.used |= bit;
                 c.served += 1;
+                c.in_use += 1;
                 return NonNull::new(slot as *mut c_void);
             }
         }
         c.chunks.try_reserve(1).ok()?;
-        // Right below the lowest chunk, so the chunks merge into one mapping.
-        let base = map_chunk(c.chunks.iter().map(|k| k.base).min())?;
+        let huge = c.in_use.saturating_mul(size) >= c.huge_from;
+        // Right below the lowest chunk, so the chunks merge into one mapping (where their
+        // advice is the same).
+        let base = map_chunk(c.chunks.iter().map(|k| k.base).min(), huge)?;
         c.chunks.push(Chunk {
             base,
             used: 1,
             mapped: u64::MAX >> (64 - slots),
+            huge,
         });
         c.served += 1;
+        c.in_use += 1;
         NonNull::new(base as *mut c_void)
     }
 
@@ -147,6 +177,7 @@ impl ArenaChunks {
         else {
             return false;
         };
+        c.in_use -= 1;
         let chunk = &mut c.chunks[at];
         chunk.used &= !bit;
         chunk.mapped &= !bit;
@@ -170,13 +201,20 @@ impl ArenaChunks {
         let c = self.state();
         (c.served, c.chunks.len())
     }
+
+    /// Chunks mapped now that were advised `MADV_HUGEPAGE`.
+    #[cfg(test)]
+    fn huge_chunks(&self) -> usize {
+        self.state().chunks.iter().filter(|k| k.huge).count()
+    }
 }
 
-/// A 2 MiB-aligned 2 MiB mapping: right below `below` when that address is free (so the
-/// chunks merge into one mapping), otherwise 4 MiB trimmed to the aligned 2 MiB inside.
-fn map_chunk(below: Option<usize>) -> Option<usize> {
+/// A 2 MiB-aligned 2 MiB mapping, advised `MADV_HUGEPAGE` if `huge` (else `MADV_NOHUGEPAGE`):
+/// right below `below` when that address is free (so the chunks merge into one mapping),
+/// otherwise 4 MiB trimmed to the aligned 2 MiB inside.
+fn map_chunk(below: Option<usize>, huge: bool) -> Option<usize> {
     if let Some(below) = below.and_then(|b| b.checked_sub(CHUNK))
-        && matches!(map_at(below, CHUNK), Placed::Mapped)
+        && matches!(map_at(below, CHUNK, huge), Placed::Mapped)
     {
         return Some(below);
     }
@@ -196,7 +234,7 @@ fn map_chunk(below: Option<usize>) -> Option<usize> {
         // SAFETY: the part of that fresh mapping above the aligned chunk; nothing uses it.
         unsafe { libc::munmap((base + CHUNK) as *mut c_void, tail) };
     }
-    no_huge_pages(base, CHUNK);
+    advise(base, CHUNK, huge);
     Some(base)
 }
 
@@ -209,8 +247,8 @@ enum Placed {
     NoRoom,
 }
 
-/// Maps `len` bytes at exactly `addr`, never over another mapping, marked `MADV_NOHUGEPAGE`.
-fn map_at(addr: usize, len: usize) -> Placed {
+/// Maps `len` bytes at exactly `addr`, never over another mapping, advised as [`advise`] does.
+fn map_at(addr: usize, len: usize, huge: bool) -> Placed {
     // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
     let p = unsafe { map(addr as *mut c_void, len, libc::MAP_FIXED_NOREPLACE) };
     if p == libc::MAP_FAILED {
@@ -225,13 +263,20 @@ fn map_at(addr: usize, len: usize) -> Placed {
         unsafe { libc::munmap(p, len) };
         return Placed::Taken;
     }
-    no_huge_pages(addr, len);
+    advise(addr, len, huge);
     Placed::Mapped
 }
 
-fn no_huge_pages(addr: usize, len: usize) {
+/// `MADV_HUGEPAGE` on a range if `huge`, else `MADV_NOHUGEPAGE`. Advice only: where it fails
+/// (a kernel without transparent huge pages), the range is as usable as before.
+fn advise(addr: usize, len: usize, huge: bool) {
+    let advice = if huge {
+        libc::MADV_HUGEPAGE
+    } else {
+        libc::MADV_NOHUGEPAGE
+    };
     // SAFETY: advice on a range this allocator just mapped.
-    unsafe { libc::madvise(addr as *mut c_void, len, libc::MADV_NOHUGEPAGE) };
+    unsafe { libc::madvise(addr as *mut c_void, len, advice) };
 }
 
 /// # Safety
@@ -303,6 +348,67 @@ mod tests {
         assert_eq!(chunks.stats().1, 0);
     }
 
+    /// The `VmFlags` of the mapping that holds `addr`, from `/proc/self/smaps`.
+    fn vm_flags(addr: usize) -> Vec<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let head = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = head.split_once('-')
+                && !head.ends_with(':')
+            {
+                let lo = usize::from_str_radix(lo, 16).unwrap_or(usize::MAX);
+                let hi = usize::from_str_radix(hi, 16).unwrap_or(0);
+                inside = lo <= addr && addr < hi;
+            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.split_whitespace().map(str::to_owned).collect();
+            }
+        }
+        panic!("{addr:x} is not mapped");
+    }
+
+    #[test]
+    fn chunks_mapped_past_the_threshold_are_advised_huge_pages_and_others_not() {
+        let chunks = ArenaChunks::new();
+        let first = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        // Huge pages from 3 MiB of arenas more than the one held now: the chunk mapped while 2
+        // arenas are held is not advised, the one mapped while 4 are is.
+        chunks.advise_huge_pages_past(3 * MIB);
+        let arenas: Vec<usize> = (0..5)
+            .map(|_| chunks.alloc(MIB).unwrap().as_ptr() as usize)
+            .collect();
+        assert_eq!(chunks.stats(), (6, 3));
+        assert_eq!(chunks.huge_chunks(), 1);
+        for &small in &[first, arenas[0], arenas[1], arenas[2]] {
+            let flags = vm_flags(small);
+            assert!(flags.iter().any(|f| f == "nh"), "{small:x}: {flags:?}");
+        }
+        let (huge, last) = (arenas[3], arenas[4]);
+        assert_eq!((huge % CHUNK, last), (0, huge + MIB));
+        let flags = vm_flags(huge);
+        assert!(flags.iter().any(|f| f == "hg"), "{huge:x}: {flags:?}");
+        // A freed slot of the advised chunk is mapped again with the chunk's advice, and falling
+        // below the threshold does not change the chunks mapped already.
+        for &arena in arenas[..3].iter().chain([&first]) {
+            // SAFETY: an arena from `chunks`, not used afterwards.
+            assert!(unsafe { chunks.free(arena as *mut c_void, MIB) });
+        }
+        // SAFETY: as above.
+        assert!(unsafe { chunks.free(last as *mut c_void, MIB) });
+        let again = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        assert_eq!(again, last);
+        assert!(vm_flags(again).iter().any(|f| f == "hg"));
+        // Two arenas held: a new chunk is not advised.
+        let low = chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        assert_eq!(chunks.huge_chunks(), 1);
+        assert!(vm_flags(low).iter().any(|f| f == "nh"));
+        for arena in [huge, again, low] {
+            // SAFETY: as above.
+            assert!(unsafe { chunks.free(arena as *mut c_void, MIB) });
+        }
+        assert_eq!(chunks.stats().1, 0);
+    }
+
     #[test]
     fn a_new_chunk_goes_right_below_the_lowest_and_merges_with_it() {
         // Free address space for two chunks, given back just before: another test's thread may
@@ -314,8 +420,8 @@ mod tests {
             // SAFETY: that mapping, unused.
             unsafe { libc::munmap(p, 3 * CHUNK) };
             let top = (p as usize + 3 * CHUNK) / CHUNK * CHUNK;
-            let upper = map_chunk(Some(top)).unwrap();
-            let lower = map_chunk(Some(upper)).unwrap();
+            let upper = map_chunk(Some(top), false).unwrap();
+            let lower = map_chunk(Some(upper), false).unwrap();
             if (upper, lower) == (top - CHUNK, top - 2 * CHUNK) {
                 return Some((lower, top));
             }

@@ -1,6 +1,8 @@
 //! Registers `ironcell_core::arenas::ArenaChunks` as CPython's arena allocator, so that
 //! pymalloc's arenas fill whole 2 MiB ranges the zygote can collapse into huge pages (that
-//! module says why). What the chunks do not serve goes to the interpreter's own allocator.
+//! module says why). What the chunks do not serve goes to the interpreter's own allocator. A
+//! worker that keeps huge pages has its chunks advised `MADV_HUGEPAGE` once it holds many arenas
+//! ([`advise_huge_pages_past_many_arenas`], SECURITY.md #283).
 
 use std::ffi::c_void;
 
@@ -54,6 +56,20 @@ pub fn install() -> bool {
     // SAFETY: CPython copies ours in (the GIL is held).
     unsafe { set(&mut allocator) };
     true
+}
+
+/// How many bytes of arenas a worker holds past those it started with before its new chunks
+/// are advised huge pages: more than an idle or ordinary session ever holds (an idle worker's
+/// first new arena must not be a private 2 MiB page: the idle-session memory target is 1.5
+/// MiB), little beside the hundreds of MiB whose fork the advice speeds up.
+const HUGE_PAGES_PAST: usize = 64 << 20;
+
+/// Chunks this process maps once it holds 64 MiB of arenas more than now are advised
+/// `MADV_HUGEPAGE`. For a worker that keeps transparent huge pages (a memory group of its own,
+/// SECURITY.md #271, #283); its forks inherit it. Does nothing where [`install`] did not
+/// register the chunks (pymalloc's arenas then come from the interpreter's own allocator).
+pub fn advise_huge_pages_past_many_arenas() {
+    CHUNKS.advise_huge_pages_past(HUGE_PAGES_PAST);
 }
 
 /// Arenas served from chunks so far, and chunks mapped now (for the zygote's log).

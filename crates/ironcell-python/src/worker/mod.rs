@@ -314,11 +314,13 @@ fn serve_session(
     .map_err(|e| anyhow!(e))?;
     let lockdown_us = lockdown_started.elapsed().as_micros() as u64;
     // Huge pages on (a memory group of its own, #271): Python's large blocks ask for them, as
-    // numpy's arrays do (#276). Before any thread: the wrapper goes in with none running.
+    // numpy's arrays do (#276), and so do pymalloc's arenas once the worker holds many (#283).
+    // Before any thread: the wrapper goes in with none running.
     if spec.sandbox.memory_cgroup.is_some()
         && ironcell_core::sandbox::sys::transparent_huge_pages_on()
     {
         crate::large_blocks::advise_huge_pages_on_large_blocks();
+        crate::arenas::advise_huge_pages_past_many_arenas();
     }
     *crate::lock(&fork::FORKABLE) = Some(forkable(&spec, &private_tmp, zygote));
     if ironcell_core::sandbox::children_in_this_worker(&spec.sandbox, &private_tmp) {
