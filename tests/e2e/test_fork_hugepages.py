@@ -239,6 +239,12 @@ def test_283_many_small_objects_are_in_huge_pages_where_workers_keep_them_and_a_
     assert advised_huge_mib(pid, addrs)[0] <= 2 and rss_mib(pid) < before - 150, (before, rss_mib(pid))
 
 
+def test_283_a_root_worker_without_a_memory_group_advises_no_arena_chunks(root_without_groups):
+    pid, addrs = value(root_without_groups.run(
+        f"big = [i + 1000 for i in range(6_000_000)]\n{ADDRESSES.format(name='big')}", session="off-ints"))
+    assert advised_huge_mib(pid, addrs) == (0, 0)
+
+
 # #271 through pymalloc (#283): in a worker past 64 MiB of arenas (PAD), each new arena chunk is
 # one 2 MiB page once touched. Objects of 480 bytes fill arenas in order; dropping those in each
 # chunk's upper 1 MiB (id() // 1 MiB odd) frees that arena, which is unmapped: the chunk's huge
