@@ -243,6 +243,7 @@ def prepare_worker(env, servers_json="[]", options=None):
     zygote_prepare()  # already done by the zygote; a no-op then
 
     _set_environment(env)
+    _forward_output_at_os_exit()
     mcp._use_packages_dir(env.get("IRONCELL_PACKAGES_DIR"))
     if isinstance(options, str):
         import json
@@ -256,6 +257,17 @@ def prepare_worker(env, servers_json="[]", options=None):
     if tmp.get("mechanism") != "namespace":
         _refuse_host_tmp(tmp.get("reason") or "no private mount namespace", tmp.get("allowed") or [])
     _images_written_since(None)  # files already here are never this run's images
+
+
+def _forward_output_at_os_exit():
+    """`os._exit` ends the worker only once what it printed reached the host: its output pump
+    may hold a chunk it read and has not sent yet (SECURITY.md #277). In a child of the worker,
+    the plain `_exit`."""
+    import os
+
+    import _ironcell_bridge
+
+    os._exit = _ironcell_bridge.exit_after_output
 
 
 _configured_servers = [None]  # the servers_json the `mcp` globals were made for

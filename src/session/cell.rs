@@ -551,7 +551,7 @@ impl<'a> CellRun<'a> {
                             body,
                             _slot: Some(slot),
                             _turn: turn,
-                            pass_fd: None,
+                            pass_fds: Vec::new(),
                         })
                         .await;
                 }
@@ -563,10 +563,13 @@ impl<'a> CellRun<'a> {
 
     /// The socket ended (or failed) mid-cell: the worker is gone.
     async fn on_worker_gone(&mut self, state: &mut SessionState) -> Ending {
-        let Some(w) = state.worker.take() else {
+        let Some(mut w) = state.worker.take() else {
             return vanished();
         };
+        let pipes = w.output_pipes.take();
         let exit = w.wait_exit().await;
+        // Only once reaped: what it wrote last and its pump never read.
+        self.take_leftover(Vec::new(), pipes.as_ref().filter(|_| exit.is_some()));
         let why = exit.map(|e| e.to_string()).unwrap_or_else(|| {
             "ended (its exit status is unknown: the zygote that reports it is gone)".into()
         });
@@ -575,6 +578,28 @@ impl<'a> CellRun<'a> {
             message: format!("the worker process {why}{}", crash_reason(exit)),
             reason: Some(why),
         }
+    }
+
+    /// After every frame read so far: `frames` (sent, not read yet), then what is left in the
+    /// dead worker's pipes, within the output limit (SECURITY.md #277).
+    fn take_leftover(
+        &mut self,
+        frames: Vec<bytes::BytesMut>,
+        pipes: Option<&leftover::OutputPipes>,
+    ) {
+        let total = (self.stdout.total() + self.stderr.total())
+            .max(self.output_frames.saturating_mul(OUTPUT_FRAME_CHARGE));
+        let room = self.manager.settings.max_output_bytes.saturating_sub(total);
+        leftover::append(frames, pipes, [&mut self.stdout, &mut self.stderr], room);
+    }
+
+    /// Kills the worker (the grace after an interrupt is over), keeping what it had written.
+    async fn kill_keeping_output(&mut self, state: &mut SessionState) -> Option<ExitInfo> {
+        let mut w = state.worker.take()?;
+        let pipes = w.output_pipes.take();
+        let (exit, frames) = w.kill_then_unread_frames(2 * leftover::LEFTOVER_CAP).await;
+        self.take_leftover(frames, pipes.as_ref().filter(|_| exit.is_some()));
+        exit
     }
 
     /// The deadline passed (interrupt), or the grace after an interrupt did (kill).
@@ -587,7 +612,7 @@ impl<'a> CellRun<'a> {
                 ControlFlow::Continue(())
             }
             WakeAction::Kill { reason } => {
-                kill_worker(state).await;
+                self.kill_keeping_output(state).await;
                 let why = format!(
                     "did not stop within {:.1} s of an interrupt and was killed",
                     grace.as_secs_f64()
@@ -803,7 +828,7 @@ fn answer_now(
                 body,
                 _slot: Some(slot),
                 _turn: None,
-                pass_fd: None,
+                pass_fds: Vec::new(),
             };
             if let Err(full_or_closed) = answers.try_send(answer) {
                 let answer = full_or_closed.into_inner();

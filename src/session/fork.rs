@@ -48,6 +48,8 @@ pub(super) struct Ordered {
     child_dir: PathBuf,
     child_forks: PathBuf,
     host_sock: std::os::unix::net::UnixStream,
+    /// The host's read ends of the pipes it made for the fork's fd 1 and fd 2.
+    output_pipes: leftover::OutputPipes,
     lineage_sid: i32,
     ordered_at: u64,
     started: Instant,
@@ -258,6 +260,10 @@ impl SessionManager {
         };
         let (host_sock, child_sock) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| RunRefusal::Fork(format!("making the fork's socket: {e}")))?;
+        // The fork's fd 1 and fd 2 pipes, made here (seccomp keeps a worker from passing
+        // descriptors): the host keeps its own read ends (SECURITY.md #277).
+        let (output_pipes, pipe_ends) = leftover::OutputPipes::for_a_fork()
+            .map_err(|e| RunRefusal::Fork(format!("making the fork's output pipes: {e}")))?;
         let order = ToWorker::Fork(frame::ForkOrder {
             parent_dir: p.dir.clone(),
             parent_forks: parent_forks.clone(),
@@ -300,7 +306,9 @@ impl SessionManager {
                 }
             });
         }
-        if worker.send_passing(body, Some(child_sock.into())).is_err() {
+        let mut passed = vec![OwnedFd::from(child_sock)];
+        passed.extend(pipe_ends);
+        if worker.send_passing(body, passed).is_err() {
             return refuse(format!("session {from:?}'s worker is not reading"));
         }
         let parent_ms;
@@ -374,6 +382,7 @@ impl SessionManager {
             child_dir,
             child_forks,
             host_sock,
+            output_pipes,
             lineage_sid,
             ordered_at,
             started,
@@ -423,6 +432,7 @@ impl SessionManager {
         let mut dirs = o.dirs;
         dirs.made.clear();
         live.own_tasks = Some(fork_guard::tasks_of(pid));
+        live.output_pipes = Some(o.output_pipes);
         live.forks_area = Some(o.child_forks);
         live.landlock_layers = o.layers;
         live.packages_view = o.packages_view;

@@ -46,8 +46,8 @@ pub(super) struct Outgoing {
     pub body: Bytes,
     pub _slot: Option<OwnedSemaphorePermit>,
     pub _turn: Option<OwnedSemaphorePermit>,
-    /// A descriptor passed with the frame (`SCM_RIGHTS`): a fork's session socket.
-    pub pass_fd: Option<std::os::fd::OwnedFd>,
+    /// Descriptors passed with the frame (`SCM_RIGHTS`): a fork's session socket and pipes.
+    pub pass_fds: Vec<std::os::fd::OwnedFd>,
 }
 
 /// What is known about whether the worker still runs.
@@ -92,6 +92,9 @@ pub(super) struct LiveWorker {
     pub forks_area: Option<std::path::PathBuf>,
     /// Landlock layers its domain holds (1 from its lockdown, one more per fork on its line).
     pub landlock_layers: u32,
+    /// The host's own read ends of its stdout and stderr pipes, passed with its `ready`: what
+    /// is left in them is read once the worker is gone (`leftover.rs`).
+    pub output_pipes: Option<super::leftover::OutputPipes>,
     /// Its threads at its `ready`, ironcell's own: a fork is refused while it runs others
     /// (`fork_guard.rs`).
     pub own_tasks: Option<super::fork_guard::Tasks>,
@@ -165,6 +168,7 @@ impl LiveWorker {
             packages_view: None,
             forks_area: None,
             landlock_layers: 1,
+            output_pipes: None,
             own_tasks: None,
             outbox,
             exit: Some(exit),
@@ -369,21 +373,21 @@ impl LiveWorker {
 
     /// Queues a frame for the worker without waiting.
     pub fn send(&self, body: Bytes) -> Result<(), SendError> {
-        self.send_passing(body, None)
+        self.send_passing(body, Vec::new())
     }
 
-    /// Queues a frame with a descriptor passed along (a fork's session socket).
+    /// Queues a frame with descriptors passed along (a fork's session socket and pipes).
     pub fn send_passing(
         &self,
         body: Bytes,
-        pass_fd: Option<std::os::fd::OwnedFd>,
+        pass_fds: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(), SendError> {
         self.outbox
             .try_send(Outgoing {
                 body,
                 _slot: None,
                 _turn: None,
-                pass_fd,
+                pass_fds,
             })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => SendError::NotReading,
@@ -412,8 +416,41 @@ impl LiveWorker {
         self.wait_exit().await
     }
 
+    /// Kills the worker, waits (briefly) for its reaping, then takes the frames it had sent
+    /// that were not read yet, at most `max_bytes` of them: they are all in the socket by then
+    /// (a worker's children do not hold it), so none is waited for.
+    pub async fn kill_then_unread_frames(
+        mut self,
+        max_bytes: u64,
+    ) -> (Option<ExitInfo>, Vec<bytes::BytesMut>) {
+        use futures::FutureExt;
+        let exit = match self.liveness() {
+            Liveness::Exited(status) => Some(status),
+            Liveness::ZygoteGone => None,
+            Liveness::Alive => {
+                self.signal(Signal::SIGKILL);
+                self.wait_exit_here().await
+            }
+        };
+        let (mut frames, mut taken) = (Vec::new(), 0u64);
+        while taken < max_bytes {
+            match self.frames.next().now_or_never() {
+                Some(Some(Ok(f))) => {
+                    taken += f.len() as u64;
+                    frames.push(f);
+                }
+                _ => break,
+            }
+        }
+        (exit, frames)
+    }
+
     /// After the socket closed: how did the process end? (Killed if it still runs.)
     pub async fn wait_exit(mut self) -> Option<ExitInfo> {
+        self.wait_exit_here().await
+    }
+
+    async fn wait_exit_here(&mut self) -> Option<ExitInfo> {
         let mut rx = self.exit.take()?;
         match tokio::time::timeout(EXIT_REPORT_TIMEOUT, &mut rx).await {
             Ok(Ok(status)) => Some(status),
@@ -454,7 +491,7 @@ impl Drop for KillOnDrop {
 }
 
 /// The writer task: sends queued frames in order until the queue closes or the socket breaks,
-/// each as length prefix and body, a descriptor passed with its first byte.
+/// each as length prefix and body, descriptors passed with its first byte.
 async fn write_frames_to_worker(
     write: tokio::net::unix::OwnedWriteHalf,
     wire: Arc<std::sync::Mutex<Wire>>,
@@ -465,7 +502,7 @@ async fn write_frames_to_worker(
         body,
         _slot: slot,
         _turn: turn,
-        pass_fd,
+        pass_fds,
     }) = queued.recv().await
     {
         // The request slot frees as its answer leaves the queue, before the write: the worker
@@ -482,7 +519,7 @@ async fn write_frames_to_worker(
         let mut bytes = Vec::with_capacity(4 + body.len());
         bytes.extend_from_slice(&(body.len() as u32).to_be_bytes());
         bytes.extend_from_slice(&body);
-        if let Err(e) = write_whole(stream, &wire, &bytes, pass_fd).await {
+        if let Err(e) = write_whole(stream, &wire, &bytes, &pass_fds).await {
             tracing::debug!(error = %e, "writing to a worker failed; it is gone");
             break;
         }
@@ -497,11 +534,11 @@ async fn write_whole(
     stream: &tokio::net::UnixStream,
     wire: &std::sync::Mutex<Wire>,
     bytes: &[u8],
-    fd: Option<std::os::fd::OwnedFd>,
+    pass_fds: &[std::os::fd::OwnedFd],
 ) -> std::io::Result<()> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     use std::os::fd::AsRawFd;
-    let fds = fd.as_ref().map(|fd| [fd.as_raw_fd()]);
+    let fds: Vec<std::os::fd::RawFd> = pass_fds.iter().map(|fd| fd.as_raw_fd()).collect();
     let mut sent = 0;
     while sent < bytes.len() {
         stream.writable().await?;
@@ -513,9 +550,10 @@ async fn write_whole(
             } else {
                 (&rest[..], true)
             };
-            let cmsgs: Vec<ControlMessage<'_>> = match &fds {
-                Some(fds) if sent == 0 && !from_rest => vec![ControlMessage::ScmRights(fds)],
-                _ => Vec::new(),
+            let cmsgs: Vec<ControlMessage<'_>> = if !fds.is_empty() && sent == 0 && !from_rest {
+                vec![ControlMessage::ScmRights(&fds)]
+            } else {
+                Vec::new()
             };
             let iov = [std::io::IoSlice::new(chunk)];
             let n = sendmsg::<()>(

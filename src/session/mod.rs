@@ -37,6 +37,7 @@ mod fork;
 mod fork_guard;
 mod fork_queue;
 mod idle;
+mod leftover;
 mod live;
 mod outcome;
 mod pool;

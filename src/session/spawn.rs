@@ -134,6 +134,10 @@ impl SessionManager {
                         };
                         crate::epoll_gate::supervise(listener, pid, Arc::downgrade(&zygote)).map_err(|e| e.to_string())?;
                     }
+                    Ok(WorkerFrame::Message(FromWorker::OutputPipes {})) if worker.output_pipes.is_none() => {
+                        let pipes = leftover::OutputPipes::from_worker(fds).map_err(|e| Violation(e).to_string())?;
+                        worker.output_pipes = Some(pipes);
+                    }
                     Ok(WorkerFrame::Message(FromWorker::MemoryCounters {})) if !counters => {
                         counters = true;
                         resident::keep_memory_counters(pid, fds);
@@ -143,6 +147,10 @@ impl SessionManager {
                         lockdown_us,
                         ..
                     })) => {
+                        // A real worker always passes its two pipes first: one without is refused.
+                        if worker.output_pipes.is_none() {
+                            return Err(Violation("`ready` before the worker's output pipes".into()).to_string());
+                        }
                         let mut recent = lock(&self.recent_lockdown_us);
                         if recent.len() >= 64 {
                             recent.remove(0);

@@ -9,6 +9,7 @@ import ast
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -233,6 +234,35 @@ RAW_FORK = (
     "vf = libc.syscall(58) if platform.machine() == 'x86_64' else -1\n"
     "(r, e, clone3, vf)"
 )
+
+
+# A child (forked from a thread: no parent-death signal) that, once its worker died, writes to the
+# stdout pipe it inherited as fast as it can, while the host reads what the worker left there
+# (SECURITY.md #277): the host stops at an empty pipe or at its cap, never waits for the writer.
+FLOODS_AFTER_ITS_PARENT = (
+    "import threading, time\n"
+    "parent = os.getpid()\n"
+    "def spawn():\n"
+    "    if os.fork() == 0:\n"
+    "        open('flooder.pid', 'w').write(str(os.getpid()))\n"
+    "        while os.getppid() == parent:\n            time.sleep(0.0005)\n"
+    "        while True:\n            os.write(1, b'c' * 65536)\n"
+    "t = threading.Thread(target=spawn); t.start(); t.join()\n"
+    "while not os.path.exists('flooder.pid'):\n    time.sleep(0.001)\n"
+    "print('step 2 done', flush=True)\ntime.sleep(0.05)\nos._exit(1)\n"
+)
+
+
+def test_277_a_child_writing_to_stdout_after_its_worker_died_cannot_stall_the_host(box):
+    for i in range(5):
+        rec = box.run(FLOODS_AFTER_ITS_PARENT, session=f"flood-{i}")
+        assert rec["status"] == "crashed", rec
+        assert rec["stdout"].startswith("step 2 done\n"), rec["stdout"][:100]
+        total = (rec.get("stdout_truncated") or {}).get("total_bytes", len(rec["stdout"]))
+        assert total <= len("step 2 done\n") + (1 << 20), total  # the host's cap per stream
+        assert value(box.run("'answering'", session="bystander")) == "answering"
+        kid = int(Path(value(box.run("import os\nos.getcwd()", session=f"flood-{i}"))).joinpath("flooder.pid").read_text())
+        assert wait_until(lambda: not pid_alive(kid), 10), f"the flooding child {kid} outlived its worker"
 
 
 @pytest.mark.parametrize("abi", [1, 3, 4, 5])

@@ -486,6 +486,49 @@ def test_a_worker_killed_mid_run_is_reported_and_the_next_run_is_fresh(host):
     assert_fresh_after_loss(host, "wk", pid, "SIGKILL")
 
 
+# #277: what a cell printed just before its worker died. The worker's output pump reads its
+# fd 1 and fd 2 pipes and forwards what it read; whatever it had not read died with the process
+# (before: 13-18 of 20 such runs showed the line). The host now holds its own read ends and
+# reads what is left once the worker is gone; `os._exit` first lets the pump send what it holds.
+DIES_AFTER_PRINTING = {
+    "os_exit": "import os, sys\nprint('step 2 done')\nsys.stderr.write('warned\\n')\nos._exit(1)\n",
+    "segfault": "import ctypes, sys\nprint('step 2 done')\nsys.stderr.write('warned\\n')\nctypes.string_at(0)\n",
+}
+
+
+@pytest.mark.parametrize("how", DIES_AFTER_PRINTING)
+def test_277_what_a_cell_printed_just_before_its_worker_died_is_in_its_result(host, how):
+    results = [host.run(DIES_AFTER_PRINTING[how], session=f"dies-{how}-{i}") for i in range(10)]
+    assert all(r["status"] == "crashed" for r in results), results
+    assert [r["stdout"] for r in results] == ["step 2 done\n"] * 10, [r["stdout"] for r in results]
+    assert [r["stderr"] for r in results] == ["warned\n"] * 10, [r["stderr"] for r in results]
+
+
+def test_277_megabytes_printed_before_os_exit_arrive_whole_and_the_host_keeps_answering(host):
+    # Far more than a pipe holds: the pump forwards most of it while the cell writes, the rest
+    # (and the chunk the pump held) arrives before the end.
+    for i in range(3):
+        r = host.run("import os\nos.write(1, b'a' * (3 << 20))\nos._exit(1)\n", session=f"big-{i}")
+        assert r["status"] == "crashed", r
+        assert r["stdout_truncated"]["total_bytes"] == 3 << 20, r["stdout_truncated"]
+        assert host.run("'still here'", session="bystander")["result"] == "'still here'"
+
+
+@pytest.mark.parametrize("as_user", ["root", "nobody"])
+def test_277_what_a_cell_printed_before_the_memory_watch_killed_it_is_in_its_result(as_user):
+    from test_sandbox import HIDDEN_MEMORY
+
+    h = Host(as_user, MCP_BRIDGE_MEMORY_LIMIT="256m")
+    try:
+        for i in range(3):
+            r = h.run(HIDDEN_MEMORY + "print('step 2 done')\nhide(24)\nimport time\ntime.sleep(10)\n",
+                      session=f"hog-{i}", timeout_s=25)
+            assert r["status"] == "crashed" and "killed for holding" in r["error"]["message"], r
+            assert r["stdout"] == "step 2 done\n", r
+    finally:
+        h.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # With a proxied upstream (root only: the harness Python lives under /root)
 # ---------------------------------------------------------------------------------------------

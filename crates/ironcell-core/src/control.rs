@@ -219,7 +219,7 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
     }
     if flags & libc::MSG_CTRUNC != 0 {
         // The kernel dropped fds it could not install (this process is at its open-files
-        // limit, or more came than the four expected). The packet is whole, and the caller
+        // limit, or more came than the eight expected). The packet is whole, and the caller
         // sees what is missing: a spawn request without its socket is refused, a worker
         // whose pidfd is missing is signalled by pid.
         tracing::warn!(
@@ -234,7 +234,7 @@ pub fn recv_message(fd: RawFd, buf: &mut Vec<u8>) -> anyhow::Result<Option<(&[u8
     Ok(Some((&buf[..n], fds)))
 }
 
-/// One `recvmsg(2)` into `buf` with room for four passed fds (`MSG_CMSG_CLOEXEC`), retried on
+/// One `recvmsg(2)` into `buf` with room for eight passed fds (`MSG_CMSG_CLOEXEC`), retried on
 /// `EINTR`: the bytes read, the fds the kernel installed for us, and the message flags
 /// (`MSG_TRUNC`, `MSG_CTRUNC`). Not nix's `recvmsg`: its control messages are an error when the
 /// kernel had to drop fds (`MSG_CTRUNC`), and the ones it did install would then be left open
@@ -245,7 +245,7 @@ pub fn recv_with_fds(
 ) -> std::io::Result<(usize, Vec<OwnedFd>, libc::c_int)> {
     let mut control = [0u64; 8];
     // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(8 * std::mem::size_of::<RawFd>() as u32) } as usize;
     debug_assert!(space <= std::mem::size_of_val(&control));
     loop {
         let mut iov = libc::iovec {
@@ -351,11 +351,11 @@ mod tests {
     #[test]
     fn fds_past_the_space_for_them_are_dropped_and_the_packet_still_arrives() {
         let (a, b) = control_pair();
-        let files: Vec<_> = (0..6)
+        let files: Vec<_> = (0..10)
             .map(|_| std::fs::File::open("/dev/null").unwrap())
             .collect();
         let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
-        let body = b"{\"six\":6}";
+        let body = b"{\"ten\":10}";
         sendmsg::<()>(
             a.as_raw_fd(),
             &[IoSlice::new(body)],
@@ -368,7 +368,7 @@ mod tests {
         let (msg, fds) = recv_message(b.as_raw_fd(), &mut buf).unwrap().unwrap();
         assert_eq!(msg, body);
         // Only what fit arrived; every fd that did is a working one, closed on exec.
-        assert_eq!(fds.len(), 4);
+        assert_eq!(fds.len(), 8);
         for fd in &fds {
             let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFD).unwrap();
             assert_ne!(flags & libc::FD_CLOEXEC, 0);

@@ -159,6 +159,10 @@ pub enum FromWorker {
     /// reads its share (PSS) through it, which a host running as a user cannot open by path
     /// in the non-dumpable worker (SECURITY.md #241).
     MemoryCounters {},
+    /// During setup only, before `ready`: the read ends of the worker's fd 1 and fd 2 pipes
+    /// travel with this frame (`SCM_RIGHTS`, stdout's then stderr's): once the worker is gone,
+    /// the host reads what it wrote last and its pump never forwarded (SECURITY.md #277).
+    OutputPipes {},
     /// A call from the in-sandbox `mcp` module to the host (and through it to a proxied MCP
     /// server): `servers`, `tools`, `search` or `call`.
     Request {
@@ -309,7 +313,9 @@ pub fn validate_from_worker(msg: &FromWorker, image_budget_bytes: u64) -> Result
         FromWorker::Fatal { message } => {
             cap_chars("a fatal message", message, MAX_ERROR_FIELD_CHARS)
         }
-        FromWorker::EpollListener {} | FromWorker::MemoryCounters {} => Ok(()),
+        FromWorker::EpollListener {}
+        | FromWorker::MemoryCounters {}
+        | FromWorker::OutputPipes {} => Ok(()),
         FromWorker::Forked { error } => match error {
             Some(e) => cap_chars("a fork's error", e, MAX_ERROR_FIELD_CHARS),
             None => Ok(()),

@@ -284,6 +284,13 @@ pub mod _ironcell_bridge {
         ironcell_core::prefault::looks_like_a_plot(code)
     }
 
+    /// `os._exit` in a worker: what it wrote to fd 1 and fd 2 reaches the host first
+    /// (`worker::exit_after_output`).
+    #[pyfunction]
+    fn exit_after_output(py: Python<'_>, status: i32) {
+        crate::worker::exit_after_output(py, status)
+    }
+
     /// Sends a request; `callback(payload)` is called on the bridge thread with the answer.
     #[pyfunction]
     fn submit(

@@ -82,10 +82,12 @@ pub(super) fn fork_session(
     pump: &OutputPump,
     writer: &Arc<Mutex<std::os::unix::net::UnixStream>>,
 ) -> anyhow::Result<()> {
-    let Some(socket) = super::inbox::take_passed_fd() else {
+    // Its socket, then the read and write ends of its stdout and stderr pipes, which the host
+    // made (it keeps its own read ends: SECURITY.md #277).
+    let Ok([socket, pipes @ ..]) = <[OwnedFd; 5]>::try_from(super::inbox::take_passed_fds()) else {
         return answer(
             writer,
-            Some("the fork order came without its socket".into()),
+            Some("the fork order came without its socket and pipes".into()),
         );
     };
     let (zygote, grants, shared_rw) = match &*crate::lock(&FORKABLE) {
@@ -110,8 +112,8 @@ pub(super) fn fork_session(
         // Steps 1-4 run no Python (the interpreter still believes A's threads exist; nothing
         // here touches a Python object): the parent's `os.register_at_fork` hooks run in
         // `PyOS_AfterFork_Child` only once B is narrowed, so a thread one starts is too.
-        let setup =
-            become_the_fork(&order, socket, fds, (&grants, &shared_rw), zygote).and_then(|notes| {
+        let setup = become_the_fork(&order, (socket, pipes), fds, (&grants, &shared_rw), zygote)
+            .and_then(|notes| {
                 // SAFETY: in B, with the GIL held by this (only) thread, before any Python runs.
                 unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
                 // The runner's own hook (for a session's children) put /dev/null on fd 3.
@@ -150,7 +152,7 @@ pub(super) fn fork_session(
     let fork_error = (middle < 0).then(std::io::Error::last_os_error);
     FORKING_A_SESSION.store(false, Ordering::Relaxed);
     drop((pump_held, writer_held, inbox_held));
-    drop(socket);
+    drop((socket, pipes));
     // A's `after_in_parent` hooks run once A is narrowed too (a thread one starts is).
     let error = narrow_the_parent(middle, fork_error, &order, (&grants, &shared_rw));
     // SAFETY: in A, after fork, with the GIL held.
@@ -343,7 +345,7 @@ fn narrowed(
 /// first result.
 fn become_the_fork(
     order: &ForkOrder,
-    socket: OwnedFd,
+    (socket, pipes): (OwnedFd, [OwnedFd; 4]),
     fds: ([RawFd; 4], [RawFd; 2]),
     (grants, shared_rw): (&FilesystemGrants, &[PathBuf]),
     zygote: nix::unistd::Pid,
@@ -402,7 +404,7 @@ fn become_the_fork(
 
     // Step 4: descriptors (the socket is on fd 3 already, where the writer and bridge write).
     let mut keep: Vec<RawFd> = vec![SESSION_FD];
-    let (reopened, closed) = replace_descriptors(&copied, fds, &mut keep)?;
+    let (reopened, closed) = replace_descriptors(&copied, fds, pipes, &mut keep)?;
     if reopened > 0 {
         notes.push(format!(
             "{reopened} open file(s) of the parent session now read and write this session's copies"
@@ -456,6 +458,7 @@ fn wait_for_the_hosts_go(socket: RawFd) -> anyhow::Result<()> {
 fn replace_descriptors(
     copied: &HashMap<(u64, u64), PathBuf>,
     (inbox_fds, pump_fds): ([RawFd; 4], [RawFd; 2]),
+    [out_r, out_w, err_r, err_w]: [OwnedFd; 4],
     keep: &mut Vec<RawFd>,
 ) -> anyhow::Result<(usize, usize)> {
     // The socket, on the inbox's copy and the reader thread's copy.
@@ -469,11 +472,12 @@ fn replace_descriptors(
     dup_onto(kick_r.as_raw_fd(), inbox_fds[2])?;
     dup_onto(kick_w.as_raw_fd(), inbox_fds[3])?;
     keep.extend([inbox_fds[2], inbox_fds[3]]);
-    for (pump_fd, out) in pump_fds
-        .into_iter()
-        .zip([libc::STDOUT_FILENO, libc::STDERR_FILENO])
-    {
-        let (r, w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    // The pipes the host made, whose read ends it keeps too.
+    for ((r, w), (pump_fd, out)) in [(out_r, out_w), (err_r, err_w)].into_iter().zip(
+        pump_fds
+            .into_iter()
+            .zip([libc::STDOUT_FILENO, libc::STDERR_FILENO]),
+    ) {
         dup_onto(r.as_raw_fd(), pump_fd)?;
         dup_onto(w.as_raw_fd(), out)?;
         keep.push(pump_fd);

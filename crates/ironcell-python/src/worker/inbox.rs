@@ -501,13 +501,15 @@ fn readable_now(sock: &UnixStream) -> bool {
     matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
 }
 
-/// Descriptors the host passed with a frame (a fork's socket), for [`take_passed_fd`]. At most
-/// one is kept: the host passes one per `fork`, and the worker asks for it right after.
-static PASSED: Mutex<Option<OwnedFd>> = Mutex::new(None);
+/// Descriptors the host passed with a frame (a fork's socket and pipes), for
+/// [`take_passed_fds`]. Only the last frame's are kept: the host passes them with each `fork`,
+/// and the worker asks for them right after.
+static PASSED: Mutex<Vec<OwnedFd>> = Mutex::new(Vec::new());
 
-/// The descriptor the host passed with the last frame, if any (a fork's socket).
-pub(super) fn take_passed_fd() -> Option<OwnedFd> {
-    crate::lock(&PASSED).take()
+/// The descriptors the host passed with the last frame that had any (a fork's socket, then its
+/// output pipes' ends).
+pub(super) fn take_passed_fds() -> Vec<OwnedFd> {
+    std::mem::take(&mut *crate::lock(&PASSED))
 }
 
 /// Reads the session socket with `recvmsg`, so a descriptor the host passes (a fork's socket)
@@ -518,8 +520,8 @@ impl std::io::Read for FdReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         use std::os::fd::AsRawFd;
         let (n, fds, _) = ironcell_core::control::recv_with_fds(self.0.as_raw_fd(), buf)?;
-        if let Some(fd) = fds.into_iter().next() {
-            *crate::lock(&PASSED) = Some(fd);
+        if !fds.is_empty() {
+            *crate::lock(&PASSED) = fds;
         }
         Ok(n)
     }

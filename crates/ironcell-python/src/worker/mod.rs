@@ -109,6 +109,17 @@ extern "C" fn note_the_forking_thread() {
 /// The worker's own pid (its children have others), set when it starts.
 static WORKER_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
+/// `os._exit` in a session (the runner puts it there): in the worker itself, what it wrote to
+/// fd 1 and fd 2 is forwarded first, so that none of it dies with the pump; in a child of it,
+/// the plain `_exit`.
+pub(crate) fn exit_after_output(py: Python<'_>, status: i32) -> ! {
+    if std::process::id() == WORKER_PID.load(std::sync::atomic::Ordering::Relaxed) {
+        py.detach(output_pump::forward_everything_before_exit);
+    }
+    // SAFETY: what `os._exit` does: ends the process at once, running no destructors.
+    unsafe { libc::_exit(status) }
+}
+
 /// Exit status of a worker that could not set itself up.
 const EXIT_SETUP_FAILED: i32 = 70;
 
@@ -233,6 +244,32 @@ fn send_memory_counters() -> anyhow::Result<()> {
     ironcell_core::control::send_message(SESSION_FD, &bytes, Some(counters.as_raw_fd()))
 }
 
+/// Hands the host a copy of the read end of each output pipe (the worker keeps its own for its
+/// pump): the host reads them only once the worker is gone.
+fn send_output_pipes(stdout: &OwnedFd, stderr: &OwnedFd) -> anyhow::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let body = serde_json::to_vec(&FromWorker::OutputPipes {})?;
+    let mut bytes = Vec::with_capacity(body.len() + 5);
+    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
+    let fds = [stdout.as_raw_fd(), stderr.as_raw_fd()];
+    let iov = [std::io::IoSlice::new(&bytes)];
+    // One small frame on a fresh socket goes out whole, the descriptors with it.
+    loop {
+        match sendmsg::<()>(
+            SESSION_FD,
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) if n == bytes.len() => return Ok(()),
+            Ok(n) => anyhow::bail!("the output pipes' frame went out cut at {n} bytes"),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e).context("handing the host the output pipes"),
+        }
+    }
+}
+
 /// Long on purpose: the worker's setup steps 0b-6 in the order the lockdown needs them (each a
 /// few lines; docs/ARCHITECTURE.md, "The lockdown, in order", lists the same steps), then its
 /// serve loop; split up, that order would no longer be read in one place.
@@ -258,6 +295,9 @@ fn serve_session(
     let (stderr_r, stderr_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
     move_fd_to(stdout_w, libc::STDOUT_FILENO)?;
     move_fd_to(stderr_w, libc::STDERR_FILENO)?;
+    // Step 2b: the host gets its own read ends, to read what this worker printed last if it
+    // dies before its pump forwarded it (SECURITY.md #277). Now: seccomp refuses `sendmsg`.
+    send_output_pipes(&stdout_r, &stderr_r)?;
 
     // Step 3: own session; die with the zygote.
     nix::unistd::setsid().context("setsid")?;

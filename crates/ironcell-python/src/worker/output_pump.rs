@@ -16,6 +16,25 @@ use ironcell_core::frame::{self, KIND_STDERR, KIND_STDOUT};
 
 const CHUNK: usize = 64 * 1024;
 
+/// The worker's pump, for [`forward_everything_before_exit`].
+static RUNNING: Mutex<Option<Arc<Inner>>> = Mutex::new(None);
+
+/// Before `os._exit` in the worker itself: forwards what is still in the pipes, then keeps the
+/// pump's lock until the process is gone. The pump reads a chunk, then sends it: an exit
+/// between the two would lose that chunk (the host reads what is left in the pipes, not what a
+/// dead pump held: SECURITY.md #277).
+pub(crate) fn forward_everything_before_exit() {
+    let Some(inner) = crate::lock(&RUNNING).clone() else {
+        return;
+    };
+    let Ok(mut buf) = inner.lock.lock() else {
+        return;
+    };
+    let _ = inner.forward_available(&mut buf);
+    // Held until the exit: the pump reads nothing more it could not send.
+    std::mem::forget(buf);
+}
+
 pub struct OutputPump {
     inner: Arc<Inner>,
 }
@@ -47,6 +66,7 @@ impl OutputPump {
             stderr,
             writer,
         });
+        *crate::lock(&RUNNING) = Some(inner.clone());
         let pump = OutputPump { inner };
         pump.start_thread()?;
         Ok(pump)
