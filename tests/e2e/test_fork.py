@@ -75,6 +75,20 @@ def test_a_fork_starts_with_the_parents_state_and_files_then_each_goes_its_own_w
     assert forks["kid"] == ["parent"] and "parent" not in forks, forks
 
 
+def test_277_what_a_fork_printed_just_before_it_died_is_in_its_result(box):
+    # A fork cannot pass descriptors (seccomp): the host makes its pipes and keeps read ends.
+    for i in range(5):
+        value(box.run("x = 1", session=f"dying-parent-{i}"))
+        r = fork(box, f"dying-parent-{i}", f"dying-fork-{i}",
+                 "import os, sys\nprint('step 2 done')\nsys.stderr.write('warned\\n')\nos._exit(1)")
+        rec = r["structuredContent"]
+        assert rec["status"] == "crashed", rec
+        assert (rec["stdout"], rec["stderr"]) == ("step 2 done\n", "warned\n"), rec
+        # The parent's own pipes are its own still.
+        rec = box.run("import ctypes\nprint('parent too')\nctypes.string_at(0)", session=f"dying-parent-{i}")
+        assert rec["status"] == "crashed" and rec["stdout"] == "parent too\n", rec
+
+
 def forked_in_code(b: Sandboxed, parent: str, code: str) -> dict:
     """A run of `parent` whose code calls `mcp.fork`."""
     return b.run("import mcp\n" + code, session=parent)
