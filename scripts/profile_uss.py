@@ -3,7 +3,7 @@
 
 usage: scripts/profile_uss.py [--binary target/release/ironcell] [--python /usr/bin/python3]
                               [--preload numpy,pandas] [--warm-plots 0|1] [--sessions 10]
-                              [--breakdown] [--json]
+                              [--breakdown] [--json] [--env NAME=VALUE ...]
 
 Starts one server, waits until the zygote is warmed for plots (with --warm-plots 1 and
 matplotlib installed), opens `--sessions` sessions one at a time the way scripts/bench.py does
@@ -86,9 +86,12 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--rust-log", default=bench.SPAWN_LOG, help="RUST_LOG for the server (default: bench.py's)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="one more variable for the server, e.g. IRONCELL_CGROUPS=off (repeatable)")
     a = ap.parse_args()
+    extra = dict(kv.split("=", 1) for kv in a.env)
     c, log = bench.start_profiled_server(a.binary, a.python, "ironcell-uss-", a.rust_log, preload=a.preload,
-                                         pool=a.pool, IRONCELL_WARM_PLOTS=a.warm_plots)
+                                         pool=a.pool, IRONCELL_WARM_PLOTS=a.warm_plots, **extra)
     warmed = None
     if a.warm_plots == "1":
         warmed = wait_for_log(log, "new sessions start with matplotlib.pyplot imported", 120)
