@@ -491,9 +491,12 @@ def _warm_worker_paths(rounds=1):
             run_cell("None", 0)
             bind_session({"HOME": scratch}, scratch)
             _images_written_since(None)
+            run_cell(_SPARE_WARM_UP_CELL, 0)
+            warm()
             run_cell("import os\nos.getpid()", 0)
             _set_environment(saved_env)
         _warm_fork_hooks()
+        _prime_once_only_lookups()
     except Exception:  # noqa: BLE001 - a colder worker, nothing worse
         pass
     finally:
@@ -509,8 +512,32 @@ def _warm_worker_paths(rounds=1):
             scan.dirs.clear()
         linecache.cache.pop(CELL_FILENAME, None)
         _current_run[0] = 0
-        for key in ("_", "os"):
+        for key in ("_", "os", "_ironcell_warm_up"):
             _main_module.__dict__.pop(key, None)
+
+
+# The pool's warm-up cell (`WARM_UP_CELL` in src/session/pool.rs), which every spare runs: in the
+# dry runs too, since its `del` makes AST node types no other dry-run cell makes (`ast.Delete`,
+# `ast.Del`): a worker that was first to look up their attributes wrote ~6 type cache entries.
+_SPARE_WARM_UP_CELL = "import os as _ironcell_warm_up\n_ironcell_warm_up.getpid()\ndel _ironcell_warm_up"
+
+
+def _prime_once_only_lookups():
+    """Looks up, in the zygote, the attributes that code a worker runs only once looks up:
+    that code is never specialized there, so each lookup goes through CPython's type attribute
+    cache, and a miss writes an entry (a page of the interpreter's state). Made here, after
+    the dry runs, the worker finds them filled (the names are the same interned objects)."""
+    import os
+    import random
+
+    import mcp
+
+    for obj, name in (
+        (os, "register_at_fork"),  # `_allow_children`
+        (mcp, "_use_packages_dir"),  # `prepare_worker`
+        (getattr(random, "_inst", None), "gauss_next"),  # random's after-fork reseed
+    ):
+        getattr(obj, name, None)
 
 
 def _copy_data_without_modes():

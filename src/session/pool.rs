@@ -29,7 +29,9 @@ use super::quota::remove_scratch;
 use super::*;
 
 /// A spare's first cell: an import and a call, like most first cells. It leaves no name in the
-/// session's namespace (not even `_`: its last statement is not an expression).
+/// session's namespace (not even `_`: its last statement is not an expression). The zygote's dry
+/// runs run it too (`_SPARE_WARM_UP_CELL` in python/_ironcell_runner.py), so that what it looks
+/// up is in CPython's type cache before any fork.
 const WARM_UP_CELL: &str =
     "import os as _ironcell_warm_up\n_ironcell_warm_up.getpid()\ndel _ironcell_warm_up";
 /// The plot spare's: the same, with a word that makes the runner write a first plot's pages
@@ -475,6 +477,13 @@ mod tests {
         let started = tokio::time::Instant::now();
         pool.until_no_session_worker_starts().await;
         assert_eq!(started.elapsed(), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_zygote_rehearses_the_spare_warm_up_cell_as_it_is() {
+        let runner = include_str!("../../python/_ironcell_runner.py");
+        let line = format!("_SPARE_WARM_UP_CELL = {WARM_UP_CELL:?}");
+        assert!(runner.contains(&line), "the runner lacks `{line}`");
     }
 
     #[tokio::test(start_paused = true)]

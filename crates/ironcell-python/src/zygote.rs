@@ -262,6 +262,7 @@ fn warm_up_interpreter(
     runner
         .call_method0("zygote_prepare")
         .map_err(|e| anyhow!("preparing the cell runner: {e}"))?;
+    crate::worker::prime_runner_calls_in_zygote(runner.as_any());
     // With matplotlib preloaded, also build its font list here (and select Agg), so a new
     // session's first plot costs what a warm one does. Not by default: it makes the zygote, and
     // so every fork, larger.
@@ -310,6 +311,7 @@ fn finish_warm_up(py: Python<'_>) {
         let runner = runner?;
         // The last code the zygote runs before it freezes (see `_warm_worker_paths`).
         runner.call_method0("zygote_warm_paths")?;
+        crate::worker::prime_runner_calls_in_zygote(runner.as_any());
         // Move everything imported so far into the permanent generation: a forked worker's
         // garbage collections then never touch (and so never copy) the zygote's pages.
         let gc = py.import("gc")?;
@@ -455,6 +457,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
             .call_method1("zygote_warm_up", (font_cache_dir.to_string_lossy(),))?
             .str()?
             .to_string();
+        crate::worker::prime_runner_calls_in_zygote(runner.as_any());
         let gc = py.import("gc")?;
         gc.call_method0("collect")?;
         quiet_fork_hooks(&runner);

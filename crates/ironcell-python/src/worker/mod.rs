@@ -27,6 +27,7 @@
 mod fork;
 mod inbox;
 mod output_pump;
+mod runner_calls;
 
 pub(crate) use inbox::{MainWait, Waited, reader_needed};
 
@@ -41,6 +42,9 @@ use pyo3::types::PyDict;
 
 use ironcell_core::control::{WorkerSpec, ZygoteEvent};
 use ironcell_core::frame::{self, CellStatus, FromWorker, KIND_JSON, PyErrorInfo};
+
+use runner_calls::RunnerCall;
+pub(crate) use runner_calls::prime_runner_calls_in_zygote;
 
 /// The fd the session socket lives on inside a worker.
 const SESSION_FD: RawFd = 3;
@@ -283,7 +287,7 @@ fn serve_session(
     // in python/_ironcell_runner.py), before any code could start a thread or fork.
     imported_module(py, "_ironcell_runner")
         .ok_or_else(|| anyhow!("the cell runner is missing from sys.modules"))?
-        .call_method0("worker_after_fork")
+        .call_method0(RunnerCall::WorkerAfterFork.name(py))
         .map_err(|e| anyhow!("restoring the after-fork hooks: {e}"))?;
 
     // Step 1: the session socket on fd 3, nothing else.
@@ -340,7 +344,7 @@ fn serve_session(
         })
         .map_err(|e| anyhow!("{e}"))?;
     runner
-        .call_method1("prepare_worker", (env, servers, options))
+        .call_method1(RunnerCall::PrepareWorker.name(py), (env, servers, options))
         .map_err(|e| anyhow!("preparing the interpreter: {e}"))?;
 
     // Step 5: the kernel sandbox. In enforce mode a failure ends the worker here.
@@ -410,7 +414,7 @@ fn serve_session(
             Some(inbox::Next::Warm { run_waiting }) => {
                 // A run is on its way: the runner brings the code a cell runs back into the
                 // caches meanwhile (`warm`, SECURITY.md #265). A failure is a colder run.
-                let _ = runner.call_method1("warm", (run_waiting,));
+                let _ = runner.call_method1(RunnerCall::Warm.name(py), (run_waiting,));
                 continue;
             }
             None => return Ok(()), // the host closed the session
@@ -469,7 +473,7 @@ fn bind_session(
     }
     runner
         .call_method1(
-            "bind_session",
+            RunnerCall::BindSession.name(py),
             (
                 env,
                 bind.scratch.display().to_string(),
@@ -494,7 +498,7 @@ fn run_cell(runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {
         // SAFETY: with the GIL held, the pending KeyboardInterrupt is cleared right away.
         unsafe { pyo3::ffi::PyErr_Clear() };
     }
-    let outcome = runner.call_method1("run_cell", (code, id));
+    let outcome = runner.call_method1(RunnerCall::RunCell.name(runner.py()), (code, id));
     // A child the cell forked never comes back to the worker's loop, which is its parent's
     // (the runner already ends it at the end of the cell; this is for any other way back).
     if std::process::id() != WORKER_PID.load(std::sync::atomic::Ordering::Relaxed) {
