@@ -406,8 +406,18 @@ impl SessionManager {
             .current_zygote()
             .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
         let budget = self.settings.image_budget;
+        // The fork's move into its own pids group (as root) ends before B runs any Python: the
+        // second byte tells B so, and only then does it run the parent's `after_in_child` hooks
+        // (a process one starts is then counted and killed with B, not A: SECURITY.md #234).
+        let grouped = match o.grouping {
+            Some(moving) => moving.await.ok().flatten(),
+            None => None,
+        };
         let sock = o.host_sock;
         let (pid, notes, host_sock) = blocking_unless_cancelled(cancel, move || {
+            (&sock)
+                .write_all(b"m")
+                .map_err(|e| format!("the fork ended before it ran Python: {e}"))?;
             let (pid, notes) = read_ready(&sock, budget, FORK_READY_TIMEOUT)?;
             Ok((pid, notes, sock))
         })
@@ -419,7 +429,7 @@ impl SessionManager {
         let (process, exit) = zygote
             .adopt(pid, pidfd)
             .map_err(|e| RunRefusal::Fork(format!("{e:#}")))?;
-        self.group_and_fit(pid, o.grouping).await;
+        self.group_and_fit(pid, grouped).await;
         let grouped_ms = o.started.elapsed().as_secs_f64() * 1000.0;
         let spawned = crate::zygote::SpawnedWorker {
             process,
@@ -467,22 +477,10 @@ impl SessionManager {
         Ok(session)
     }
 
-    /// Waits for the fork's move into its own pids group (as root), or moves `pid` itself if
-    /// the process moved was another ([`verified_fork`] refused that one), and fits the fork's
-    /// memory limits meanwhile.
-    async fn group_and_fit(
-        &self,
-        pid: i32,
-        grouping: Option<tokio::task::JoinHandle<Option<i32>>>,
-    ) {
-        let grouping = async {
-            match grouping {
-                Some(moving) => moving.await.ok().flatten(),
-                None => None,
-            }
-        };
-        let fitting = resident::fit_fork_memory_at_ready(pid, &self.sandbox);
-        let (grouped, ()) = tokio::join!(grouping, fitting);
+    /// Fits the fork's memory limits, and moves `pid` into its own pids group (as root) if the
+    /// process moved before (`grouped`) was another ([`verified_fork`] refused that one).
+    async fn group_and_fit(&self, pid: i32, grouped: Option<i32>) {
+        resident::fit_fork_memory_at_ready(pid, &self.sandbox).await;
         if grouped != Some(pid)
             && let Some(group) = self.pids_group()
         {

@@ -605,3 +605,26 @@ def test_a_parent_that_dies_mid_fork_fails_the_fork_at_once_and_leaves_nothing_b
     value(box.run("seed = 'S'", session="other-parent"))
     assert value(fork(box, "other-parent", "other-kid", "seed")["structuredContent"]) == "S"
     assert value(fork(box, "dying", "dying-kid", "'made'")["structuredContent"]) == "made"
+
+
+def test_234_a_process_the_parents_after_fork_hook_starts_is_in_the_forks_own_pids_group(box):
+    # A's `after_in_child` hook runs in B as B starts (Python's at-fork hooks): the process it
+    # starts must be counted, limited and killed with B, so B must already be in its own pids
+    # group (as root) when the hook runs, not still in A's.
+    box.run(
+        "import time\n"
+        "_hook_kids = []\n"
+        "def _start_one():\n"
+        "    k = os.fork()\n"
+        "    if k == 0:\n        time.sleep(60); os._exit(0)\n"
+        "    _hook_kids.append(k)\n"
+        "os.register_at_fork(after_in_child=_start_one)\n", session="hooked")
+    b_pid, kids = value(fork(box, "hooked", "hooked-kid", "(os.getpid(), _hook_kids)")["structuredContent"])
+    assert len(kids) == 1, kids
+    b_group = pids_group_of(b_pid)
+    assert (b_group is not None) == (box.user == "root" and os.path.isdir("/sys/fs/cgroup/pids")), b_group
+    with open(f"/proc/{kids[0]}/cgroup") as f:
+        kid_group = next((line.split(":", 2)[2].strip() for line in f if ":pids:" in line), "")
+    with open(f"/proc/{b_pid}/cgroup") as f:
+        b_rel = next((line.split(":", 2)[2].strip() for line in f if ":pids:" in line), "")
+    assert kid_group == b_rel, (kid_group, b_rel)

@@ -22,8 +22,9 @@
 //! 4. puts its own pipes and wake-up pipe on the descriptor numbers A's objects use,
 //!    re-opens inherited files of A's directory on its copies, closes every other descriptor;
 //!
-//! and only then runs `PyOS_AfterFork_Child` (so A's `os.register_at_fork` hooks run narrowed,
-//! and a thread one starts is narrowed too), and
+//! and only then, once the host's second byte says B is in its own pids group (as root), runs
+//! `PyOS_AfterFork_Child` (so A's `os.register_at_fork` hooks run narrowed and in B's group, and
+//! a thread or process one starts is too), and
 //! 5. renames itself to its session (environment, cwd), restarts the reader and pump threads,
 //!    and says `ready` on its socket, then serves cells in the same loop A did.
 //!
@@ -114,6 +115,10 @@ pub(super) fn fork_session(
         // `PyOS_AfterFork_Child` only once B is narrowed, so a thread one starts is too.
         let setup = become_the_fork(&order, (socket, pipes), fds, (&grants, &shared_rw), zygote)
             .and_then(|notes| {
+                // The host's second byte: B is in its own pids group now (as root), so the
+                // parent's `after_in_child` hooks, and any process one starts, run there
+                // (SECURITY.md #234).
+                wait_for_the_hosts_go(SESSION_FD)?;
                 // SAFETY: in B, with the GIL held by this (only) thread, before any Python runs.
                 unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
                 // The runner's own hook (for a session's children) put /dev/null on fd 3.
@@ -437,7 +442,8 @@ fn bind_the_fork(
     Ok(())
 }
 
-/// Blocks until the host sends B's one-byte go-ahead on its socket; an error once it closed.
+/// Blocks until the host sends B one byte on its socket (the go-ahead, then the word that B is
+/// in its own pids group); an error once it closed.
 fn wait_for_the_hosts_go(socket: RawFd) -> anyhow::Result<()> {
     let mut byte = 0u8;
     loop {
