@@ -131,6 +131,23 @@ fn env_var_behind(e: &clap::Error) -> Option<String> {
     std::env::var_os(var).map(|_| var.to_string_lossy().into_owned())
 }
 
+/// The host holds ~6 descriptors per session (its socket, pidfd, output pipes' read ends, ...),
+/// so the usual soft limit of 1,024 runs out at ~160 sessions of the 4,096 `--max-sessions`
+/// allows: the soft limit goes up to the hard one, as Go's runtime does, but not past 65,536
+/// (on kernels before 5.9 a worker closes its inherited descriptors one by one up to it).
+/// Workers set their own limits in their lockdown.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let wanted = hard.min(1 << 16);
+        if soft < wanted
+            && let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, wanted, hard)
+        {
+            tracing::debug!(error = %e, soft, "the open-file limit stays");
+        }
+    }
+}
+
 /// Parses the command line and runs the chosen command.
 ///
 /// Long on purpose: one short arm per subcommand.
@@ -165,6 +182,7 @@ pub fn main() -> ExitCode {
         // SAFETY: at start, before any thread; restores the default disposition.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
+    raise_open_file_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -760,3 +760,22 @@ msg
     again = proxied.run(pid_of_upstream + "\n", session="up")
     assert again["status"] == "ok" and int(again["result"]) != upstream, again
     assert proxied.run("kept", session="up")["result"] == "1"
+
+
+def test_a_host_started_with_a_low_open_file_limit_holds_many_sessions():
+    """The host holds ~6 descriptors per session; started with a soft limit of 256 (desktops
+    often give 1,024), it raises its own limit to the hard one instead of refusing sessions
+    past ~35 (~160 at 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        h = Host("root", IRONCELL_MAX_SESSIONS="70")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        for i in range(60):
+            rec = h.run(f"{i} * 2", session=f"many-{i}")
+            assert rec["status"] == "ok" and rec["result"] == str(i * 2), rec
+        assert h.live_workers() >= 60
+    finally:
+        h.close()
