@@ -404,7 +404,7 @@ impl Zygote {
             id,
             spec: Box::new(spec),
         })?;
-        let sent = send_message(self.ctl.as_raw_fd(), &body, Some(worker_sock.as_raw_fd()));
+        let sent = send_message(self.ctl.as_raw_fd(), &body, &[worker_sock.as_raw_fd()]);
         drop(worker_sock);
         if let Err(e) = sent {
             lock(&self.shared.pending).remove(&id);
@@ -439,7 +439,7 @@ impl Zygote {
         // Queued before the send: the reader thread may see the answer before send returns.
         let mut waiting = lock(&self.shared.plot_warm_ups);
         waiting.push_back(tx);
-        if let Err(e) = send_message(self.ctl.as_raw_fd(), &body, None) {
+        if let Err(e) = send_message(self.ctl.as_raw_fd(), &body, &[]) {
             waiting.pop_back();
             return Err(e);
         }

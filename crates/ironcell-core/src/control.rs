@@ -170,10 +170,10 @@ impl fmt::Display for ExitInfo {
 // ---------------------------------------------------------------------------------------------
 
 pub fn send_event(ctl: RawFd, event: &ZygoteEvent) -> anyhow::Result<()> {
-    send_message(ctl, &serde_json::to_vec(event)?, None)
+    send_message(ctl, &serde_json::to_vec(event)?, &[])
 }
 
-pub fn send_message(fd: RawFd, body: &[u8], pass_fd: Option<RawFd>) -> anyhow::Result<()> {
+pub fn send_message(fd: RawFd, body: &[u8], pass_fds: &[RawFd]) -> anyhow::Result<()> {
     if body.len() > MAX_CONTROL_MESSAGE {
         // The receiver's buffer is this large: a longer packet would arrive cut off.
         anyhow::bail!(
@@ -183,13 +183,10 @@ pub fn send_message(fd: RawFd, body: &[u8], pass_fd: Option<RawFd>) -> anyhow::R
         );
     }
     let iov = [IoSlice::new(body)];
-    let fds;
-    let cmsgs: Vec<ControlMessage<'_>> = match pass_fd {
-        Some(f) => {
-            fds = [f];
-            vec![ControlMessage::ScmRights(&fds)]
-        }
-        None => Vec::new(),
+    let cmsgs: Vec<ControlMessage<'_>> = if pass_fds.is_empty() {
+        Vec::new()
+    } else {
+        vec![ControlMessage::ScmRights(pass_fds)]
     };
     loop {
         match sendmsg::<()>(fd, &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
@@ -325,8 +322,8 @@ mod tests {
     fn packets_and_fds_arrive_in_one_reused_buffer() {
         let (a, b) = control_pair();
         let passed = std::fs::File::open("/dev/null").unwrap();
-        send_message(a.as_raw_fd(), b"{\"first\":1}", Some(passed.as_raw_fd())).unwrap();
-        send_message(a.as_raw_fd(), b"2", None).unwrap();
+        send_message(a.as_raw_fd(), b"{\"first\":1}", &[passed.as_raw_fd()]).unwrap();
+        send_message(a.as_raw_fd(), b"2", &[]).unwrap();
 
         let mut buf = Vec::new();
         let (msg, fds) = recv_message(b.as_raw_fd(), &mut buf).unwrap().unwrap();
@@ -341,7 +338,7 @@ mod tests {
         assert_eq!(buf.len(), MAX_CONTROL_MESSAGE);
 
         // Longer than the receiver's buffer: refused by the sender, not cut off on arrival.
-        let err = send_message(a.as_raw_fd(), &vec![b'x'; MAX_CONTROL_MESSAGE + 1], None);
+        let err = send_message(a.as_raw_fd(), &vec![b'x'; MAX_CONTROL_MESSAGE + 1], &[]);
         assert!(err.unwrap_err().to_string().contains("limit"));
 
         drop(a);

@@ -435,7 +435,7 @@ fn send_spawn_event(ctl: RawFd, event: &ZygoteEvent) -> anyhow::Result<()> {
     }
     // SAFETY: the fd was just returned to us and nothing else owns it.
     let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
-    ironcell_core::control::send_message(ctl, &serde_json::to_vec(event)?, Some(pidfd.as_raw_fd()))
+    ironcell_core::control::send_message(ctl, &serde_json::to_vec(event)?, &[pidfd.as_raw_fd()])
 }
 
 /// Imports matplotlib and pyplot into the zygote (python/_ironcell_runner.py's

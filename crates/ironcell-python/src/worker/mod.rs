@@ -225,13 +225,18 @@ pub fn run_worker_process(
 /// Hands the epoll gate's listener to the host (a frame with the descriptor attached), then
 /// closes this process's copy: code in the session must never answer its own calls.
 fn send_epoll_listener(listener: OwnedFd) -> std::io::Result<()> {
-    let body = serde_json::to_vec(&FromWorker::EpollListener {})?;
-    let mut bytes = Vec::with_capacity(body.len() + 5);
-    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
-    // One small frame on a fresh socket goes out whole, the descriptor with it.
-    ironcell_core::control::send_message(SESSION_FD, &bytes, Some(listener.as_raw_fd()))
+    send_setup_frame(&FromWorker::EpollListener {}, &[listener.as_raw_fd()])
         .map_err(std::io::Error::other)
     // `listener` is closed here: no code in the session may answer its own calls.
+}
+
+/// One setup frame with descriptors attached, before the lockdown (seccomp then refuses
+/// `sendmsg`): one small frame on a fresh socket goes out whole, the descriptors with it.
+fn send_setup_frame(msg: &FromWorker, fds: &[RawFd]) -> anyhow::Result<()> {
+    let body = serde_json::to_vec(msg)?;
+    let mut bytes = Vec::with_capacity(body.len() + 5);
+    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
+    ironcell_core::control::send_message(SESSION_FD, &bytes, fds)
 }
 
 /// Hands the host this process's own memory counters, `/proc/self/smaps_rollup` opened now
@@ -242,36 +247,16 @@ fn send_epoll_listener(listener: OwnedFd) -> std::io::Result<()> {
 fn send_memory_counters() -> anyhow::Result<()> {
     let counters = std::fs::File::open("/proc/self/smaps_rollup")
         .context("opening /proc/self/smaps_rollup")?;
-    let body = serde_json::to_vec(&FromWorker::MemoryCounters {})?;
-    let mut bytes = Vec::with_capacity(body.len() + 5);
-    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
-    ironcell_core::control::send_message(SESSION_FD, &bytes, Some(counters.as_raw_fd()))
+    send_setup_frame(&FromWorker::MemoryCounters {}, &[counters.as_raw_fd()])
 }
 
 /// Hands the host a copy of the read end of each output pipe (the worker keeps its own for its
 /// pump): the host reads them only once the worker is gone.
 fn send_output_pipes(stdout: &OwnedFd, stderr: &OwnedFd) -> anyhow::Result<()> {
-    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-    let body = serde_json::to_vec(&FromWorker::OutputPipes {})?;
-    let mut bytes = Vec::with_capacity(body.len() + 5);
-    frame::write_frame(&mut bytes, KIND_JSON, &body)?;
-    let fds = [stdout.as_raw_fd(), stderr.as_raw_fd()];
-    let iov = [std::io::IoSlice::new(&bytes)];
-    // One small frame on a fresh socket goes out whole, the descriptors with it.
-    loop {
-        match sendmsg::<()>(
-            SESSION_FD,
-            &iov,
-            &[ControlMessage::ScmRights(&fds)],
-            MsgFlags::MSG_NOSIGNAL,
-            None,
-        ) {
-            Ok(n) if n == bytes.len() => return Ok(()),
-            Ok(n) => anyhow::bail!("the output pipes' frame went out cut at {n} bytes"),
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e).context("handing the host the output pipes"),
-        }
-    }
+    send_setup_frame(
+        &FromWorker::OutputPipes {},
+        &[stdout.as_raw_fd(), stderr.as_raw_fd()],
+    )
 }
 
 /// Long on purpose: the worker's setup steps 0b-6 in the order the lockdown needs them (each a
