@@ -17,7 +17,9 @@
 //! objects forks with one page-table entry per 2 MiB of them, not 512, while an idle or
 //! ordinary session never puts an arena in a private 2 MiB page (an arena freed there splits
 //! its chunk's huge page, whose unmapped half its memory group charges until reclaim splits it
-//! off). A freed arena is unmapped, as CPython's own allocator
+//! off). When it maps its first such chunk, it also collapses the nearly full chunks it mapped
+//! itself before (SECURITY.md #286: its first 64 MiB of arenas, in 4 KiB pages until then), once.
+//! A freed arena is unmapped, as CPython's own allocator
 //! does, so the address-space and data limits count what they counted before (at most the
 //! unused rest of the newest chunk more); its slot is mapped again first when the next arena is
 //! needed, unless something else was mapped there meanwhile, and a chunk with no arena left is
@@ -53,6 +55,8 @@ struct Chunks {
     /// A chunk mapped while `in_use * arena` is this many bytes or more is advised
     /// `MADV_HUGEPAGE`; `usize::MAX` (the default, and the zygote's) never.
     huge_from: usize,
+    /// Whether the first chunk so advised was mapped (and the earlier ones collapsed).
+    past_huge_from: bool,
 }
 
 struct Chunk {
@@ -65,8 +69,12 @@ struct Chunk {
     /// mapped. Only those are ever unmapped: a freed slot's addresses may belong to another
     /// mapping by the time the chunk goes.
     mapped: u64,
-    /// Advised `MADV_HUGEPAGE` when it was mapped (its freed slots are mapped again the same way).
+    /// Advised `MADV_HUGEPAGE` (when it was mapped, or collapsed later); its freed slots are
+    /// mapped again the same way.
     huge: bool,
+    /// Mapped before [`ArenaChunks::advise_huge_pages_past`] (in a worker: the zygote's,
+    /// shared with it and every other worker): never collapsed.
+    inherited: bool,
 }
 
 /// The two arena sizes pymalloc has used.
@@ -86,17 +94,23 @@ impl ArenaChunks {
             served: 0,
             in_use: 0,
             huge_from: usize::MAX,
+            past_huge_from: false,
         }))
     }
 
     /// From now on, a chunk mapped once this process holds `extra` bytes of arenas more than
     /// it does now is advised `MADV_HUGEPAGE` (faults fill it with one 2 MiB page where the
     /// process keeps transparent huge pages) instead of `MADV_NOHUGEPAGE`; chunks mapped
-    /// already, and any mapped while it holds less, keep theirs. A fork inherits the setting
-    /// with the allocator.
+    /// already, and any mapped while it holds less, keep theirs, except that the first chunk so
+    /// advised collapses the nearly full chunks mapped since this call into huge pages
+    /// ([`collapse_chunks_of_own_arenas`]). A fork inherits the setting with the allocator.
     pub fn advise_huge_pages_past(&self, extra: usize) {
         let mut c = self.state();
         c.huge_from = c.in_use.saturating_mul(c.arena).saturating_add(extra);
+        c.past_huge_from = false;
+        for chunk in c.chunks.iter_mut() {
+            chunk.inherited = true;
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, Chunks> {
@@ -142,6 +156,10 @@ impl ArenaChunks {
         }
         c.chunks.try_reserve(1).ok()?;
         let huge = c.in_use.saturating_mul(size) >= c.huge_from;
+        if huge && !c.past_huge_from {
+            c.past_huge_from = true;
+            collapse_chunks_of_own_arenas(&mut c.chunks, slots);
+        }
         // Right below the lowest chunk, so the chunks merge into one mapping (where their
         // advice is the same).
         let base = map_chunk(c.chunks.iter().map(|k| k.base).min(), huge)?;
@@ -150,6 +168,7 @@ impl ArenaChunks {
             used: 1,
             mapped: u64::MAX >> (64 - slots),
             huge,
+            inherited: false,
         });
         c.served += 1;
         c.in_use += 1;
@@ -206,6 +225,37 @@ impl ArenaChunks {
     #[cfg(test)]
     fn huge_chunks(&self) -> usize {
         self.state().chunks.iter().filter(|k| k.huge).count()
+    }
+}
+
+/// Collapses into huge pages the chunks this process mapped itself (not `inherited`) that are
+/// whole (every slot mapped: a collapse needs the 2 MiB in one mapping) and nearly all resident
+/// (a collapse fills the untouched pages: at most 64 of 512 here), and marks them
+/// `MADV_HUGEPAGE`, as chunks mapped from now on are. Once, when a worker that keeps huge pages
+/// maps its first chunk past its threshold (SECURITY.md #286): its arenas mapped before, 64 MiB
+/// at most, would otherwise stay in 4 KiB pages, one page-table entry each for every fork to
+/// copy. Best effort: a kernel before 6.1 refuses `MADV_COLLAPSE` and nothing but the advice
+/// changes; where huge pages are off (`PR_SET_THP_DISABLE`) it is never called.
+fn collapse_chunks_of_own_arenas(chunks: &mut [Chunk], slots: usize) {
+    let whole = u64::MAX >> (64 - slots);
+    for chunk in chunks.iter_mut() {
+        if chunk.huge || chunk.inherited || chunk.mapped != whole {
+            continue;
+        }
+        if crate::hugepages::resident_pages(chunk.base) < crate::hugepages::DENSE_PAGES {
+            continue;
+        }
+        advise(chunk.base, CHUNK, true);
+        chunk.huge = true;
+        // SAFETY: advice on a whole chunk this allocator mapped: its contents and protection
+        // stay as they are (the kernel copies them into one huge page).
+        unsafe {
+            libc::madvise(
+                chunk.base as *mut c_void,
+                CHUNK,
+                crate::hugepages::MADV_COLLAPSE,
+            )
+        };
     }
 }
 
@@ -405,6 +455,54 @@ mod tests {
         for arena in [huge, again, low] {
             // SAFETY: as above.
             assert!(unsafe { chunks.free(arena as *mut c_void, MIB) });
+        }
+        assert_eq!(chunks.stats().1, 0);
+    }
+
+    #[test]
+    fn the_first_chunk_past_the_threshold_collapses_the_full_chunks_mapped_since_the_advice() {
+        let chunks = ArenaChunks::new();
+        let write = |arena: usize, byte: u8| {
+            // SAFETY: an arena of MIB bytes from `chunks`, ours until freed.
+            unsafe { (arena as *mut u8).write_bytes(byte, MIB) };
+        };
+        let alloc = || chunks.alloc(MIB).unwrap().as_ptr() as usize;
+        // One full chunk before the advice (a worker's: the zygote's), written.
+        let inherited = [alloc(), alloc()];
+        // Huge pages from 4 MiB of arenas more than the 2 held now: the next two chunks not.
+        chunks.advise_huge_pages_past(4 * MIB);
+        let (own_full, own_sparse) = ([alloc(), alloc()], [alloc(), alloc()]);
+        for (i, &arena) in inherited.iter().chain(&own_full).enumerate() {
+            write(arena, i as u8 + 1);
+        }
+        write(own_sparse[0], 9);
+        assert_eq!(chunks.huge_chunks(), 0);
+        // Mapped while 6 arenas are held: advised, and the own full chunk with it.
+        let past = alloc();
+        assert_eq!(chunks.huge_chunks(), 2);
+        for (arena, advice) in [
+            (past, "hg"),
+            (own_full[0], "hg"),
+            (own_full[1], "hg"),
+            (inherited[0], "nh"),
+            (own_sparse[1], "nh"),
+        ] {
+            let flags = vm_flags(arena);
+            assert!(flags.iter().any(|f| f == advice), "{arena:x}: {flags:?}");
+        }
+        for (i, &arena) in inherited.iter().chain(&own_full).enumerate() {
+            // SAFETY: as above.
+            let bytes = unsafe { std::slice::from_raw_parts(arena as *const u8, MIB) };
+            assert!(bytes.iter().all(|&b| b == i as u8 + 1), "{arena:x} changed");
+        }
+        for arena in inherited
+            .iter()
+            .chain(&own_full)
+            .chain(&own_sparse)
+            .chain([&past])
+        {
+            // SAFETY: an arena from `chunks`, not used afterwards.
+            assert!(unsafe { chunks.free(*arena as *mut c_void, MIB) });
         }
         assert_eq!(chunks.stats().1, 0);
     }

@@ -18,11 +18,11 @@
 use std::ffi::c_void;
 
 /// The kernel's `MADV_COLLAPSE` (Linux 6.1); not in every libc's headers.
-const MADV_COLLAPSE: libc::c_int = 25;
+pub(crate) const MADV_COLLAPSE: libc::c_int = 25;
 const HUGE: usize = 2 << 20;
 const PAGE: usize = 4096;
 /// Resident 4 KiB pages (of 512) a range needs to be collapsed.
-const DENSE_PAGES: usize = 448;
+pub(crate) const DENSE_PAGES: usize = 448;
 
 /// What [`collapse_anonymous_memory`] did, for the zygote's log.
 #[derive(Debug, Default)]
@@ -85,7 +85,7 @@ pub fn collapse_anonymous_memory() -> Collapsed {
 }
 
 /// How many of the 512 pages of the 2 MiB range at `addr` are resident (`mincore`).
-fn resident_pages(addr: usize) -> usize {
+pub(crate) fn resident_pages(addr: usize) -> usize {
     let mut vec = [0u8; HUGE / PAGE];
     // SAFETY: `addr` is page-aligned and the range lies in one of this process's mappings;
     // `vec` has one byte per page of it.
