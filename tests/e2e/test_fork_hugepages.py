@@ -115,8 +115,9 @@ def anonymous_mappings(pid: int) -> dict[tuple[int, int], dict[str, str]]:
 
 def block_huge_mib(pid: int, mib: int) -> int:
     """How much of the anonymous mapping of `pid` that holds one malloc block of `mib` MiB (a
-    little more: the chunk's header) is in huge pages, in MiB."""
-    (block,) = [m for (a, b), m in anonymous_mappings(pid).items() if mib << 20 < b - a <= (mib + 1) << 20]
+    little more: the chunk's header, and where workers keep huge pages up to 2 MiB to make it
+    whole 2 MiB pages, #289) is in huge pages, in MiB."""
+    (block,) = [m for (a, b), m in anonymous_mappings(pid).items() if mib << 20 < b - a <= (mib + 2) << 20]
     return int(block["AnonHugePages"].split()[0]) >> 10
 
 
@@ -138,6 +139,35 @@ def root_without_groups():
     b = Sandboxed("root", IRONCELL_CGROUPS="off", MCP_BRIDGE_MEMORY_LIMIT="512m")
     yield b
     b.close()
+
+
+# A list's table of pointers grows by realloc, which glibc does by mremap: before #289 every
+# move to an address of another offset within 2 MiB split the huge pages moved, and a table
+# grown by appends ended mostly in 4 KiB pages (6 of 92 MiB for 12 M items).
+GROWN_TABLE = """
+import ctypes
+grown = [None for _ in range(4_000_000)]
+(os.getpid(), ctypes.c_void_p.from_address(id(grown) + 24).value)  # the list's ob_item
+"""
+
+
+def table_mapping(pid: int, table: int) -> tuple[int, int]:
+    """The size of the mapping of `pid` holding `table`, and how much of it is in huge pages, MiB."""
+    ((lo, hi), m), = [(r, m) for r, m in anonymous_mappings(pid).items() if r[0] <= table < r[1]]
+    return (hi - lo) >> 20, int(m["AnonHugePages"].split()[0]) >> 10
+
+
+def test_289_a_list_grown_by_appends_keeps_its_table_in_huge_pages_and_so_does_its_fork(box):
+    groups = memory_groups_of(box)
+    pid, table = value(box.run(GROWN_TABLE, session="grown-a"))
+    kid = value(fork(box, "grown-a", "grown-b", "os.getpid()"))
+    sizes = (table_mapping(pid, table), table_mapping(kid, table))
+    for size, huge in sizes:
+        # 4 M pointers: a 32 MB table, over-allocated by an eighth.
+        assert 30 <= size <= 40, sizes
+        # Off (#132): none. On: all but its first MiB or few (written before the table reached the
+        # 4 MiB from which blocks are advised: 4 KiB pages, which a move keeps).
+        assert huge == 0 if groups is None else huge >= size - 8, sizes
 
 
 def test_a_root_worker_without_a_memory_group_gets_no_huge_pages_for_a_large_bytearray(root_without_groups):

@@ -18,6 +18,13 @@
 //! of the heap, the zygote and every other worker are left as they were; a fork of the worker
 //! inherits the wrapper with its memory. Interpreters run with `PYTHONMALLOC=malloc` send no block through
 //! the raw allocator: nothing is advised there.
+//!
+//! Such a block is also asked for a little larger, so that glibc's mapping of it is a whole
+//! number of 2 MiB ([`whole_huge_pages`], SECURITY.md #289). A block that grows by `realloc` (a
+//! list's table of pointers) is moved by `mremap`, and the kernel splits every huge page it moves
+//! to an address of another offset within 2 MiB: such a table ended with 6 of its 92 MiB in huge
+//! pages. The kernel places a new anonymous mapping of a whole number of 2 MiB on a 2 MiB
+//! boundary, and moves one to an address of the same offset, whose huge pages it moves whole.
 
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
@@ -25,6 +32,11 @@ use std::sync::OnceLock;
 /// Blocks from this size up are advised (numpy's threshold for its arrays).
 const LARGE: usize = 4 << 20;
 const PAGE: usize = 4096;
+const HUGE: usize = 2 << 20;
+/// What glibc's malloc adds to a request before it maps a chunk by itself, on 64-bit: the size
+/// word (8 bytes), rounding to 16 and the next chunk's size word (8). A request of `k * 2 MiB -
+/// 24` bytes is a mapping of exactly `k * 2 MiB`.
+const GLIBC_MMAP_OVERHEAD: usize = 24;
 /// CPython's `PYMEM_DOMAIN_RAW`.
 const DOMAIN_RAW: c_int = 0;
 
@@ -99,7 +111,20 @@ fn advised(block: *mut c_void, size: usize) -> *mut c_void {
     block
 }
 
+/// The size to ask the underlying allocator for: a large `size` rounded up so that glibc maps it
+/// as a whole number of 2 MiB (at most 2 MiB more, never touched until the caller writes
+/// there); any other size unchanged. The caller may only use the `size` it asked for.
+fn whole_huge_pages(size: usize) -> usize {
+    if size < LARGE {
+        return size;
+    }
+    size.checked_add(GLIBC_MMAP_OVERHEAD)
+        .and_then(|s| s.checked_next_multiple_of(HUGE))
+        .map_or(size, |s| s - GLIBC_MMAP_OVERHEAD)
+}
+
 unsafe extern "C" fn wrapped_malloc(_ctx: *mut c_void, size: usize) -> *mut c_void {
+    let size = whole_huge_pages(size);
     match UNDERLYING.get() {
         // SAFETY: the interpreter's own allocator, called as CPython would.
         Some(a) => advised(unsafe { (a.malloc)(a.ctx, size) }, size),
@@ -108,13 +133,17 @@ unsafe extern "C" fn wrapped_malloc(_ctx: *mut c_void, size: usize) -> *mut c_vo
 }
 
 unsafe extern "C" fn wrapped_calloc(_ctx: *mut c_void, count: usize, each: usize) -> *mut c_void {
-    match UNDERLYING.get() {
-        // SAFETY: as above.
-        Some(a) => advised(
-            unsafe { (a.calloc)(a.ctx, count, each) },
-            count.saturating_mul(each),
-        ),
-        None => std::ptr::null_mut(),
+    let Some(a) = UNDERLYING.get() else {
+        return std::ptr::null_mut();
+    };
+    match count.checked_mul(each) {
+        Some(size) if size >= LARGE => {
+            let size = whole_huge_pages(size);
+            // SAFETY: as above (one element of the rounded size: as many zeroed bytes, or more).
+            advised(unsafe { (a.calloc)(a.ctx, 1, size) }, size)
+        }
+        // SAFETY: as above; an overflowing product is the underlying allocator's to refuse.
+        _ => unsafe { (a.calloc)(a.ctx, count, each) },
     }
 }
 
@@ -123,6 +152,7 @@ unsafe extern "C" fn wrapped_realloc(
     block: *mut c_void,
     size: usize,
 ) -> *mut c_void {
+    let size = whole_huge_pages(size);
     match UNDERLYING.get() {
         // SAFETY: as above; `block` came from the same underlying allocator.
         Some(a) => advised(unsafe { (a.realloc)(a.ctx, block, size) }, size),
@@ -155,5 +185,21 @@ mod tests {
         assert_eq!(p, block.as_mut_ptr().cast());
         assert!(block.iter().all(|&b| b == 7));
         assert!(advised(std::ptr::null_mut(), LARGE).is_null());
+    }
+
+    #[test]
+    fn large_requests_become_whole_huge_pages_of_glibcs_mappings_and_small_ones_stay() {
+        assert_eq!(whole_huge_pages(LARGE - 1), LARGE - 1);
+        assert_eq!(whole_huge_pages(LARGE), LARGE + HUGE - GLIBC_MMAP_OVERHEAD);
+        assert_eq!(whole_huge_pages(3 * HUGE - 24), 3 * HUGE - 24);
+        assert_eq!(whole_huge_pages(3 * HUGE - 23), 4 * HUGE - 24);
+        assert_eq!(whole_huge_pages(usize::MAX - 10), usize::MAX - 10);
+        // glibc maps a chunk of the request + 8, rounded to 16, + 8, rounded to a page.
+        let mapping = |r: usize| ((r + 8).next_multiple_of(16) + 8).next_multiple_of(PAGE);
+        for size in [LARGE, LARGE + 1, 96_000_000, 100 << 20] {
+            let asked = whole_huge_pages(size);
+            assert!(asked >= size && asked - size < HUGE);
+            assert_eq!(mapping(asked) % HUGE, 0, "{size}");
+        }
     }
 }
