@@ -300,6 +300,31 @@ MORE = b"x" * (96 << 20)
 """
 
 
+# The 2 MiB ranges holding two lists' objects, from inside a session.
+TWO_ADDRESSES = "(os.getpid(), sorted({{id(x) >> 21 << 21 for x in {a}}}), sorted({{id(x) >> 21 << 21 for x in {b}}}))"
+
+
+def test_286_a_fork_or_its_parent_crossing_the_threshold_collapses_no_chunk_they_share(box):
+    # A session holding 40 MiB of small objects (its own arenas, below the 64 MiB past which
+    # they are collapsed, #286) forks; the fork allocates 60 MiB more, crossing, and so does the
+    # parent afterwards. Each collapses the chunks it mapped since the fork, never those the
+    # fork shares copy-on-write (a collapse would copy them whole: 40 MiB more on either side).
+    groups = memory_groups_of(box)
+    value(box.run("early = [bytes(440) for _ in range((40 << 20) // 480)]\n1", session="shared-a"))
+    late = "late = [bytes(440) for _ in range((60 << 20) // 480)]\n"
+    kid, kid_early, kid_late = value(fork(box, "shared-a", "shared-b", late + TWO_ADDRESSES.format(a="early", b="late")))
+    pid, early, own = value(box.run(late + TWO_ADDRESSES.format(a="early", b="late"), session="shared-a"))
+    shared = (advised_huge_mib(kid, kid_early), advised_huge_mib(pid, early))
+    crossed = (advised_huge_mib(kid, kid_late), advised_huge_mib(pid, own))
+    assert shared == ((0, 0), (0, 0)), (shared, crossed)
+    if groups is None:
+        assert crossed == ((0, 0), (0, 0)), crossed
+        return
+    # Each side's 60 MiB: the chunks past its threshold, and those before it collapsed.
+    for size, huge in crossed:
+        assert size >= 56 and huge >= size - 4, crossed
+
+
 # #283's attack on a worker's first 64 MiB of arenas, which it collapses into huge pages as it
 # crosses them (#286): 60 MiB of objects in them, 16 MiB more to cross, then every chunk's
 # upper arena freed: 30 MiB that RssAnon counts, 30 MiB cut down that it does not; 64 MiB more.

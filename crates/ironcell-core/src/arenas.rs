@@ -18,7 +18,8 @@
 //! ordinary session never puts an arena in a private 2 MiB page (an arena freed there splits
 //! its chunk's huge page, whose unmapped half its memory group charges until reclaim splits it
 //! off). When it maps its first such chunk, it also collapses the nearly full chunks it mapped
-//! itself before (SECURITY.md #286: its first 64 MiB of arenas, in 4 KiB pages until then), once.
+//! itself before, since its last fork (SECURITY.md #286: its first 64 MiB of arenas, in 4 KiB
+//! pages until then), once.
 //! A freed arena is unmapped, as CPython's own allocator
 //! does, so the address-space and data limits count what they counted before (at most the
 //! unused rest of the newest chunk more); its slot is mapped again first when the next arena is
@@ -73,7 +74,8 @@ struct Chunk {
     /// mapped again the same way.
     huge: bool,
     /// Mapped before [`ArenaChunks::advise_huge_pages_past`] (in a worker: the zygote's,
-    /// shared with it and every other worker): never collapsed.
+    /// shared with it and every other worker) or before a fork of this process or of its
+    /// parent ([`ArenaChunks::all_shared_by_a_fork`]): never collapsed, which would copy it.
     inherited: bool,
 }
 
@@ -108,6 +110,21 @@ impl ArenaChunks {
         let mut c = self.state();
         c.huge_from = c.in_use.saturating_mul(c.arena).saturating_add(extra);
         c.past_huge_from = false;
+        for chunk in c.chunks.iter_mut() {
+            chunk.inherited = true;
+        }
+    }
+
+    /// Marks every chunk mapped now as shared with another process, so that no collapse copies
+    /// it: for `pthread_atfork` handlers, in the parent and in the child of a fork (whose
+    /// chunks stay shared copy-on-write). Takes the lock only if it is free: the forking
+    /// thread holds the GIL, under which every arena is allocated.
+    pub fn all_shared_by_a_fork(&self) {
+        let mut c = match self.0.try_lock() {
+            Ok(c) => c,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
         for chunk in c.chunks.iter_mut() {
             chunk.inherited = true;
         }
@@ -228,7 +245,8 @@ impl ArenaChunks {
     }
 }
 
-/// Collapses into huge pages the chunks this process mapped itself (not `inherited`) that are
+/// Collapses into huge pages the chunks this process mapped itself since its last fork (not
+/// `inherited`: a chunk shared with a fork's other side would be copied whole) that are
 /// whole (every slot mapped: a collapse needs the 2 MiB in one mapping) and nearly all resident
 /// (a collapse fills the untouched pages: at most 64 of 512 here), and marks them
 /// `MADV_HUGEPAGE`, as chunks mapped from now on are. Once, when a worker that keeps huge pages
@@ -460,24 +478,29 @@ mod tests {
     }
 
     #[test]
-    fn the_first_chunk_past_the_threshold_collapses_the_full_chunks_mapped_since_the_advice() {
+    fn the_first_chunk_past_the_threshold_collapses_the_full_chunks_mapped_since_the_advice_and_the_last_fork()
+     {
         let chunks = ArenaChunks::new();
         let write = |arena: usize, byte: u8| {
             // SAFETY: an arena of MIB bytes from `chunks`, ours until freed.
             unsafe { (arena as *mut u8).write_bytes(byte, MIB) };
         };
         let alloc = || chunks.alloc(MIB).unwrap().as_ptr() as usize;
-        // One full chunk before the advice (a worker's: the zygote's), written.
+        // One full chunk before the advice (a worker's: the zygote's).
         let inherited = [alloc(), alloc()];
-        // Huge pages from 4 MiB of arenas more than the 2 held now: the next two chunks not.
-        chunks.advise_huge_pages_past(4 * MIB);
+        // Huge pages from 6 MiB of arenas more than the 2 held now: the next three chunks not.
+        chunks.advise_huge_pages_past(6 * MIB);
+        // One mapped before a fork (shared with the fork's other side), two after it.
+        let shared = [alloc(), alloc()];
+        chunks.all_shared_by_a_fork();
         let (own_full, own_sparse) = ([alloc(), alloc()], [alloc(), alloc()]);
-        for (i, &arena) in inherited.iter().chain(&own_full).enumerate() {
+        let full = [inherited, shared, own_full].concat();
+        for (i, &arena) in full.iter().enumerate() {
             write(arena, i as u8 + 1);
         }
         write(own_sparse[0], 9);
         assert_eq!(chunks.huge_chunks(), 0);
-        // Mapped while 6 arenas are held: advised, and the own full chunk with it.
+        // Mapped while 8 arenas are held: advised, and the own full chunk with it, only.
         let past = alloc();
         assert_eq!(chunks.huge_chunks(), 2);
         for (arena, advice) in [
@@ -485,22 +508,18 @@ mod tests {
             (own_full[0], "hg"),
             (own_full[1], "hg"),
             (inherited[0], "nh"),
+            (shared[1], "nh"),
             (own_sparse[1], "nh"),
         ] {
             let flags = vm_flags(arena);
             assert!(flags.iter().any(|f| f == advice), "{arena:x}: {flags:?}");
         }
-        for (i, &arena) in inherited.iter().chain(&own_full).enumerate() {
+        for (i, &arena) in full.iter().enumerate() {
             // SAFETY: as above.
             let bytes = unsafe { std::slice::from_raw_parts(arena as *const u8, MIB) };
             assert!(bytes.iter().all(|&b| b == i as u8 + 1), "{arena:x} changed");
         }
-        for arena in inherited
-            .iter()
-            .chain(&own_full)
-            .chain(&own_sparse)
-            .chain([&past])
-        {
+        for arena in full.iter().chain(&own_sparse).chain([&past]) {
             // SAFETY: an arena from `chunks`, not used afterwards.
             assert!(unsafe { chunks.free(*arena as *mut c_void, MIB) });
         }

@@ -65,11 +65,26 @@ pub fn install() -> bool {
 const HUGE_PAGES_PAST: usize = 64 << 20;
 
 /// Chunks this process maps once it holds 64 MiB of arenas more than now are advised
-/// `MADV_HUGEPAGE`. For a worker that keeps transparent huge pages (a memory group of its own,
-/// SECURITY.md #271, #283); its forks inherit it. Does nothing where [`install`] did not
-/// register the chunks (pymalloc's arenas then come from the interpreter's own allocator).
+/// `MADV_HUGEPAGE`, and the first of them collapses those it mapped before (since its last
+/// fork: a fork's chunks are shared copy-on-write on both sides, and a collapse would copy them).
+/// For a worker that keeps transparent huge pages (a memory group of its own, SECURITY.md #271,
+/// #283, #286); its forks inherit it. Does nothing where [`install`] did not register the
+/// chunks (pymalloc's arenas then come from the interpreter's own allocator).
 pub fn advise_huge_pages_past_many_arenas() {
     CHUNKS.advise_huge_pages_past(HUGE_PAGES_PAST);
+    // SAFETY: registers handlers that run in the parent and the child of every later fork(3)
+    // of this process (a session's fork, its own children); each only sets flags in memory.
+    unsafe {
+        libc::pthread_atfork(
+            None,
+            Some(chunks_shared_by_a_fork),
+            Some(chunks_shared_by_a_fork),
+        )
+    };
+}
+
+extern "C" fn chunks_shared_by_a_fork() {
+    CHUNKS.all_shared_by_a_fork();
 }
 
 /// Arenas served from chunks so far, and chunks mapped now (for the zygote's log).
