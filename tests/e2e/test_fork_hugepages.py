@@ -146,7 +146,7 @@ def root_without_groups():
 # grown by appends ended mostly in 4 KiB pages (6 of 92 MiB for 12 M items).
 GROWN_TABLE = """
 import ctypes
-grown = [None for _ in range(4_000_000)]
+grown = [None for _ in range(8_000_000)]
 (os.getpid(), ctypes.c_void_p.from_address(id(grown) + 24).value)  # the list's ob_item
 """
 
@@ -163,11 +163,12 @@ def test_289_a_list_grown_by_appends_keeps_its_table_in_huge_pages_and_so_does_i
     kid = value(fork(box, "grown-a", "grown-b", "os.getpid()"))
     sizes = (table_mapping(pid, table), table_mapping(kid, table))
     for size, huge in sizes:
-        # 4 M pointers: a 32 MB table, over-allocated by an eighth.
-        assert 30 <= size <= 40, sizes
-        # Off (#132): none. On: all but its first MiB or few (written before the table reached the
-        # 4 MiB from which blocks are advised: 4 KiB pages, which a move keeps).
-        assert huge == 0 if groups is None else huge >= size - 8, sizes
+        # 8 M pointers: a 64 MB table, over-allocated by an eighth.
+        assert 60 <= size <= 76, sizes
+        # Off (#132): none. On: all but its first 16-24 MiB (written before the table reached the
+        # 16 MiB from which blocks are mapped in whole 2 MiB: the move there splits them; 46 of
+        # 68 MiB measured), so more than half (before #289: 6-14).
+        assert huge == 0 if groups is None else huge > size // 2, sizes
 
 
 def test_a_root_worker_without_a_memory_group_gets_no_huge_pages_for_a_large_bytearray(root_without_groups):

@@ -25,6 +25,11 @@
 //! to an address of another offset within 2 MiB: such a table ended with 6 of its 92 MiB in huge
 //! pages. The kernel places a new anonymous mapping of a whole number of 2 MiB on a 2 MiB
 //! boundary, and moves one to an address of the same offset, whose huge pages it moves whole.
+//! Only blocks of 16 MiB and more are rounded: the address space added (under 2 MiB, untouched)
+//! counts against the session's data limit (RLIMIT_DATA), and for a block of 4 MiB it would be
+//! half as much again (a cell holding many such blocks would meet its `MemoryError` at two
+//! thirds of its limit); from 16 MiB it is under an eighth, and the tables whose page-table
+//! entries a fork feels are larger still.
 
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
@@ -33,6 +38,8 @@ use std::sync::OnceLock;
 const LARGE: usize = 4 << 20;
 const PAGE: usize = 4096;
 const HUGE: usize = 2 << 20;
+/// Blocks from this size up are rounded to whole 2 MiB mappings ([`whole_huge_pages`]).
+const ROUND_FROM: usize = 16 << 20;
 /// What glibc's malloc adds to a request before it maps a chunk by itself, on 64-bit: the size
 /// word (8 bytes), rounding to 16 and the next chunk's size word (8). A request of `k * 2 MiB -
 /// 24` bytes is a mapping of exactly `k * 2 MiB`.
@@ -111,11 +118,11 @@ fn advised(block: *mut c_void, size: usize) -> *mut c_void {
     block
 }
 
-/// The size to ask the underlying allocator for: a large `size` rounded up so that glibc maps it
-/// as a whole number of 2 MiB (at most 2 MiB more, never touched until the caller writes
-/// there); any other size unchanged. The caller may only use the `size` it asked for.
+/// The size to ask the underlying allocator for: a `size` of [`ROUND_FROM`] or more rounded up so
+/// that glibc maps it as a whole number of 2 MiB (under 2 MiB more, never touched until the
+/// caller writes there); any other size unchanged. The caller may only use the `size` it asked for.
 fn whole_huge_pages(size: usize) -> usize {
-    if size < LARGE {
+    if size < ROUND_FROM {
         return size;
     }
     size.checked_add(GLIBC_MMAP_OVERHEAD)
@@ -188,15 +195,19 @@ mod tests {
     }
 
     #[test]
-    fn large_requests_become_whole_huge_pages_of_glibcs_mappings_and_small_ones_stay() {
-        assert_eq!(whole_huge_pages(LARGE - 1), LARGE - 1);
-        assert_eq!(whole_huge_pages(LARGE), LARGE + HUGE - GLIBC_MMAP_OVERHEAD);
-        assert_eq!(whole_huge_pages(3 * HUGE - 24), 3 * HUGE - 24);
-        assert_eq!(whole_huge_pages(3 * HUGE - 23), 4 * HUGE - 24);
+    fn requests_from_16_mib_become_whole_huge_pages_of_glibcs_mappings_and_smaller_ones_stay() {
+        assert_eq!(whole_huge_pages(LARGE + 1), LARGE + 1);
+        assert_eq!(whole_huge_pages(ROUND_FROM - 1), ROUND_FROM - 1);
+        assert_eq!(
+            whole_huge_pages(ROUND_FROM),
+            ROUND_FROM + HUGE - GLIBC_MMAP_OVERHEAD
+        );
+        assert_eq!(whole_huge_pages(9 * HUGE - 24), 9 * HUGE - 24);
+        assert_eq!(whole_huge_pages(9 * HUGE - 23), 10 * HUGE - 24);
         assert_eq!(whole_huge_pages(usize::MAX - 10), usize::MAX - 10);
         // glibc maps a chunk of the request + 8, rounded to 16, + 8, rounded to a page.
         let mapping = |r: usize| ((r + 8).next_multiple_of(16) + 8).next_multiple_of(PAGE);
-        for size in [LARGE, LARGE + 1, 96_000_000, 100 << 20] {
+        for size in [ROUND_FROM, ROUND_FROM + 1, 96_000_000, 100 << 20] {
             let asked = whole_huge_pages(size);
             assert!(asked >= size && asked - size < HUGE);
             assert_eq!(mapping(asked) % HUGE, 0, "{size}");
