@@ -97,10 +97,9 @@ impl AuditEntry {
             time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             principal: None,
             session: session.to_string(),
-            code_sha256: sha2::Sha256::digest(code.as_bytes())
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect(),
+            // One string, not one per byte (32 `format!` calls were ~10% of the host's
+            // instructions per warm call under callgrind).
+            code_sha256: base16ct::lower::encode_string(&sha2::Sha256::digest(code.as_bytes())),
             code_head: head,
             code_bytes: code.len(),
             status: "refused".into(),
@@ -622,7 +621,10 @@ mod tests {
         let code = "a = 1\nb = 2\nc = 3\nsecret_line = 4\n";
         let e = entry("s", code);
         assert_eq!(e.code_head, "a = 1\nb = 2\nc = 3");
-        assert_eq!(e.code_sha256.len(), 64);
+        assert_eq!(
+            e.code_sha256,
+            "b28f4d33c426da0f5b12c42f6abe7a9328f99d08afc3f0892eae7dd24c7ad3fd"
+        );
         assert_eq!(e.status, "refused");
     }
 
