@@ -1430,6 +1430,17 @@ class _ImageScan:
         import time
 
         now_ns = time.time_ns()
+        top = self.dirs.get(".")
+        if top is not None and not top[1] and not top[2] and len(self.dirs) == 1:
+            # A session with no image and no subdirectory, as most are: one `stat` decides,
+            # without the walk's bookkeeping (~15,000 of the worker's ~130,000 instructions per
+            # warm call of `x += 1` under callgrind). Same answer as the walk below.
+            try:
+                mtime = os.stat(".", follow_symlinks=False).st_mtime_ns
+            except OSError:
+                mtime = None
+            if mtime == top[0] and now_ns - mtime >= self.RACY_S * 1e9:
+                return []
         seen, out, stack = set(), [], ["."]
         while stack and len(seen) < self.MAX_DIRS:
             path = stack.pop()

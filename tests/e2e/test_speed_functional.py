@@ -192,6 +192,35 @@ def test_images_a_run_writes_in_a_session_of_100k_files_come_back_once(box, huge
     assert images(rec) == {"h42/arrived/x/later.png"}, rec
 
 
+SETTLED = (
+    "import os, time, _ironcell_runner\n"
+    "top = _ironcell_runner._image_scan.dirs.get('.')\n"
+    "(len(_ironcell_runner._image_scan.dirs), top and (top[1], top[2]),"
+    " time.time_ns() - os.stat('.').st_mtime_ns > 2.5e9)"
+)
+
+
+def test_an_image_written_after_runs_that_took_the_one_stat_shortcut_comes_back_once(box):
+    # A session with no image and no subdirectory whose directory has not changed for 2 s is
+    # scanned with one `stat` (the runner's shortcut). What it finds must not change.
+    s = "settled"
+    box.run(TINY_PNG + "time = __import__('time')\ntime.sleep(3)", session=s)
+    rec = box.run("time.sleep(3)\n" + SETTLED, session=s)
+    assert rec["result"] == "(1, ([], []), True)", rec  # the shortcut's case
+    rec = box.run(SETTLED, session=s)
+    assert rec["status"] == "ok" and images(rec) == set(), rec
+    rec = box.run("png('new.png')\n'drawn'", session=s)
+    assert images(rec) == {"new.png"}, rec
+    rec = box.run("x = 1", session=s)
+    assert rec["status"] == "ok" and images(rec) == set(), rec
+    # Rewritten in place, and one in a new subdirectory: each is its run's image.
+    box.run("time.sleep(1.1)", session=s)
+    rec = box.run("png('new.png')\n'again'", session=s)
+    assert images(rec) == {"new.png"}, rec
+    rec = box.run("os.makedirs('sub')\npng('sub/deep.png')", session=s)
+    assert images(rec) == {"sub/deep.png"}, rec
+
+
 def test_the_scratch_quota_still_holds_in_a_session_of_100k_files(box, huge):
     rec = long_run(
         box,
