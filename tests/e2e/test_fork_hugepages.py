@@ -202,17 +202,27 @@ def test_276_cut_down_huge_pages_from_plain_python_are_charged_to_the_sessions_g
     # cut-down pages take it to its limit, where reclaim splits them and frees their unmapped
     # parts, the cell done and nothing killed (#271, #275). A worker whose malloc never advised
     # huge pages (an older server) stays ~56 MiB below; without a group, huge pages are off.
-    groups = memory_groups_of(box)
-    pid = value(box.run("os.getpid()", session="cut"))
-    group = None if groups is None else groups / Path(memory_group(pid)).name
-    if group is not None:
-        (group / "memory.limit_in_bytes").write_text(str(group_file(group, "memory.usage_in_bytes") + (256 << 20)))
+    group, _ = group_with_room(box, "cut", "os.getpid()", 256)
     flag, kept, _ = value(box.run("PIECE_COUNT = 100\n" + MALLOC_CUT_DOWN, session="cut", timeout_s=300))
     assert kept == 100
     if not reached_its_limit_unkilled(group, flag):
         return
     assert box.run("1", session="cut", reset=True)["status"] == "ok"
     assert wait_until(lambda: not group.exists(), 10), f"{group} left behind"
+
+
+def group_with_room(box, session: str, setup: str, room_mib: int) -> tuple[Path | None, int]:
+    """Runs `setup` (ending in the worker's pid) in a new session; where it has a memory group,
+    lowers the group's limit from outside (as only root can) to what it holds now plus
+    `room_mib`. The group (None without groups) and what it held."""
+    groups = memory_groups_of(box)
+    pid = value(box.run(setup, session=session))
+    if groups is None:
+        return None, 0
+    group = groups / Path(memory_group(pid)).name
+    held = group_file(group, "memory.usage_in_bytes")
+    (group / "memory.limit_in_bytes").write_text(str(held + (room_mib << 20)))
+    return group, held
 
 
 def reached_its_limit_unkilled(group: Path | None, thp_disabled: int) -> bool:
@@ -346,11 +356,7 @@ def test_286_collapsed_first_arenas_cut_down_by_freed_arenas_are_charged_to_the_
     # group reaches its limit (its failcnt rises), where reclaim splits the cut-down pages and
     # frees their unmapped halves, the cell done and nothing killed (#271, #275). A worker that
     # left its first arenas in 4 KiB pages (an older server) never reaches the limit.
-    groups = memory_groups_of(box)
-    pid = value(box.run("os.getpid()", session="cut-early"))
-    group = None if groups is None else groups / Path(memory_group(pid)).name
-    if group is not None:
-        (group / "memory.limit_in_bytes").write_text(str(group_file(group, "memory.usage_in_bytes") + (128 << 20)))
+    group, _ = group_with_room(box, "cut-early", "os.getpid()", 128)
     flag, kept = value(box.run(EARLY_ARENAS_CUT_DOWN, session="cut-early", timeout_s=300))
     assert kept > 50_000, kept
     if not reached_its_limit_unkilled(group, flag):
@@ -366,12 +372,8 @@ def test_283_arena_chunks_cut_down_by_freed_arenas_are_charged_to_the_sessions_g
     # halves it does not, so the group reaches its limit, where reclaim splits them and frees
     # their unmapped halves, the cell done and nothing killed (#271, #275). A worker whose arenas
     # are never in huge pages (an older server) peaks at ~195 MiB more (the 192 MiB in flight).
-    groups = memory_groups_of(box)
-    pid = value(box.run("PAD = [bytes(440) for _ in range((80 << 20) // 480)]\nos.getpid()", session="cut-arenas"))
-    group = None if groups is None else groups / Path(memory_group(pid)).name
-    if group is not None:
-        padded = group_file(group, "memory.usage_in_bytes")
-        (group / "memory.limit_in_bytes").write_text(str(padded + (256 << 20)))
+    pad = "PAD = [bytes(440) for _ in range((80 << 20) // 480)]\nos.getpid()"
+    group, padded = group_with_room(box, "cut-arenas", pad, 256)
     flag, kept = value(box.run(ARENAS_CUT_DOWN, session="cut-arenas", timeout_s=300))
     assert kept > 150_000, kept
     if not reached_its_limit_unkilled(group, flag):
