@@ -1423,6 +1423,11 @@ class _ImageScan:
             return [], []
         return images, subdirs
 
+    def _holds(self, cached, mtime, now_ns):
+        """Whether a directory's cached listing still holds: listed at this mtime, which is old
+        enough that a change within the clock's granularity would have moved it."""
+        return cached is not None and cached[0] == mtime and now_ns - mtime >= self.RACY_S * 1e9
+
     def images(self, listing=True):
         """Image paths; without `listing` (the warm-up's dry run), from the listings cached
         only: no directory is listed and the cache is left as it was."""
@@ -1436,11 +1441,10 @@ class _ImageScan:
             # without the walk's bookkeeping (~15,000 of the worker's ~130,000 instructions per
             # warm call of `x += 1` under callgrind). Same answer as the walk below.
             try:
-                mtime = os.stat(".", follow_symlinks=False).st_mtime_ns
+                if self._holds(top, os.stat(".", follow_symlinks=False).st_mtime_ns, now_ns):
+                    return []
             except OSError:
-                mtime = None
-            if mtime == top[0] and now_ns - mtime >= self.RACY_S * 1e9:
-                return []
+                pass
         seen, out, stack = set(), [], ["."]
         while stack and len(seen) < self.MAX_DIRS:
             path = stack.pop()
@@ -1450,7 +1454,7 @@ class _ImageScan:
             except OSError:
                 continue
             cached = self.dirs.get(path)
-            if cached is None or cached[0] != mtime or now_ns - mtime < self.RACY_S * 1e9:
+            if not self._holds(cached, mtime, now_ns):
                 if not listing:
                     if cached is None:
                         continue

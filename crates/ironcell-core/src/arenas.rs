@@ -32,6 +32,8 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
+use crate::hugepages;
+
 /// The chunk size and alignment: one transparent huge page on x86-64 and arm64 (4 KiB pages).
 pub const CHUNK: usize = 2 << 20;
 
@@ -58,6 +60,15 @@ struct Chunks {
     huge_from: usize,
     /// Whether the first chunk so advised was mapped (and the earlier ones collapsed).
     past_huge_from: bool,
+}
+
+impl Chunks {
+    /// Marks every chunk mapped now as one this process must never collapse.
+    fn all_inherited(&mut self) {
+        for chunk in self.chunks.iter_mut() {
+            chunk.inherited = true;
+        }
+    }
 }
 
 struct Chunk {
@@ -110,9 +121,7 @@ impl ArenaChunks {
         let mut c = self.state();
         c.huge_from = c.in_use.saturating_mul(c.arena).saturating_add(extra);
         c.past_huge_from = false;
-        for chunk in c.chunks.iter_mut() {
-            chunk.inherited = true;
-        }
+        c.all_inherited();
     }
 
     /// Marks every chunk mapped now as shared with another process, so that no collapse copies
@@ -125,9 +134,7 @@ impl ArenaChunks {
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return,
         };
-        for chunk in c.chunks.iter_mut() {
-            chunk.inherited = true;
-        }
+        c.all_inherited();
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, Chunks> {
@@ -257,23 +264,13 @@ impl ArenaChunks {
 fn collapse_chunks_of_own_arenas(chunks: &mut [Chunk], slots: usize) {
     let whole = u64::MAX >> (64 - slots);
     for chunk in chunks.iter_mut() {
-        if chunk.huge || chunk.inherited || chunk.mapped != whole {
-            continue;
-        }
-        if crate::hugepages::resident_pages(chunk.base) < crate::hugepages::DENSE_PAGES {
+        if chunk.huge || chunk.inherited || chunk.mapped != whole || !hugepages::dense(chunk.base) {
             continue;
         }
         advise(chunk.base, CHUNK, true);
         chunk.huge = true;
-        // SAFETY: advice on a whole chunk this allocator mapped: its contents and protection
-        // stay as they are (the kernel copies them into one huge page).
-        unsafe {
-            libc::madvise(
-                chunk.base as *mut c_void,
-                CHUNK,
-                crate::hugepages::MADV_COLLAPSE,
-            )
-        };
+        // Best effort, as said above.
+        let _ = hugepages::collapse(chunk.base);
     }
 }
 

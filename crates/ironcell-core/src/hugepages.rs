@@ -18,11 +18,11 @@
 use std::ffi::c_void;
 
 /// The kernel's `MADV_COLLAPSE` (Linux 6.1); not in every libc's headers.
-pub(crate) const MADV_COLLAPSE: libc::c_int = 25;
+const MADV_COLLAPSE: libc::c_int = 25;
 const HUGE: usize = 2 << 20;
 const PAGE: usize = 4096;
 /// Resident 4 KiB pages (of 512) a range needs to be collapsed.
-pub(crate) const DENSE_PAGES: usize = 448;
+const DENSE_PAGES: usize = 448;
 
 /// What [`collapse_anonymous_memory`] did, for the zygote's log.
 #[derive(Debug, Default)]
@@ -59,17 +59,16 @@ pub fn collapse_anonymous_memory() -> Collapsed {
             // does not stop the others.
             for chunk in (lo..hi).step_by(HUGE) {
                 out.ranges += 1;
-                // A collapse fills a range's untouched pages: only ranges nearly all resident
-                // already, so the zygote does not grow by the rest.
-                if resident_pages(chunk) < DENSE_PAGES {
+                // Only ranges nearly all resident already, so the zygote does not grow by the rest.
+                if !dense(chunk) {
                     out.sparse += 1;
                     continue;
                 }
-                // SAFETY: as said above.
-                if unsafe { libc::madvise(chunk as *mut c_void, HUGE, MADV_COLLAPSE) } == 0 {
-                    out.bytes += HUGE;
-                } else if out.refused.is_none() {
-                    out.refused = Some(std::io::Error::last_os_error());
+                match collapse(chunk) {
+                    Ok(()) => out.bytes += HUGE,
+                    Err(e) => {
+                        out.refused.get_or_insert(e);
+                    }
                 }
             }
         } else if out.refused.is_none() {
@@ -84,8 +83,26 @@ pub fn collapse_anonymous_memory() -> Collapsed {
     out
 }
 
+/// Whether the aligned 2 MiB range at `addr` is nearly all resident: only such a range is
+/// collapsed, since a collapse fills a range's untouched pages (a sparse one would grow by them).
+pub(crate) fn dense(addr: usize) -> bool {
+    resident_pages(addr) >= DENSE_PAGES
+}
+
+/// Collapses the aligned 2 MiB range at `addr`, in a mapping of this process advised
+/// `MADV_HUGEPAGE`, into one huge page (a kernel before 6.1 refuses `MADV_COLLAPSE`).
+pub(crate) fn collapse(addr: usize) -> std::io::Result<()> {
+    // SAFETY: advice on whole pages of a mapping this process owns: the kernel copies their
+    // contents into one huge page, contents and protection unchanged.
+    if unsafe { libc::madvise(addr as *mut c_void, HUGE, MADV_COLLAPSE) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// How many of the 512 pages of the 2 MiB range at `addr` are resident (`mincore`).
-pub(crate) fn resident_pages(addr: usize) -> usize {
+fn resident_pages(addr: usize) -> usize {
     let mut vec = [0u8; HUGE / PAGE];
     // SAFETY: `addr` is page-aligned and the range lies in one of this process's mappings;
     // `vec` has one byte per page of it.
