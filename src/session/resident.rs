@@ -360,8 +360,26 @@ fn child_holds(pid: i32) -> Option<(u64, u64)> {
 /// session it was forked from, SECURITY.md #197; a worker with children, with them: a fork's
 /// middle process is a whole copy of it, and a worker holding most of its limit was killed
 /// while it forked, #197), plus each child's [`child_holds`], and their threads.
-fn group_holds(pid: i32, forked: bool, children: &[i32]) -> Option<(u64, u64)> {
-    let own = if forked || !children.is_empty() {
+///
+/// Where it shares, and `allowed` is given, [`group_bound`] comes first: when that upper bound
+/// is within `allowed`, so is what the shares add up to, and it is returned instead (the
+/// verdict is the same; the value is then no more than a bound). Its proportional shares are
+/// read only when it could be past `allowed` (SECURITY.md #290).
+fn group_holds(
+    pid: i32,
+    forked: bool,
+    children: &[i32],
+    allowed: Option<u64>,
+) -> Option<(u64, u64)> {
+    let shares = forked || !children.is_empty();
+    if shares
+        && let Some(allowed) = allowed
+        && let Some((bound, threads)) = group_bound(pid, children)
+        && within(bound, children.len() + 1, allowed)
+    {
+        return Some((bound, threads));
+    }
+    let own = if shares {
         child_holds(pid).or_else(|| held_by(pid))
     } else {
         held_by(pid)
@@ -504,6 +522,42 @@ async fn fit_fork_memory(
     }
 }
 
+/// An upper bound of [`group_holds`] from the processes' `status` alone: each one's whole
+/// anonymous memory, swap and page tables, however many processes share its pages, and the
+/// same threads. Reading a `status` costs the same whatever the process holds; the
+/// proportional shares of `smaps_rollup` ([`child_holds`]) walk every page a process maps, and
+/// a page shared by several processes one 4 KiB at a time even where a 2 MiB page maps it: ~1.5
+/// ms of the host's CPU for a fork of a session holding 12 M ints, each time the watch reads it.
+fn group_bound(pid: i32, children: &[i32]) -> Option<(u64, u64)> {
+    let (mut bytes, mut threads) = held_by(pid)?;
+    for &child in children {
+        if runs_in_the_memory_of(pid, child) {
+            continue;
+        }
+        let Ok(status) = std::fs::read(format!("/proc/{child}/status")) else {
+            continue;
+        };
+        // Counted where [`child_holds`] counts it: a process that shows its counters.
+        if let Some(b) = anonymous_bytes_in(&status) {
+            bytes = bytes.saturating_add(b);
+            threads = threads.saturating_add(threads_in(&status).unwrap_or(0));
+        }
+    }
+    Some((bytes, threads))
+}
+
+/// Whether `bound`, the `status` counters of `processes` processes added up, shows their
+/// memory within `allowed` for certain. The kernel keeps those counters per CPU and may show
+/// them short by up to one batch per CPU each (`percpu_counter_batch`, max(32, 2 x CPUs) pages)
+/// where `smaps_rollup` counts page by page: that much is added for each of the two counters
+/// (`RssAnon`, `VmSwap`) of each process.
+fn within(bound: u64, processes: usize, allowed: u64) -> bool {
+    // SAFETY: sysconf(3) with a valid name; no pointers.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as u64;
+    let lag = 32u64.max(2 * cpus) * cpus * 4096 * 2;
+    bound.saturating_add(lag.saturating_mul(processes as u64)) <= allowed
+}
+
 /// The minor page faults of process `pid` (its threads' together: `minflt`, the tenth field
 /// of `/proc/<pid>/stat`, the eighth after the command name).
 fn minor_faults(pid: i32) -> Option<u64> {
@@ -594,7 +648,7 @@ struct Held {
 fn read_workers(
     zygote: &crate::zygote::Zygote,
     looks: Vec<Look>,
-    children_possible: bool,
+    (children_possible, limit): (bool, u64),
     memory_groups: Option<&std::path::Path>,
 ) -> (u64, Vec<Held>, Vec<memcg::AtLimit>) {
     let others = if children_possible {
@@ -606,6 +660,7 @@ fn read_workers(
         .map(memcg::groups_at_limit)
         .unwrap_or_default();
     let base = anonymous_bytes(zygote.pid()).unwrap_or(0);
+    let allowed = allowed_bytes(limit, base);
     let mut childless = Vec::new();
     let held = looks
         .into_iter()
@@ -628,7 +683,10 @@ fn read_workers(
             if !look.due && children.is_empty() && group.is_none() {
                 return None;
             }
-            let (bytes, threads) = group_holds(pid, look.worker.is_forked(), &children)?;
+            // A group at its limit ends its member that holds the most: those are compared
+            // by their shares ([`ends_at_group_limit`]).
+            let allowed = Some(allowed).filter(|_| group.is_none());
+            let (bytes, threads) = group_holds(pid, look.worker.is_forked(), &children, allowed)?;
             Some(Held {
                 worker: look.worker,
                 bytes,
@@ -742,14 +800,19 @@ impl SessionManager {
             return;
         }
         let sweep = zygote.clone();
+        let limit = self.sandbox.memory_bytes;
         let read = tokio::task::spawn_blocking(move || {
-            read_workers(&sweep, looks, children_possible, memory_groups.as_deref())
+            read_workers(
+                &sweep,
+                looks,
+                (children_possible, limit),
+                memory_groups.as_deref(),
+            )
         })
         .await;
         let Ok((base, held, at_limit)) = read else {
             return;
         };
-        let limit = self.sandbox.memory_bytes;
         let allowed = allowed_bytes(limit, base);
         for (i, usage) in ends_at_group_limit(&held, &at_limit, allowed) {
             let why = ExitInfo::OverMemory {
@@ -835,6 +898,48 @@ mod tests {
         assert_eq!(anonymous_bytes_in(b"Name:\tkthreadd\n"), None);
         // A field that merely starts like it is not it.
         assert_eq!(anonymous_bytes_in(b"RssAnonX:\t5 kB\n"), None);
+    }
+
+    #[test]
+    fn a_group_within_its_limit_by_its_whole_counters_is_not_read_share_by_share() {
+        // Two processes sharing their pages copy-on-write (a parent and its fork), both asleep.
+        let mut parent = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import os, sys, time\nblock = bytearray(32 << 20)\nfor i in range(0, len(block), 4096): block[i] = 1\nos.fork()\nprint(os.getpid(), flush=True)\ntime.sleep(60)",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines =
+            std::io::BufRead::lines(std::io::BufReader::new(parent.stdout.take().unwrap()));
+        let mut pids: Vec<i32> = (0..2)
+            .map(|_| lines.next().unwrap().unwrap().trim().parse().unwrap())
+            .collect();
+        pids.retain(|&p| p != parent.id() as i32);
+        let (pid, child) = (parent.id() as i32, pids[0]);
+        let (bound, threads) = group_bound(pid, &[child]).unwrap();
+        let (shares, share_threads) = group_holds(pid, false, &[child], None).unwrap();
+        assert_eq!(threads, share_threads);
+        // 32 MiB counted once per process by their counters, once among the two by their shares.
+        assert!(bound >= shares + (24 << 20), "{bound} {shares}");
+        assert_eq!(
+            group_holds(pid, false, &[child], Some(u64::MAX)),
+            Some((bound, threads)),
+            "far within the limit: the counters, not the shares"
+        );
+        let (near, _) = group_holds(pid, false, &[child], Some(bound)).unwrap();
+        assert!(
+            near < bound - (24 << 20),
+            "{near} {bound}: the counters could lag behind"
+        );
+        assert!(!within(bound, 1, bound) && within(bound, 1, bound + (1 << 30)));
+        let _ = parent.kill();
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = parent.wait();
     }
 
     #[test]
