@@ -7,7 +7,7 @@
 //! So the extension's allocator clears every block it frees while [`scrubbing`] is on: in the
 //! zygote, from its start. A worker turns it off first thing after the fork (its own frees are
 //! its own business, and clearing them would cost time on every frame). The request buffer the
-//! zygote reuses is cleared by hand after each request ([`clear`]).
+//! zygote reuses is cleared by hand once each request is decoded ([`clear_used`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,11 +21,12 @@ pub fn scrubbing(on: bool) {
     SCRUBBING.store(on, Ordering::Relaxed);
 }
 
-/// Clears `buf`, in place, whole capacity included, with writes the compiler keeps.
-pub fn clear(buf: &mut Vec<u8>) {
-    let len = buf.capacity();
-    buf.resize(len, 0);
-    buf.as_mut_slice().zeroize();
+/// Clears the first `used` bytes of `buf` (all of it if `used` is past its end), in place, with
+/// writes the compiler keeps. For a buffer that is all zero but for what the last packet wrote
+/// at its start, this leaves it all zero while writing only the pages that packet touched.
+pub fn clear_used(buf: &mut [u8], used: usize) {
+    let used = used.min(buf.len());
+    buf[..used].zeroize();
 }
 
 /// The extension's global allocator: the system's, clearing blocks on free while scrubbing.
@@ -80,18 +81,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn clear_zeroes_the_whole_capacity_in_place() {
-        let mut buf = Vec::with_capacity(64);
-        buf.extend_from_slice(b"session /home/alice/secret-project");
-        buf.truncate(8);
-        let (at, capacity) = (buf.as_ptr(), buf.capacity());
-        clear(&mut buf);
-        assert_eq!(
-            (buf.as_ptr(), buf.capacity()),
-            (at, capacity),
-            "no new buffer"
-        );
-        assert_eq!(buf.len(), capacity);
+    fn clear_used_zeroes_what_the_packet_wrote_and_never_more_than_the_buffer() {
+        let mut buf = vec![0u8; 64];
+        let secret = b"session /home/alice/secret-project";
+        buf[..secret.len()].copy_from_slice(secret);
+        let at = buf.as_ptr();
+        clear_used(&mut buf, secret.len());
+        assert_eq!((buf.as_ptr(), buf.len()), (at, 64), "the same buffer");
+        assert!(buf.iter().all(|&b| b == 0), "{buf:?}");
+        buf.fill(7);
+        clear_used(&mut buf, 1000);
         assert!(buf.iter().all(|&b| b == 0), "{buf:?}");
     }
 

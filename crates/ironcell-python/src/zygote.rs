@@ -385,7 +385,15 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                 // The host closed the control socket: it is gone or shutting down.
                 return Ok(());
             };
-            let request: ZygoteRequest = serde_json::from_slice(msg)?;
+            let used = msg.len();
+            let request = serde_json::from_slice::<ZygoteRequest>(msg);
+            // Cleared before the fork, and only the bytes this packet wrote (the rest is still
+            // zero from the last clear): the pages the packet landed on are already the
+            // zygote's own (it just wrote them), so clearing them costs no copy, and no worker
+            // inherits the request's text. Cleared after the fork, the whole buffer (16 pages,
+            // shared with the worker just forked) was copied again after every fork.
+            crate::scrub::clear_used(&mut buf, used);
+            let request = request?;
             match request {
                 ZygoteRequest::Spawn { id, spec } => {
                     let mut fds = fds.into_iter();
@@ -415,7 +423,6 @@ fn serve_spawn_requests(py: pyo3::Python<'_>, ctl: &OwnedFd) -> anyhow::Result<(
                     send_event(ctl.as_raw_fd(), &event)?;
                 }
             }
-            crate::scrub::clear(&mut buf);
         }
     }
 }
