@@ -96,6 +96,47 @@ def test_a_fork_outliving_its_parent_keeps_the_lineages_group_under_a_new_name(b
     assert wait_until(lambda: not kept.exists(), 10), f"{kept} left behind"
 
 
+PARENT_GONE_MID_FORK = """
+import signal, time, mcp
+signal.signal(signal.SIGALRM, signal.SIG_DFL)
+# Once the fork exists the parent arms its own death (SIGALRM's default action) and answers the
+# host; the fork waits in its parent's after-fork hook before it says ready, meanwhile.
+os.register_at_fork(after_in_parent=lambda: signal.setitimer(signal.ITIMER_REAL, 0.5),
+                    after_in_child=lambda: time.sleep(3))
+mcp.fork("late-b")
+os.getpid()
+"""
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_294_a_fork_whose_parent_was_reaped_before_it_was_ready_has_one_sessions_room(user):
+    # SECURITY.md #294: the parent, its group's first worker, reaped while its fork copied its
+    # files, before the fork was verified: the fork joined counting the parent still alive, so
+    # its group had two sessions' room for one (cut-down huge pages held 767 MiB under a 256 MiB
+    # limit where one session's group stops at 383), kept the parent's name, and stayed after
+    # the fork was reset. A server of its own: the module's holds its live-session cap.
+    box = forking_sandbox(user, MCP_BRIDGE_MEMORY_LIMIT="512m")
+    try:
+        groups = memory_groups_of(box)
+        a = value(box.run(PARENT_GONE_MID_FORK, session="late-a"))
+        box.sessions.add("late-b")
+        rec = box.run("os.getpid()", session="late-b")
+        assert rec["lineage"] == ["late-a"], rec
+        b = value(rec)
+        assert b != a
+        assert box.run("1", session="late-a")["session_state"] == "restarted", "the parent died mid-fork"
+        if groups is None:
+            return  # no memory groups (nobody): nothing is counted per lineage
+        group = groups / Path(memory_group(b)).name
+        assert (group / "cgroup.procs").read_text().split() == [str(b)]
+        assert group_file(group, "memory.limit_in_bytes") == (512 + 128) << 20, "one member, one session's room"
+        assert group.name != f"w{a}", "renamed: a new worker given the pid makes its own"
+        assert box.run("1", session="late-b", reset=True)["status"] == "ok"
+        assert wait_until(lambda: not group.exists(), 10), f"{group} left behind"
+    finally:
+        box.close()
+
+
 def anonymous_mappings(pid: int) -> dict[tuple[int, int], dict[str, str]]:
     """The private writable anonymous mappings of `pid` (`[heap]` included): their `smaps`
     fields (`Size`, `AnonHugePages`, `VmFlags`, ...) by address range."""

@@ -131,6 +131,8 @@ struct Lineages {
     group_of_fork: HashMap<i32, String>,
     /// `oom_kill` of each group when last read.
     oom_kills: HashMap<String, u64>,
+    /// Groups whose last member went while they still held tasks, by name: removed once empty.
+    unjoined: HashMap<String, PathBuf>,
     renamed: u64,
 }
 
@@ -142,10 +144,17 @@ fn lineages() -> std::sync::MutexGuard<'static, Lineages> {
 
 /// The fork `pid` (still in its parent's memory group, as forked) is a new member of that
 /// group: its limit grows by one session's. The group is read from the fork's own
-/// `/proc/<pid>/cgroup`, not assumed from its lineage. Once per fork: a second call for the
-/// same pid (a move retried) changes nothing.
+/// `/proc/<pid>/cgroup`, not assumed from its lineage, under the same lock as
+/// [`worker_gone`]'s renaming. Once per fork: a second call for the same pid (a move retried)
+/// changes nothing.
+///
+/// A group still named `w<pid>` holds its first worker; a renamed one (`l…`) does not. Its
+/// count starts there: a group whose first worker was reaped while this fork copied its files
+/// (before it said `ready`) was renamed with no member, so the fork is its only one
+/// (SECURITY.md #294).
 pub fn fork_joined(groups: &MemoryGroups, pid: i32) -> io::Result<()> {
-    if lineages().group_of_fork.contains_key(&pid) {
+    let mut l = lineages();
+    if l.group_of_fork.contains_key(&pid) {
         return Ok(());
     }
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
@@ -158,22 +167,28 @@ pub fn fork_joined(groups: &MemoryGroups, pid: i32) -> io::Result<()> {
     }
     .ok_or_else(|| io::Error::other(format!("{} is not a session's group", path.display())))?
     .to_string();
-    let mut l = lineages();
-    let members = l.members.entry(name.clone()).or_insert(1);
+    let first_lives = u64::from(name.starts_with('w'));
+    let members = l.members.entry(name.clone()).or_insert(first_lives);
     *members += 1;
     let limit = groups.limit_bytes.saturating_mul(*members);
     l.group_of_fork.insert(pid, name);
-    drop(l);
     std::fs::write(path.join("memory.limit_in_bytes"), limit.to_string())
 }
 
 /// Worker `pid` was reaped: its group loses a member, and is removed with its last one (a
-/// first worker whose forks live on leaves its group renamed, so that a new worker given its
-/// pid makes a group of its own). Returns the group's peak usage if the kernel's OOM killer
+/// first worker whose forks live on, or whose fork has not joined yet, leaves its group
+/// renamed, so that a new worker given its pid makes a group of its own). Returns the group's peak usage if the kernel's OOM killer
 /// acted in that group since the last look: off in the group (#275), it acts there only in a
 /// machine-wide OOM, and the worker is reported as over its memory limit.
 pub fn worker_gone(groups: &MemoryGroups, pid: i32) -> Option<u64> {
     let mut l = lineages();
+    let peak = member_gone(&mut l, groups, pid);
+    remove_groups_left_with_no_member(&mut l);
+    peak
+}
+
+/// [`worker_gone`] for the group of `pid`.
+fn member_gone(l: &mut Lineages, groups: &MemoryGroups, pid: i32) -> Option<u64> {
     let (name, first) = match l.group_of_fork.remove(&pid) {
         Some(name) => (name, false),
         None => (format!("w{pid}"), true),
@@ -185,6 +200,7 @@ pub fn worker_gone(groups: &MemoryGroups, pid: i32) -> Option<u64> {
     let peak = killed
         .then(|| read_u64(&dir.join("memory.max_usage_in_bytes")))
         .flatten();
+    let killed = killed.then_some(peak.unwrap_or(0));
     let left = match l.members.get_mut(&name) {
         Some(m) => {
             *m = m.saturating_sub(1);
@@ -195,41 +211,84 @@ pub fn worker_gone(groups: &MemoryGroups, pid: i32) -> Option<u64> {
     if left == 0 {
         l.members.remove(&name);
         l.oom_kills.remove(&name);
-        drop(l);
-        if !super::cgroup::remove_group_of_name(&groups.parent, &name) {
-            tracing::debug!(group = %dir.display(), "memory group not removed: it still has tasks");
+        if super::cgroup::remove_group_of_name(&groups.parent, &name) {
+            return killed;
         }
-        return killed.then_some(peak.unwrap_or(0));
+        // Still holding tasks: a fork that has not said `ready` yet (it joins as the only
+        // member: [`fork_joined`]), or children on their way out. Removed once empty.
+        tracing::debug!(group = %dir.display(), "memory group not removed: it still has tasks");
+        l.members.insert(name.clone(), 0);
+        l.unjoined.insert(name.clone(), dir.clone());
+    } else if let Err(e) = std::fs::write(
+        dir.join("memory.limit_in_bytes"),
+        groups.limit_bytes.saturating_mul(left).to_string(),
+    ) {
+        // EBUSY: the members left hold more than that right now; the group keeps its limit.
+        tracing::debug!(group = %dir.display(), error = %e, "memory group limit not lowered");
     }
     if let Some(k) = kills {
         l.oom_kills.insert(name.clone(), k);
     }
-    let limit = groups.limit_bytes.saturating_mul(left);
-    if let Err(e) = std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string()) {
-        // EBUSY: the members left hold more than that right now; the group keeps its limit.
-        tracing::debug!(group = %dir.display(), error = %e, "memory group limit not lowered");
-    }
     if first {
-        l.renamed += 1;
-        let new = format!("l{pid}.{}", l.renamed);
-        match std::fs::rename(&dir, groups.parent.join(&new)) {
-            Ok(()) => {
-                for g in l.group_of_fork.values_mut().filter(|g| **g == name) {
-                    *g = new.clone();
-                }
-                if let Some(m) = l.members.remove(&name) {
-                    l.members.insert(new.clone(), m);
-                }
-                if let Some(k) = l.oom_kills.remove(&name) {
-                    l.oom_kills.insert(new, k);
-                }
-            }
-            Err(e) => {
-                tracing::warn!(group = %dir.display(), error = %e, "memory group not renamed")
-            }
-        }
+        rename_group_of_gone_first_worker(l, groups, pid, name);
     }
-    killed.then_some(peak.unwrap_or(0))
+    killed
+}
+
+/// A first worker gone while its group still holds tasks leaves the group renamed (`l…`), so
+/// that a new worker given its pid makes a group of its own and a fork joining later does not
+/// count it ([`fork_joined`]). Its bookkeeping follows the new name.
+fn rename_group_of_gone_first_worker(
+    l: &mut Lineages,
+    groups: &MemoryGroups,
+    pid: i32,
+    name: String,
+) {
+    l.renamed += 1;
+    let new = format!("l{pid}.{}", l.renamed);
+    let new_dir = groups.parent.join(&new);
+    if let Err(e) = std::fs::rename(groups.parent.join(&name), &new_dir) {
+        tracing::warn!(group = %name, error = %e, "memory group not renamed");
+        return;
+    }
+    for g in l.group_of_fork.values_mut().filter(|g| **g == name) {
+        *g = new.clone();
+    }
+    if let Some(m) = l.members.remove(&name) {
+        l.members.insert(new.clone(), m);
+    }
+    if let Some(k) = l.oom_kills.remove(&name) {
+        l.oom_kills.insert(new.clone(), k);
+    }
+    if l.unjoined.remove(&name).is_some() {
+        l.unjoined.insert(new, new_dir);
+    }
+}
+
+/// Removes the groups left with no member, once they are empty (a fork that never became a
+/// session, killed before its `ready`, never joined its group), rather than at the next
+/// zygote's start; a group a fork joined meanwhile goes with its members instead.
+fn remove_groups_left_with_no_member(l: &mut Lineages) {
+    let Lineages {
+        members,
+        unjoined,
+        oom_kills,
+        ..
+    } = l;
+    unjoined.retain(|name, dir| {
+        if members.get(name).is_some_and(|m| *m > 0) {
+            return false;
+        }
+        let gone = match std::fs::remove_dir(dir) {
+            Ok(()) => true,
+            Err(e) => e.kind() == io::ErrorKind::NotFound,
+        };
+        if gone {
+            members.remove(name);
+            oom_kills.remove(name);
+        }
+        !gone
+    });
 }
 
 /// Removes the groups left by workers that are gone without a report (a zygote that died took
@@ -288,18 +347,22 @@ mod tests {
         );
     }
 
-    /// As root with a writable hierarchy: a group per worker, grown per fork, renamed when its
-    /// first worker goes before its fork, removed with its last member.
-    #[test]
-    fn a_lineage_group_grows_with_forks_and_goes_with_its_last_member() {
+    /// A test's groups beneath the server's parent, each session's room 64 MiB; `None` without
+    /// a writable v1 memory hierarchy (not root).
+    fn test_groups(tag: &str) -> Option<MemoryGroups> {
         let Some(parent) = memory_parent_for_workers() else {
             eprintln!("skipped: no writable v1 memory hierarchy");
-            return;
+            return None;
         };
-        let groups = MemoryGroups {
-            parent: parent.join(format!("unit-{}", std::process::id())),
+        Some(MemoryGroups {
+            parent: parent.join(format!("unit-{tag}-{}", std::process::id())),
             limit_bytes: 64 << 20,
-        };
+        })
+    }
+
+    /// A first worker (a child that joins its group) and its fork (a grandchild, in the same
+    /// group), both waiting to be killed; their pids and the group.
+    fn first_worker_and_its_fork(groups: &MemoryGroups) -> (i32, i32, PathBuf) {
         // SAFETY: the child only joins the group, forks once and waits to be killed.
         let first = match unsafe { libc::fork() } {
             0 => {
@@ -330,6 +393,90 @@ mod tests {
             .filter_map(|l| l.parse().ok())
             .find(|&p| p != first)
             .expect("the first worker's fork is in its group");
+        (first, fork, dir)
+    }
+
+    fn kill_and_reap(pid: i32) {
+        // SAFETY: signalling and reaping a process this test made.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0)
+        };
+    }
+
+    /// The group holding `pid`'s fork once `dir` was renamed, and waits for it to empty after
+    /// the fork is killed (re-parented to init, not to this test: killed here, reaped there).
+    fn renamed_group(groups: &MemoryGroups) -> PathBuf {
+        std::fs::read_dir(&groups.parent)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.join("cgroup.procs").exists())
+            .expect("the lineage's group, renamed")
+    }
+
+    fn kill_fork_and_wait_until_empty(fork: i32, group: &Path) {
+        // SAFETY: signalling a process this test made.
+        unsafe { libc::kill(fork, libc::SIGKILL) };
+        let held = || std::fs::read_to_string(group.join("cgroup.procs")).unwrap_or_default();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !held().trim().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// SECURITY.md #294: the first worker reaped while its fork copies its files, before the
+    /// fork is verified and joins: the fork is the group's one member, with one session's room
+    /// (the group once kept two, and stayed after the fork, counting a member it no longer had).
+    #[test]
+    fn a_fork_joining_after_its_first_worker_was_reaped_gets_one_sessions_room() {
+        let Some(groups) = test_groups("late") else {
+            return;
+        };
+        let (first, fork, dir) = first_worker_and_its_fork(&groups);
+        kill_and_reap(first);
+        assert_eq!(worker_gone(&groups, first), None);
+        assert!(
+            !dir.exists(),
+            "renamed: a new worker given its pid makes its own"
+        );
+        let renamed = renamed_group(&groups);
+        fork_joined(&groups, fork).unwrap();
+        assert_eq!(
+            read_u64(&renamed.join("memory.limit_in_bytes")),
+            Some(64 << 20)
+        );
+        kill_fork_and_wait_until_empty(fork, &renamed);
+        assert_eq!(worker_gone(&groups, fork), None);
+        assert!(!renamed.exists(), "removed with its only member");
+        std::fs::remove_dir(&groups.parent).unwrap();
+    }
+
+    /// The same, with a fork that dies before it is verified (never joins): its group goes
+    /// once it is empty, at the next worker reaped, not at the next zygote's start.
+    #[test]
+    fn a_group_left_by_a_fork_that_never_joined_is_removed_once_empty() {
+        let Some(groups) = test_groups("never") else {
+            return;
+        };
+        let (first, fork, _) = first_worker_and_its_fork(&groups);
+        kill_and_reap(first);
+        assert_eq!(worker_gone(&groups, first), None);
+        let renamed = renamed_group(&groups);
+        kill_fork_and_wait_until_empty(fork, &renamed);
+        assert_eq!(worker_gone(&groups, fork), None);
+        assert!(!renamed.exists(), "removed once empty");
+        std::fs::remove_dir(&groups.parent).unwrap();
+    }
+
+    /// As root with a writable hierarchy: a group per worker, grown per fork, renamed when its
+    /// first worker goes before its fork, removed with its last member.
+    #[test]
+    fn a_lineage_group_grows_with_forks_and_goes_with_its_last_member() {
+        let Some(groups) = test_groups("grow") else {
+            return;
+        };
+        let (first, fork, dir) = first_worker_and_its_fork(&groups);
         let control = std::fs::read_to_string(dir.join("memory.oom_control")).unwrap();
         assert_eq!(field(&control, "oom_kill_disable"), Some(1), "{control}");
         fork_joined(&groups, fork).unwrap();
@@ -337,34 +484,15 @@ mod tests {
             read_u64(&dir.join("memory.limit_in_bytes")),
             Some(128 << 20)
         );
-        let kill = |pid: i32| {
-            // SAFETY: signalling and reaping processes this test made.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0)
-            };
-        };
-        kill(first);
+        kill_and_reap(first);
         assert_eq!(worker_gone(&groups, first), None);
         assert!(!dir.exists(), "renamed while its fork lives");
-        let renamed = std::fs::read_dir(&groups.parent)
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| p.join("cgroup.procs").exists())
-            .expect("the lineage's group, renamed");
+        let renamed = renamed_group(&groups);
         assert_eq!(
             read_u64(&renamed.join("memory.limit_in_bytes")),
             Some(64 << 20)
         );
-        // The fork was re-parented to init, not to this test: killed here, reaped there; it
-        // leaves the group as it exits.
-        // SAFETY: as above.
-        unsafe { libc::kill(fork, libc::SIGKILL) };
-        let held = || std::fs::read_to_string(renamed.join("cgroup.procs")).unwrap_or_default();
-        while !held().trim().is_empty() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        kill_fork_and_wait_until_empty(fork, &renamed);
         assert_eq!(worker_gone(&groups, fork), None);
         assert!(!renamed.exists(), "removed with its last member");
         std::fs::remove_dir(&groups.parent).unwrap();
