@@ -796,6 +796,8 @@ struct Sizer {
     entries: u64,
     stop_at: u64,
     unreadable: Option<String>,
+    /// Count a regular file at its length where that is more than its blocks ([`copy_size`]).
+    by_length: bool,
 }
 
 /// Each inode counts at least this much, so empty files and directories use up the quota too.
@@ -804,9 +806,13 @@ pub const BYTES_PER_INODE: u64 = 4096;
 impl Visitor for Sizer {
     fn entry(&mut self, e: &Entry<'_>) -> Step {
         self.entries += 1;
+        let mut held = (e.stat.st_blocks as u64).saturating_mul(512);
+        if self.by_length && e.stat.st_mode & libc::S_IFMT == libc::S_IFREG {
+            held = held.max(e.stat.st_size as u64);
+        }
         self.bytes = self
             .bytes
-            .saturating_add((e.stat.st_blocks as u64).saturating_mul(512))
+            .saturating_add(held)
             .saturating_add(BYTES_PER_INODE);
         if self.bytes > self.stop_at {
             Step::Stop
@@ -823,11 +829,22 @@ impl Visitor for Sizer {
 
 /// Measures the tree beneath `dir`, stopping once past `stop_at` bytes.
 pub fn usage(dir: BorrowedFd<'_>, stop_at: u64) -> Usage {
+    measure(dir, stop_at, false)
+}
+
+/// What a copy of the tree beneath `dir` takes: [`usage`], each regular file counted at least
+/// at its length, since a copy writes a sparse file's holes as zeros (SECURITY.md #295).
+pub fn copy_size(dir: BorrowedFd<'_>, stop_at: u64) -> Usage {
+    measure(dir, stop_at, true)
+}
+
+fn measure(dir: BorrowedFd<'_>, stop_at: u64, by_length: bool) -> Usage {
     let mut s = Sizer {
         bytes: 0,
         entries: 0,
         stop_at,
         unreadable: None,
+        by_length,
     };
     if let Err(e) = walk(dir, &mut s) {
         return Usage::Unmeasurable(e.to_string());

@@ -341,6 +341,7 @@ impl SessionManager {
         let (from_name, own_tasks) = (from.to_string(), worker.own_tasks.clone());
         let parent_pid = p.pid;
         let group = self.pids_group();
+        let room = self.copy_room(&p.dir);
         let runtime = tokio::runtime::Handle::current();
         let (hello_ms, host_sock, grouping) = blocking_unless_cancelled(cancel, move || {
             read_byte(&host_sock, FORK_HELLO_TIMEOUT, "say it started")?;
@@ -355,6 +356,7 @@ impl SessionManager {
                 runtime.spawn_blocking(move || group.is_none_or(|g| g.move_in(pid)).then_some(pid))
             });
             line.check_parent(&from_name, parent_pid, own_tasks.as_ref(), &strays)?;
+            room.check()?;
             if given_up.load(Ordering::SeqCst) {
                 return Err("the fork was given up".to_string());
             }
@@ -503,31 +505,57 @@ impl SessionManager {
 
     /// Refuses a fork whose copy of `dir` would not fit the scratch quota or the disk.
     pub(super) async fn fork_fits_on_disk(&self, dir: &Path) -> Result<(), String> {
-        let quota = self.sandbox.scratch_quota_bytes();
-        let dir = dir.to_path_buf();
-        let used = tokio::task::spawn_blocking(move || {
-            let fd = host_fs::open_session_dir(&dir).map_err(|e| e.to_string())?;
-            match host_fs::usage(fd.as_fd(), quota) {
-                Usage::Measured { bytes, .. } => Ok(bytes),
-                Usage::Over { bytes, .. } => Err(format!(
-                    "the session's files take over {} MiB, past a session's quota of {} MiB",
+        let room = self.copy_room(dir);
+        tokio::task::spawn_blocking(move || room.check())
+            .await
+            .map_err(|e| e.to_string())?
+    }
+
+    /// What [`CopyRoom::check`] needs to measure a copy of `dir`.
+    fn copy_room(&self, dir: &Path) -> CopyRoom {
+        CopyRoom {
+            dir: dir.to_path_buf(),
+            quota: self.sandbox.scratch_quota_bytes(),
+            disk: self.root.clone(),
+            floor: self.settings.min_free_disk_bytes,
+        }
+    }
+}
+
+/// A parent's directory measured as a fork would copy it, against a session's quota and the
+/// free-disk floor: before the fork is ordered, and again once the parent is checked to run
+/// nothing of its own (a thread of it could have grown a sparse file in between: #295).
+struct CopyRoom {
+    dir: PathBuf,
+    quota: u64,
+    disk: PathBuf,
+    floor: u64,
+}
+
+impl CopyRoom {
+    fn check(&self) -> Result<(), String> {
+        let fd = host_fs::open_session_dir(&self.dir).map_err(|e| e.to_string())?;
+        let used = match host_fs::copy_size(fd.as_fd(), self.quota) {
+            Usage::Measured { bytes, .. } => bytes,
+            Usage::Over { bytes, .. } => {
+                return Err(format!(
+                    "a copy of the session's files takes over {} MiB (a sparse file is copied \
+                     at its length), past a session's quota of {} MiB",
                     bytes >> 20,
-                    quota >> 20
-                )),
-                Usage::Unmeasurable(why) => Err(format!("its files cannot be measured: {why}")),
+                    self.quota >> 20
+                ));
             }
-        })
-        .await
-        .map_err(|e| e.to_string())??;
-        let floor = self.settings.min_free_disk_bytes;
-        if let Some(free) = self.free_disk_bytes().await
-            && free < used.saturating_add(floor)
+            Usage::Unmeasurable(why) => return Err(format!("its files cannot be measured: {why}")),
+        };
+        if let Ok(st) = nix::sys::statvfs::statvfs(&self.disk)
+            && st.blocks_available().saturating_mul(st.fragment_size())
+                < used.saturating_add(self.floor)
         {
             return Err(format!(
                 "copying its files ({} MiB) would leave less than {} MiB free on the state \
                  directory's disk (IRONCELL_MIN_FREE_DISK)",
                 used >> 20,
-                floor >> 20
+                self.floor >> 20
             ));
         }
         Ok(())

@@ -304,6 +304,41 @@ def test_a_forks_files_are_reflinked_where_the_filesystem_can_and_count_against_
         b.close()
 
 
+SPARSE_FILES = """
+for i in range(4):
+    with open(f'sparse{i}', 'wb') as f:
+        f.seek((64 << 20) - 1)
+        f.write(b'x')
+sum(os.stat(f'sparse{i}').st_blocks * 512 for i in range(4))
+"""
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_295_sparse_files_are_measured_at_their_length_before_a_fork_copies_them(user):
+    # SECURITY.md #295: a fork copies a sparse file's holes as zeros (on a filesystem without
+    # reflinks), so 4 files of 64 MiB holding 4 KiB each, within a 128 MiB quota, became 256 MiB
+    # written by the fork before it was a session; each such file costs its parent 8 KiB of
+    # quota and becomes up to file_size_mib (256 MiB) in the copy. Now the fork is refused first.
+    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
+    assert "scratch_quota_mib = 1024" in policy
+    pfile = Path(shared_tmp_dir()) / "policy.toml"
+    pfile.write_text(policy.replace("scratch_quota_mib = 1024", "scratch_quota_mib = 128"))
+    pfile.chmod(0o644)
+    b = forking_sandbox(user, IRONCELL_POLICY=str(pfile))
+    try:
+        assert value(b.run(SPARSE_FILES, session="sparse")) < 1 << 20, "sparse: a few blocks each"
+        r = fork(b, "sparse", "sparse-kid", "sum(os.stat(f'sparse{i}').st_blocks * 512 for i in range(4))")
+        text = r["content"][0]["text"]
+        assert r["isError"] and "past a session's quota of 128 MiB" in text and "sparse" in text, r
+        assert glob.glob(f"{b.dir / 'state'}/**/sparse-kid-*", recursive=True) == []
+        # A parent whose files fit at their length still forks.
+        value(b.run("for i in range(3):\n    os.remove(f'sparse{i}')", session="sparse"))
+        kid = value(fork(b, "sparse", "sparse-kid2", "os.path.getsize('sparse3')")["structuredContent"])
+        assert kid == 64 << 20
+    finally:
+        b.close()
+
+
 def test_refusals_say_why(box):
     cases = [
         ({"session": "r1", "fork_from": "nosuch"}, "there is no session"),
