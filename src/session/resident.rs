@@ -903,10 +903,12 @@ mod tests {
     #[test]
     fn a_group_within_its_limit_by_its_whole_counters_is_not_read_share_by_share() {
         // Two processes sharing their pages copy-on-write (a parent and its fork), both asleep.
+        // Each says its pid in one write: `print` under PYTHONUNBUFFERED=1 writes the number and
+        // the newline apart, and the two lines could interleave.
         let mut parent = std::process::Command::new("python3")
             .args([
                 "-c",
-                "import os, sys, time\nblock = bytearray(32 << 20)\nfor i in range(0, len(block), 4096): block[i] = 1\nos.fork()\nprint(os.getpid(), flush=True)\ntime.sleep(60)",
+                "import os, sys, time\nblock = bytearray(32 << 20)\nfor i in range(0, len(block), 4096): block[i] = 1\nos.fork()\nos.write(1, b'%d\\n' % os.getpid())\ntime.sleep(60)",
             ])
             .stdout(std::process::Stdio::piped())
             .spawn()
