@@ -547,9 +547,8 @@ impl CopyRoom {
             }
             Usage::Unmeasurable(why) => return Err(format!("its files cannot be measured: {why}")),
         };
-        if let Ok(st) = nix::sys::statvfs::statvfs(&self.disk)
-            && st.blocks_available().saturating_mul(st.fragment_size())
-                < used.saturating_add(self.floor)
+        if let Some(free) = super::quota::free_bytes_on(&self.disk)
+            && free < used.saturating_add(self.floor)
         {
             return Err(format!(
                 "copying its files ({} MiB) would leave less than {} MiB free on the state \

@@ -387,13 +387,10 @@ impl SessionManager {
     /// async runtime: a state dir on a hung network file system must not stall it.
     pub(super) async fn free_disk_bytes(&self) -> Option<u64> {
         let root = self.root.clone();
-        tokio::task::spawn_blocking(move || {
-            let st = nix::sys::statvfs::statvfs(&root).ok()?;
-            Some(st.blocks_available() as u64 * st.fragment_size() as u64)
-        })
-        .await
-        .ok()
-        .flatten()
+        tokio::task::spawn_blocking(move || free_bytes_on(&root))
+            .await
+            .ok()
+            .flatten()
     }
 
     /// The free-disk guard, one look ([`guard_free_disk_periodically`] says how often), while
@@ -535,6 +532,12 @@ impl SessionManager {
         session.over_quota.send_modify(clear);
         removal
     }
+}
+
+/// The bytes free to an unprivileged writer on the filesystem holding `path` (blocking).
+pub(super) fn free_bytes_on(path: &std::path::Path) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(path).ok()?;
+    Some((st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64))
 }
 
 #[cfg(test)]
