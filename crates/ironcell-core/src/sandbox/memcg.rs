@@ -105,6 +105,9 @@ pub fn groups_at_limit(parent: &Path) -> Vec<AtLimit> {
     };
     entries
         .flatten()
+        // The parent also holds its own ~25 control files: `file_type` comes with the listing,
+        // where opening `<file>/memory.oom_control` cost a failed path walk each, every tick.
+        .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
         .filter_map(|entry| {
             let dir = entry.path();
             let control = std::fs::read_to_string(dir.join("memory.oom_control")).ok()?;
