@@ -67,6 +67,7 @@ pub mod cli;
 pub(crate) mod config;
 pub(crate) mod demo;
 pub(crate) mod doctor;
+pub(crate) mod dup_keys;
 pub(crate) mod epoll_gate;
 pub(crate) mod files;
 pub(crate) use ironcell_core::{frame, sandbox};

@@ -236,6 +236,9 @@ pub fn parse_line(line: &[u8]) -> Result<Option<ClientJsonRpcMessage>, Refusal> 
     if line.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
+    if let Some(dup) = crate::dup_keys::duplicate_key(line) {
+        return Err(refuse_duplicate(line, dup));
+    }
     // The common case first: a well-formed message straight from the line. What fails is parsed
     // again below, as a tree, to say what is wrong with it.
     if let Some(msg) = parse_as_tools_call(line) {
@@ -317,6 +320,37 @@ pub fn parse_line(line: &[u8]) -> Result<Option<ClientJsonRpcMessage>, Refusal> 
                 })
             }
         }
+    }
+}
+
+/// The answer to a message that names a key twice in one object (SECURITY.md #296): its id, when
+/// the id itself is not the repeated key.
+pub(crate) fn refuse_duplicate(line: &[u8], dup: crate::dup_keys::DuplicateKey) -> Refusal {
+    #[derive(serde::Deserialize)]
+    struct IdOnly {
+        id: Option<Value>,
+    }
+    let id = if dup.top_level && dup.key == "id" {
+        None
+    } else {
+        serde_json::from_slice::<IdOnly>(line)
+            .ok()
+            .and_then(|m| m.id)
+            .filter(|id| id.is_string() || id.is_i64() || id.is_u64())
+    };
+    let place = if dup.top_level {
+        "the message"
+    } else {
+        "an object in the message"
+    };
+    Refusal {
+        id: Some(id.unwrap_or(Value::Null)),
+        code: INVALID_REQUEST,
+        message: format!(
+            "Invalid Request: {place} names the key {:?} twice; parsers disagree on which one \
+             counts (a gateway could show one value while another runs), so send each key once",
+            dup.key
+        ),
     }
 }
 
@@ -422,6 +456,35 @@ mod tests {
             let r = refusal(line);
             assert_eq!((r.code, r.id), (PARSE_ERROR, Some(Value::Null)), "{line:?}");
         }
+    }
+
+    #[test]
+    fn a_message_naming_a_key_twice_is_refused_with_its_id_when_that_is_not_the_key() {
+        let call = |args: &str| {
+            format!(
+                r#"{{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{{"name":"run_python","arguments":{args}}}}}"#
+            )
+        };
+        let cases: [(String, Value); 4] = [
+            (call(r#"{"code":"print(1)","code":"print(2)"}"#), json!(4)),
+            (call(r#"{"code":"1","\u0063ode":"2"}"#), json!(4)),
+            (
+                r#"{"jsonrpc":"2.0","id":"a","method":"ping","method":"tools/call","params":{}}"#
+                    .into(),
+                json!("a"),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"id":2,"method":"ping"}"#.into(),
+                Value::Null,
+            ),
+        ];
+        for (line, id) in cases {
+            let r = refusal(line.as_bytes());
+            assert_eq!((r.code, r.id), (INVALID_REQUEST, Some(id)), "{line}");
+            assert!(r.message.contains("twice"), "{}", r.message);
+        }
+        // The same call with each key once runs.
+        assert!(parse_line(call(r#"{"code":"print(2)"}"#).as_bytes()).is_ok_and(|m| m.is_some()));
     }
 
     #[test]

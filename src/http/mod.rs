@@ -488,6 +488,12 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
     let deleting = req.method() == Method::DELETE;
     // POSTs count as in flight until answered: the drain waits for them.
     let in_flight = (req.method() == Method::POST).then(|| gate.drain.enter());
+    if req.method() == Method::POST {
+        req = match refuse_duplicate_keys(req, gate.max_body).await {
+            Ok(req) => req,
+            Err(refused) => return refused,
+        };
+    }
     if gate.drain.is_draining() {
         req = match drain::screen(req, gate.max_body).await {
             Ok(req) => req,
@@ -515,6 +521,36 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
         Some(_) => {}
     }
     response
+}
+
+/// The request unchanged, or a 400 if its JSON names a key twice in one object (SECURITY.md #296),
+/// as on stdio. The body is read whole here, within the cap rmcp then reads it within.
+async fn refuse_duplicate_keys(req: Request, max_body: usize) -> Result<Request, Response> {
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, max_body).await {
+        Ok(b) => b,
+        Err(_) => {
+            return Err((
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "Payload Too Large: request body exceeds {max_body} bytes (or was cut off)"
+                ),
+            )
+                .into_response());
+        }
+    };
+    if let Some(dup) = crate::dup_keys::duplicate_key(&bytes) {
+        let refusal = crate::stdio::refuse_duplicate(&bytes, dup);
+        return Err(json_response(
+            StatusCode::BAD_REQUEST,
+            &serde_json::json!({
+                "jsonrpc": "2.0",
+                "id": refusal.id,
+                "error": {"code": refusal.code, "message": refusal.message},
+            }),
+        ));
+    }
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
 }
 
 /// 404 for an `Mcp-Session-Id` this server does not hold (or that is another principal's: the

@@ -768,3 +768,29 @@ async def test_load_20_principals_by_10_sessions_lose_and_cross_nothing(servers)
         lines = srv.audit(name)
         assert len(lines) == 2 * SESSIONS and {e["principal"] for e in lines} == {name}
     print(f"{PRINCIPALS * SESSIONS * 2} runs of {PRINCIPALS} principals x {SESSIONS} sessions in {elapsed:.1f} s")
+
+
+def test_296_a_body_naming_a_key_twice_is_refused_and_nothing_runs(servers):
+    """JSON leaves a repeated key's meaning open: a gateway reading the first `code` would show one
+    program while the last ran. Over HTTP as on stdio the request is refused, whatever the depth."""
+    srv = tokens_server(servers, {"alice": "ta"})
+    one = json.dumps(modern_call("'first'", rid=3))
+    two = one.replace('"code": "\'first\'"', '"code": "\'first\'", "\\u0063ode": "\'second\'"')
+    assert two != one
+    h = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "MCP-Protocol-Version": MODERN,
+        "Mcp-Method": "tools/call",
+        "Mcp-Name": "run_python",
+        "Authorization": "Bearer ta",
+    }
+    resp = httpx.post(srv.url, content=two.encode(), headers=h, timeout=30)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()
+    assert err["id"] == 3 and err["error"]["code"] == -32600 and "twice" in err["error"]["message"], err
+    assert "alice" not in srv.principal_dirs() or not srv.audit("alice"), srv.audit("alice")
+    # The same request with each key once runs, and is audited.
+    got = answer(httpx.post(srv.url, content=one.encode(), headers=h, timeout=30), rid=3)
+    assert got["result"]["structuredContent"]["result"] == "'first'", got
+    assert [e for e in srv.audit("alice") if e.get("code_sha256")], srv.audit("alice")

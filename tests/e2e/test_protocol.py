@@ -228,6 +228,14 @@ MALFORMED = [
     (b'[{"jsonrpc": "2.0", "id": 8, "method": "tools/list"}]', -32600, None),
     (b"42", -32600, None),
     (b'{"jsonrpc": "2.0", "id": "p", "method": "tools/call", "params": "not an object"}', -32602, "p"),
+    # SECURITY.md #296: a key named twice (here `code`, once escaped) is refused, not last-wins.
+    (
+        b'{"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": {"name": "run_python", '
+        b'"arguments": {"code": "1", "\\u0063ode": "2"}}}',
+        -32600,
+        11,
+    ),
+    (b'{"jsonrpc": "2.0", "id": 12, "method": "ping", "method": "tools/call", "params": {}}', -32600, 12),
 ]
 
 
