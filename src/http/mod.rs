@@ -489,13 +489,7 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
     // POSTs count as in flight until answered: the drain waits for them.
     let in_flight = (req.method() == Method::POST).then(|| gate.drain.enter());
     if req.method() == Method::POST {
-        req = match refuse_duplicate_keys(req, gate.max_body).await {
-            Ok(req) => req,
-            Err(refused) => return refused,
-        };
-    }
-    if gate.drain.is_draining() {
-        req = match drain::screen(req, gate.max_body).await {
+        req = match screen_post(req, &gate).await {
             Ok(req) => req,
             Err(refused) => return refused,
         };
@@ -521,6 +515,15 @@ async fn authenticate(State(gate): State<Arc<Gate>>, mut req: Request, next: Nex
         Some(_) => {}
     }
     response
+}
+
+/// A POST unchanged, or its refusal: a key named twice, or new work while draining.
+async fn screen_post(req: Request, gate: &Gate) -> Result<Request, Response> {
+    let req = refuse_duplicate_keys(req, gate.max_body).await?;
+    if gate.drain.is_draining() {
+        return drain::screen(req, gate.max_body).await;
+    }
+    Ok(req)
 }
 
 /// The request unchanged, or a 400 if its JSON names a key twice in one object (SECURITY.md #296),
