@@ -137,6 +137,40 @@ def test_a_first_plot_takes_its_copy_on_write_faults_ahead(box):
     assert box.run(PAGES_AHEAD, session=unmarked["session"])["result"] == "[True, 0]"
 
 
+def mappings_of(pid: int, name: str) -> list[list[str]]:
+    """The `/proc/<pid>/maps` lines (split) of the file whose name starts with `name`, in order."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [ln.split() for ln in f if len(ln.split()) > 5 and os.path.basename(ln.split()[5]).startswith(name)]
+
+
+# The worker changes the protection of one page of its own, under its sandbox: writable, then
+# back to read-only.
+OWN_MPROTECT = (
+    "import ctypes\n"
+    "_mp = ctypes.CDLL(None, use_errno=True).mprotect\n"
+    "_mp.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+    "(_mp({addr}, 4096, 3), _mp({addr}, 4096, 1))"
+)
+
+
+def test_303_a_workers_libraries_come_with_their_relro_and_data_in_one_mapping(box):
+    """The zygote makes each library's RELRO writable again before it forks, so it joins the
+    library's data mapping (fewer mappings for every fork to copy; SECURITY.md #303): libc
+    (loaded at start) and matplotlib's `_path` and libpng (loaded by the plot warm-up) each come
+    as headers, code, read-only data and one writable mapping. A writable RELRO is the worker's
+    own memory, whose protection it could always change itself: under its sandbox it makes a
+    page of libc's read-only data writable and back."""
+    wait_for_shared_font_cache(box)
+    rec = first_cell(box, "import os\nos.getpid()")
+    pid = int(rec["result"])
+    libc, path_ext, png = (mappings_of(pid, n) for n in ("libc.so", "_path.cpython", "libpng"))
+    for maps in (libc, path_ext, png):
+        assert [m[1] for m in maps] == ["r--p", "r-xp", "r--p", "rw-p"], (libc, path_ext, png)
+    read_only = int(libc[2][0].split("-")[0], 16)
+    own = box.run(OWN_MPROTECT.format(addr=read_only), session=rec["session"])
+    assert own["status"] == "ok" and own["result"] == "(0, 0)", own
+
+
 def pool_info(box: Sandboxed) -> dict:
     return box.srv.info()["spare_workers"]
 

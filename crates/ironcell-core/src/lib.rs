@@ -5,7 +5,8 @@
 //! - [`frame`]: host ↔ worker framing and messages on a session socket; [`bridge`]: what a
 //!   worker's `mcp` module may ask the host in a `request` frame, and how the host says no.
 //! - [`arenas`] and [`hugepages`]: the zygote's heap laid out so a fork copies fewer page-table
-//!   entries; [`prefault`]: a worker's first plot takes its copy-on-write faults ahead, in bulk.
+//!   entries; [`library_maps`]: its libraries in fewer mappings for a fork to duplicate;
+//!   [`prefault`]: a worker's first plot takes its copy-on-write faults ahead, in bulk.
 //! - [`sandbox`]: policy files, Landlock, seccomp, rlimits, the private `/tmp`, and the lockdown
 //!   order. The host plans; the worker applies.
 //!
@@ -17,6 +18,7 @@ pub mod bridge;
 pub mod control;
 pub mod frame;
 pub mod hugepages;
+pub mod library_maps;
 pub mod prefault;
 // The sandbox module documents its unsafe blocks its own way (its lints are set there).
 #[allow(

@@ -325,6 +325,8 @@ fn finish_warm_up(py: Python<'_>) {
     }
     fill_pymalloc_holes(py);
     fill_malloc_holes();
+    // The libraries imported so far (the plot warm-up merges the ones it loads).
+    merge_library_mappings();
     // No huge-page collapse here: it took ~120 ms; the heap is collapsed after the matplotlib
     // warm-up.
     tracing::debug!(
@@ -479,6 +481,7 @@ fn warm_plots_between_forks(py: Python<'_>, font_cache_dir: &std::path::Path) ->
             tracing::debug!(error = %e, "huge pages stay on in the zygote");
         }
         reserve_malloc_heap(PLOT_HEAP_RESERVE);
+        merge_library_mappings();
         // Last: the probe must see the heap as the workers will inherit it.
         let probe_started = std::time::Instant::now();
         let probe = probe_plot_pages(py);
@@ -534,6 +537,19 @@ fn quiet_fork_hooks(runner: &Bound<'_, PyAny>) {
         Ok(done) => tracing::debug!(threads, %done, "after-fork hooks"),
         Err(e) => tracing::warn!(error = %e, "could not set up the after-fork hooks"),
     }
+}
+
+/// Joins each library's RELRO to its data mapping (`library_maps`): fewer mappings for every
+/// later fork to duplicate. Logs what it did.
+fn merge_library_mappings() {
+    let done = ironcell_core::library_maps::merge_library_mappings();
+    tracing::debug!(
+        before = done.before,
+        after = done.after,
+        ranges = done.ranges,
+        refused = ?done.refused,
+        "library mappings merged"
+    );
 }
 
 /// Logs what [`ironcell_core::hugepages::collapse_anonymous_memory`] did.
