@@ -137,8 +137,13 @@ pub(super) fn escaped_processes_left(
                 .collect::<Vec<_>>()
         })
         .filter(|&child| !is_worker(child))
-        .filter_map(stat)
-        .any(|(state, group, session)| session == first && state != b'Z' && !is_worker(group))
+        .filter_map(|child| Some((child, stat(child)?)))
+        .any(|(child, (state, group, session))| {
+            // A `Z` whose other threads run is a process that runs (SECURITY.md #299).
+            session == first
+                && !is_worker(group)
+                && (state != b'Z' || !crate::session::has_ended(child))
+        })
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::resident::{descendants_to_depth, session_children, stat_fields};
+use super::resident::{descendants_to_depth, has_ended, session_children, stat_fields};
 use crate::zygote::{WorkerProcess, Zygote};
 
 /// A worker's threads as the host saw them: (thread id, start time in clock ticks since boot),
@@ -67,8 +67,10 @@ fn name_of(path: &str) -> String {
     if name.is_empty() { "?".into() } else { name }
 }
 
+/// Whether `pid` runs: not gone, and not a zombie, whose `Z` a process whose main thread ended
+/// shows too while its other threads run on with the parent's domain (SECURITY.md #299).
 fn alive(pid: i32) -> bool {
-    stat_fields(pid).is_some_and(|f| f.first().is_some_and(|s| s != "Z"))
+    !has_ended(pid)
 }
 
 /// What one fork's checks need to know of its line.

@@ -44,6 +44,7 @@ mod pool;
 mod pool_dirs;
 mod quota;
 mod resident;
+pub(crate) use resident::has_ended;
 mod spawn;
 mod warm;
 use cell::Cell;

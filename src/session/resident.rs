@@ -138,6 +138,43 @@ fn state_of(pid: i32) -> Option<char> {
     stat_fields(pid)?.first()?.chars().next()
 }
 
+/// Whether process `pid` has ended: it is gone, or a zombie waiting to be reaped. Its `stat`
+/// shows its main thread's state, and a process whose main thread ended (the raw `exit` call
+/// ends one thread) while others run shows `Z` as well, and runs on: it has ended only when no
+/// thread of it shows another state (SECURITY.md #299: such a child of a session kept the
+/// parent's pre-fork domain beside a fork, escaped the kill of a run's children and the sweep
+/// of orphans, and outlived the server).
+pub(crate) fn has_ended(pid: i32) -> bool {
+    match state_of(pid) {
+        None => true,
+        Some('Z' | 'X') => !a_thread_runs(pid),
+        Some(_) => false,
+    }
+}
+
+/// Whether a thread of process `pid` is neither a zombie nor dead (`/proc/<pid>/task/*/stat`,
+/// read past each thread's name, which the process chooses).
+fn a_thread_runs(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .take(MAX_DESCENDANTS)
+        .any(|task| {
+            let Ok(stat) = std::fs::read(task.path().join("stat")) else {
+                return false;
+            };
+            let Some(end) = stat.iter().rposition(|&b| b == b')') else {
+                return false;
+            };
+            stat[end + 1..]
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|&s| s != b'Z' && s != b'X')
+        })
+}
+
 /// Every live descendant of process `pid` (its children, theirs, ...), found through each
 /// task's `/proc/<pid>/task/<tid>/children`.
 pub(crate) fn descendants(pid: i32) -> Vec<i32> {
@@ -181,7 +218,7 @@ pub(crate) fn kill_children_of(pid: i32, zygote: i32) -> tokio::task::JoinHandle
             // A killed child stays a zombie until its parent reaps it: not one to wait for.
             let children: Vec<i32> = session_children(pid, zygote)
                 .into_iter()
-                .filter(|&c| state_of(c).is_some_and(|s| s != 'Z'))
+                .filter(|&c| !has_ended(c))
                 .collect();
             if children.is_empty() {
                 return;
@@ -238,7 +275,7 @@ fn sweep_zygote_children(zygote: &crate::zygote::Zygote) -> Vec<(i32, Option<i32
             || session == zygote_session
             || session == Some(child)
             || session.is_some_and(|s| forking.contains(&s))
-            || fields.first().is_some_and(|s| s == "Z");
+            || (fields.first().is_some_and(|s| s == "Z") && has_ended(child));
         if !spared {
             tracing::warn!(
                 pid = child,
@@ -339,10 +376,17 @@ fn read_from_start(file: &std::fs::File) -> Option<Vec<u8>> {
 /// its siblings count once among them), and its page tables. Readable for a dumpable process
 /// (a worker's children and forks make themselves so), and for a worker through the
 /// descriptor it handed over ([`rollup_of`]). Where neither works, the full `RssAnon` counts.
+///
+/// A child whose main thread ended while its other threads live shows no counters in its own
+/// `status`, nor a `smaps_rollup` (the leader let go of the memory map): it counts whole, read
+/// through the first of its threads that shows them, as a worker is ([`held_by`]; SECURITY.md
+/// #298: four such children held 758 MiB under a 256 MiB limit, unseen).
 fn child_holds(pid: i32) -> Option<(u64, u64)> {
     let status = std::fs::read(format!("/proc/{pid}/status")).ok()?;
     let threads = threads_in(&status).unwrap_or(0);
-    let full = anonymous_bytes_in(&status)?;
+    let Some(full) = anonymous_bytes_in(&status) else {
+        return held_by(pid);
+    };
     let Some(rollup) = rollup_of(pid) else {
         return Some((full, threads));
     };
@@ -534,13 +578,11 @@ fn group_bound(pid: i32, children: &[i32]) -> Option<(u64, u64)> {
         if runs_in_the_memory_of(pid, child) {
             continue;
         }
-        let Ok(status) = std::fs::read(format!("/proc/{child}/status")) else {
-            continue;
-        };
-        // Counted where [`child_holds`] counts it: a process that shows its counters.
-        if let Some(b) = anonymous_bytes_in(&status) {
+        // Counted where [`child_holds`] counts it: a process that shows its counters, in its
+        // own `status` or in a thread's (its main thread ended: #298).
+        if let Some((b, t)) = held_by(child) {
             bytes = bytes.saturating_add(b);
-            threads = threads.saturating_add(threads_in(&status).unwrap_or(0));
+            threads = threads.saturating_add(t);
         }
     }
     Some((bytes, threads))
@@ -982,10 +1024,79 @@ mod tests {
         }
         assert!(leader_gone(), "the child's main thread did not exit");
         let held = anonymous_bytes(pid);
+        // Its `Z` is its main thread's: it runs on (SECURITY.md #299).
+        let ended_while_leaderless = has_ended(pid);
         let _ = child.kill();
-        let _ = child.wait();
+        // Killed and not reaped: a zombie, ended.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !has_ended(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let ended_once_killed = has_ended(pid);
+        let reaped = child.wait();
         let held = held.unwrap_or(0);
         assert!(held >= 64 << 20, "{held}");
+        assert!(!ended_while_leaderless && ended_once_killed && reaped.is_ok());
+        assert!(has_ended(pid) && has_ended(i32::MAX));
+    }
+
+    #[test]
+    fn a_child_whose_main_thread_exited_counts_with_its_worker() {
+        // A process (the worker) forks a child whose main thread ends with the raw exit call,
+        // leaving a thread that holds 64 MiB: the child's own status shows no counters, and it
+        // was counted as holding nothing (SECURITY.md #298).
+        let script = "import ctypes, os, threading, time\n\
+                      r, w = os.pipe()\n\
+                      if os.fork() == 0:\n\
+                      \x20   keep = bytearray(64 << 20)\n\
+                      \x20   for i in range(0, len(keep), 4096): keep[i] = 1\n\
+                      \x20   threading.Thread(target=time.sleep, args=(30,)).start()\n\
+                      \x20   os.write(w, b'%d\\n' % os.getpid())\n\
+                      \x20   ctypes.CDLL(None).syscall(60, 0)\n\
+                      os.write(1, os.read(r, 64))\n\
+                      time.sleep(30)\n";
+        let Ok(mut worker) = std::process::Command::new("python3")
+            .args(["-c", script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+        else {
+            eprintln!("skipped: no python3");
+            return;
+        };
+        let mut lines =
+            std::io::BufRead::lines(std::io::BufReader::new(worker.stdout.take().unwrap()));
+        let child: i32 = lines.next().unwrap().unwrap().trim().parse().unwrap();
+        let pid = worker.id() as i32;
+        let leader_gone = || {
+            std::fs::read_to_string(format!("/proc/{child}/status")).is_ok_and(|s| {
+                s.contains("State:\tZ") && anonymous_bytes_in(s.as_bytes()).is_none()
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !leader_gone() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let gone = leader_gone();
+        let holds = group_holds(pid, false, &[child], None);
+        let bound = group_bound(pid, &[child]);
+        let kid = child_holds(child);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = worker.kill();
+        let _ = worker.wait();
+        assert!(gone, "the child's main thread did not exit");
+        let (own, _) = held_by(pid).unwrap_or((0, 0));
+        assert!(kid.is_some_and(|(b, t)| b >= 64 << 20 && t == 2), "{kid:?}");
+        for (what, got) in [("shares", holds), ("counters", bound)] {
+            let (bytes, threads) = got.unwrap();
+            assert!(
+                bytes >= 64 << 20,
+                "{what}: {bytes} ({own} the worker's own)"
+            );
+            assert!(threads >= 3, "{what}: {threads} threads");
+        }
     }
 
     #[test]

@@ -263,6 +263,24 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def a_thread_runs(pid: int) -> bool:
+    """Whether a thread of process `pid` is neither a zombie nor dead. `pid_alive` reads the main
+    thread's state: a process whose main thread ended (the raw `exit` call ends one thread)
+    shows `Z` while its other threads run on (docs/SECURITY.md #299)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return False
+
+
 def wait_until(pred, timeout: float = 5.0, step: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

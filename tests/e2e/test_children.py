@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive, wait_until
+from conftest import a_thread_runs, pid_alive, wait_until
 from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 
@@ -195,6 +195,63 @@ def test_children_count_against_the_session_memory_limit(box):
         f"import multiprocessing as mp\nbig = bytearray({limit // 3}); big[::4096] = b'y' * len(big[::4096])\n"
         "with mp.Pool(2) as p:\n    r = p.map(len, [big[:10]] * 8)\nsum(r)", session="honest", timeout_s=60))
     assert got == 80
+
+
+# A child whose main thread ends with the raw exit call (SYS_exit ends one thread) while a thread
+# of it runs on: its /proc/<pid>/status shows no memory counters and its stat the leader's `Z`.
+LEADERLESS_CHILD = (
+    "import ctypes, threading, time\n"
+    "def leaderless_child(w, hold_bytes=0):\n"
+    "    def hold():\n"
+    "        os.write(w, b'%d\\n' % os.getpid())\n"
+    "        time.sleep(0.5)  # the main thread ends meanwhile\n"
+    "        a = bytearray(hold_bytes); a[::4096] = b'x' * len(a[::4096])\n"
+    "        time.sleep(120); os._exit(0)\n"
+    "    threading.Thread(target=hold).start()\n"
+    "    ctypes.CDLL(None).syscall(60, 0)\n"
+)
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_298_children_whose_main_thread_exited_count_against_the_session_memory_limit(user):
+    # Four such children holding 180 MiB each under a 256 MiB limit: the watch read none of them
+    # (720 MiB held, the cell "ok" as `nobody`; as root the memory group's limit ended it).
+    b = forking_sandbox(user, MCP_BRIDGE_MEMORY_LIMIT="256m")
+    try:
+        rec = b.run(LEADERLESS_CHILD + "r, w = os.pipe()\n"
+                    "for _ in range(4):\n"
+                    "    if os.fork() == 0:\n        leaderless_child(w, 180 << 20)\n"
+                    "said = b''\nwhile said.count(b'\\n') < 4:\n    said += os.read(r, 64)\n"
+                    "open('kids', 'wb').write(said)\n"
+                    "time.sleep(20)", session="leaderless", timeout_s=60)
+        assert rec["status"] == "crashed" and "killed for holding" in rec["error"]["message"], rec
+        kids = [int(k) for k in value(b.run("open('kids').read()", session="leaderless")).split()]
+        assert len(kids) == 4, kids
+        assert wait_until(lambda: not any(a_thread_runs(k) for k in kids), timeout=10), kids
+    finally:
+        b.close()
+
+
+def test_299_a_child_whose_main_thread_exited_dies_with_the_run_and_once_orphaned(box):
+    # Its stat shows the leader's `Z`, which the host took for a zombie: the kill of a timed-out
+    # run's children skipped it, and the sweep of orphans that left their worker's group spared it
+    # (it outlived the server, holding its memory).
+    rec = box.run(LEADERLESS_CHILD + "r, w = os.pipe()\n"
+                  "if os.fork() == 0:\n    leaderless_child(w)\n"
+                  "print(int(os.read(r, 16)), flush=True)\ntime.sleep(60)", session="leaderless-run", timeout_s=3)
+    assert rec["status"] == "timeout", rec
+    kid = int(rec["stdout"].split()[0])
+    assert wait_until(lambda: not a_thread_runs(kid), timeout=10), kid
+    # Forked from a thread (no parent-death signal), in a group of its own, orphaned.
+    orphan = value(box.run(
+        LEADERLESS_CHILD + "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    def t():\n"
+        "        if os.fork() == 0:\n            os.setpgid(0, 0); leaderless_child(w)\n"
+        "    th = threading.Thread(target=t); th.start(); th.join(); time.sleep(0.5); os._exit(0)\n"
+        "pid = int(os.read(r, 16)); os.wait(); pid", session="leaderless-escape"))
+    assert wait_until(lambda: not a_thread_runs(orphan), timeout=10), orphan
+    assert value(box.run("'still here'", session="leaderless-escape")) == "still here"
 
 
 def test_dev_shm_is_the_sessions_own(box):
