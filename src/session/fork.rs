@@ -247,7 +247,8 @@ impl SessionManager {
             lineage: lock(&parent.lineage).clone(),
             packages_view: worker.packages_view.clone(),
         };
-        self.fork_fits_on_disk(&p.dir)
+        let copy_limit = self
+            .fork_fits_on_disk(&p.dir)
             .await
             .map_err(RunRefusal::Fork)?;
         let checked_ms = started_at.elapsed().as_secs_f64() * 1000.0;
@@ -270,6 +271,7 @@ impl SessionManager {
             child_dir: child_dir.clone(),
             child_forks: child_forks.clone(),
             env: spawn::session_environment(to, &child_dir),
+            copy_limit_bytes: Some(copy_limit),
         });
         let body = frame::json_body(&order)
             .map_err(|e| RunRefusal::Fork(format!("encoding the fork order: {e}")))?;
@@ -503,8 +505,9 @@ impl SessionManager {
         Some(PidsGroup { parent, max })
     }
 
-    /// Refuses a fork whose copy of `dir` would not fit the scratch quota or the disk.
-    pub(super) async fn fork_fits_on_disk(&self, dir: &Path) -> Result<(), String> {
+    /// Refuses a fork whose copy of `dir` would not fit the scratch quota or the disk; else the
+    /// room it fits in ([`CopyRoom::check`]).
+    pub(super) async fn fork_fits_on_disk(&self, dir: &Path) -> Result<u64, String> {
         let room = self.copy_room(dir);
         tokio::task::spawn_blocking(move || room.check())
             .await
@@ -533,7 +536,9 @@ struct CopyRoom {
 }
 
 impl CopyRoom {
-    fn check(&self) -> Result<(), String> {
+    /// The room the copy fits in (the quota, and the disk above its floor): the fork copies no
+    /// more, as the parent's files can still grow while it copies (SECURITY.md #300).
+    fn check(&self) -> Result<u64, String> {
         let fd = host_fs::open_session_dir(&self.dir).map_err(|e| e.to_string())?;
         let used = match host_fs::copy_size(fd.as_fd(), self.quota) {
             Usage::Measured { bytes, .. } => bytes,
@@ -547,9 +552,8 @@ impl CopyRoom {
             }
             Usage::Unmeasurable(why) => return Err(format!("its files cannot be measured: {why}")),
         };
-        if let Some(free) = super::quota::free_bytes_on(&self.disk)
-            && free < used.saturating_add(self.floor)
-        {
+        let free = super::quota::free_bytes_on(&self.disk);
+        if free.is_some_and(|free| free < used.saturating_add(self.floor)) {
             return Err(format!(
                 "copying its files ({} MiB) would leave less than {} MiB free on the state \
                  directory's disk (IRONCELL_MIN_FREE_DISK)",
@@ -557,7 +561,9 @@ impl CopyRoom {
                 self.floor >> 20
             ));
         }
-        Ok(())
+        Ok(free.map_or(self.quota, |free| {
+            self.quota.min(free.saturating_sub(self.floor))
+        }))
     }
 }
 

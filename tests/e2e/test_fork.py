@@ -339,6 +339,67 @@ def test_295_sparse_files_are_measured_at_their_length_before_a_fork_copies_them
         b.close()
 
 
+# The parent's files, grown from a signal handler of its own once the fork's copy has begun:
+# 300 files of 4 KiB whose atime the copy's reads move (relatime), and four 4 KiB files the handler
+# then ftruncates to 60 MiB each (free). The handler is a ctypes callback on SIGALRM, which runs
+# while the worker idles between cells; its timer is armed by an after-fork hook, once the fork is
+# made, and polls every 2 ms.
+GROW_WHILE_COPIED = r'''
+import ctypes, signal
+libc = ctypes.CDLL(None, use_errno=True)
+for i in range(300):
+    with open(f'small{i:03}', 'wb') as f:
+        f.write(b's' * 4096)
+BIG = [os.open(f'big{i}', os.O_WRONLY | os.O_CREAT, 0o600) for i in range(4)]
+for fd in BIG:
+    os.write(fd, b'b' * 4096)
+NAMES = [f'small{i:03}' for i in range(300)]
+BEFORE = {n: os.stat(n).st_atime_ns for n in NAMES}
+GROWN = []
+def tick(_signal):
+    if GROWN:
+        return
+    if any(os.stat(n).st_atime_ns != BEFORE[n] for n in NAMES):
+        for fd in BIG:
+            os.ftruncate(fd, 60 << 20)
+        GROWN.append(True)
+HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)(tick)
+libc.signal.restype = ctypes.c_void_p
+libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.signal(signal.SIGALRM, ctypes.cast(HANDLER, ctypes.c_void_p).value)
+os.register_at_fork(after_in_parent=lambda: signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002))
+len(NAMES)
+'''
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_300_files_the_parent_grows_while_the_fork_copies_them_stop_the_copy_at_its_room(user):
+    # SECURITY.md #300: #295 measures the parent's files twice, the second time once the parent
+    # runs nothing of its own; but a signal handler of its code runs while it idles, after both.
+    # Four files grown to 60 MiB once the copy had begun: 242 MiB copied under a 64 MiB quota.
+    # Now the fork copies no more than the room it was checked against, and fails past it.
+    policy = (Path(__file__).parents[2] / "sandbox-policy" / "default.toml").read_text()
+    assert "scratch_quota_mib = 1024" in policy
+    pfile = Path(shared_tmp_dir()) / "policy.toml"
+    pfile.write_text(policy.replace("scratch_quota_mib = 1024", "scratch_quota_mib = 64"))
+    pfile.chmod(0o644)
+    b = forking_sandbox(user, IRONCELL_POLICY=str(pfile))
+    try:
+        assert value(b.run(GROW_WHILE_COPIED, session="racer")) == 300
+        r = fork(b, "racer", "racer-kid", "sum(os.path.getsize(f'big{i}') for i in range(4))")
+        grown = value(b.run("signal.setitimer(signal.ITIMER_REAL, 0)\n(bool(GROWN), os.fstat(BIG[0]).st_size >> 20)",
+                            session="racer"))
+        assert grown == (True, 60), "the copy began and the handler grew the parent's files"
+        if r["isError"]:
+            text = r["content"][0]["text"]
+            assert "grew past the 64 MiB" in text and "the fork is refused" in text, r
+            assert glob.glob(f"{b.dir / 'state'}/**/racer-kid-*", recursive=True) == []
+        else:  # every big file copied before the handler grew it: the copy is what was measured
+            assert value(r["structuredContent"]) == 4 * 4096, r
+    finally:
+        b.close()
+
+
 def test_refusals_say_why(box):
     cases = [
         ({"session": "r1", "fork_from": "nosuch"}, "there is no session"),

@@ -90,6 +90,12 @@ pub struct ForkOrder {
     pub child_forks: std::path::PathBuf,
     /// Variables that name the new session (`HOME`, `TMPDIR`, `PWD`, `IRONCELL_SESSION`).
     pub env: Vec<(String, String)>,
+    /// The most bytes the fork may copy: the room the host checked the parent's files against
+    /// (a session's scratch quota, and the disk above its free-space floor). The parent can
+    /// still grow a file while the copy runs (a signal handler of its own, SECURITY.md #300):
+    /// the copy stops there and the fork fails. `None`: no limit.
+    #[serde(default)]
+    pub copy_limit_bytes: Option<u64>,
 }
 
 /// What a pre-forked spare learns when the host hands it to a session: the host has renamed
@@ -681,6 +687,7 @@ mod tests {
             child_dir: "/s/@forks-1/b-1".into(),
             child_forks: "/s/@forks-1/@forks-1".into(),
             env: vec![("HOME".into(), "/s/@forks-1/b-1".into())],
+            copy_limit_bytes: Some(1 << 30),
         });
         let json = serde_json::to_string(&order).unwrap();
         assert!(json.starts_with(r#"{"op":"fork","#), "{json}");

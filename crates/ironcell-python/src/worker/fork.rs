@@ -393,11 +393,11 @@ fn become_the_fork(
     }
     let mut copied = HashMap::new();
     let mut notes = Vec::new();
+    let mut budget = CopyBudget::of(order.copy_limit_bytes);
     copy_tree(
         &order.parent_dir,
         &order.child_dir,
-        &mut copied,
-        &mut notes,
+        (&mut copied, &mut notes, &mut budget),
         0,
     )
     .context("copying the session's files")?;
@@ -630,6 +630,46 @@ fn dup_onto(from: RawFd, to: RawFd) -> anyhow::Result<()> {
 /// Deepest directory nesting copied (the quota's walk bounds it too).
 const MAX_DEPTH: usize = 64;
 
+/// What is left of the bytes the host let the copy write (`ForkOrder::copy_limit_bytes`): the
+/// room it measured the parent's files against, before the order and again before the
+/// go-ahead. The parent, narrowed to its own directory, can still grow its files while the copy
+/// runs: `ftruncate` is free, and a signal handler of its code runs while it idles (SECURITY.md
+/// #300: four 4 KiB files grown to 60 MiB each once the copy had begun, 242 MiB copied under a
+/// 64 MiB quota). The copy stops past the room and the fork fails, as one refused up front.
+struct CopyBudget {
+    left: u64,
+    limit: u64,
+}
+
+impl CopyBudget {
+    fn of(limit: Option<u64>) -> CopyBudget {
+        let limit = limit.unwrap_or(u64::MAX);
+        CopyBudget { left: limit, limit }
+    }
+
+    /// How many bytes to ask one copy call for: one past what is left, so a file grown past
+    /// the room is seen (at most a GiB at a time).
+    fn ask(&self) -> usize {
+        self.left.saturating_add(1).min(1 << 30) as usize
+    }
+
+    /// Counts `n` bytes copied; an error once they pass the room.
+    fn take(&mut self, n: usize, src: &Path) -> anyhow::Result<()> {
+        match self.left.checked_sub(n as u64) {
+            Some(left) => {
+                self.left = left;
+                Ok(())
+            }
+            None => Err(anyhow!(
+                "the parent's files grew past the {} MiB they were measured to fit in while \
+                 the fork copied them ({} among them): the fork is refused",
+                self.limit >> 20,
+                src.display()
+            )),
+        }
+    }
+}
+
 /// Copies the tree `from` into the existing directory `to`: directories, regular files (their
 /// bytes, mode bits 0o777) and symlinks (as links), never following one; the host's own
 /// `.ironcell` folder (run spills) stays behind. Records each copied file's (device, inode) →
@@ -637,8 +677,11 @@ const MAX_DEPTH: usize = 64;
 fn copy_tree(
     from: &Path,
     to: &Path,
-    copied: &mut HashMap<(u64, u64), PathBuf>,
-    notes: &mut Vec<String>,
+    (copied, notes, budget): (
+        &mut HashMap<(u64, u64), PathBuf>,
+        &mut Vec<String>,
+        &mut CopyBudget,
+    ),
     depth: usize,
 ) -> anyhow::Result<()> {
     if depth > MAX_DEPTH {
@@ -676,10 +719,15 @@ fn copy_tree(
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {
                 nix::unistd::mkdir(&dst, Mode::from_bits_truncate(0o700))?;
-                copy_tree(&src, &dst, copied, notes, depth + 1)?;
+                copy_tree(
+                    &src,
+                    &dst,
+                    (&mut *copied, &mut *notes, &mut *budget),
+                    depth + 1,
+                )?;
             }
             libc::S_IFREG => {
-                copy_file(&src, &dst, st.st_mode & 0o777)?;
+                copy_file(&src, &dst, st.st_mode & 0o777, budget)?;
                 copied.insert((st.st_dev, st.st_ino), dst);
             }
             libc::S_IFLNK => {
@@ -696,8 +744,8 @@ fn copy_tree(
 /// Copies one file: `copy_file_range`, which the kernel answers with a reflink where the
 /// filesystem can (it tries `remap_file_range` first: XFS, btrfs, bcachefs, NFS 4.2) and an
 /// in-kernel copy elsewhere; reads and writes where it refuses (across filesystems on older
-/// kernels, or a filesystem without it).
-fn copy_file(src: &Path, dst: &Path, mode: u32) -> anyhow::Result<()> {
+/// kernels, or a filesystem without it). Never more than `budget` leaves.
+fn copy_file(src: &Path, dst: &Path, mode: u32, budget: &mut CopyBudget) -> anyhow::Result<()> {
     use std::io::{Read, Write};
     let from = nix::fcntl::open(
         src,
@@ -720,13 +768,13 @@ fn copy_file(src: &Path, dst: &Path, mode: u32) -> anyhow::Result<()> {
                 std::ptr::null_mut(),
                 to.as_raw_fd(),
                 std::ptr::null_mut(),
-                1 << 30,
+                budget.ask(),
                 0,
             )
         };
         match n {
             0 => return Ok(()),
-            n if n > 0 => {}
+            n if n > 0 => budget.take(n as usize, src)?,
             _ => match nix::errno::Errno::last() {
                 nix::errno::Errno::EINTR => {}
                 // Not here: the bytes instead, from where it stopped.
@@ -750,6 +798,7 @@ fn copy_file(src: &Path, dst: &Path, mode: u32) -> anyhow::Result<()> {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e).with_context(|| format!("reading {}", src.display())),
         };
+        budget.take(n, src)?;
         to.write_all(&buf[..n])
             .with_context(|| format!("writing {}", dst.display()))?;
     }
