@@ -138,7 +138,14 @@ impl Line {
         children.sort_unstable();
         children.dedup();
         if threads.is_empty() && children.is_empty() {
-            return Ok(());
+            return Self::fork_process(strays).map_or_else(
+                || {
+                    Err(format!(
+                        "session {session:?}'s fork was not found: fork again"
+                    ))
+                },
+                |fork| no_shared_file_mappings(session, fork, self.zygote),
+            );
         }
         tracing::debug!(pid, ?children, ?own, now = ?tasks_of(pid), "a fork refused");
         let names = |list: Vec<String>| {
@@ -247,6 +254,43 @@ impl Strays {
 
 /// The socket inodes of the forks under way (each fork's [`EndUnlessTaken`] lists its own).
 static UNDER_WAY: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
+/// Refuses a fork whose memory maps a file shared (`MAP_SHARED`, as `mmap.mmap(f.fileno(), n)`
+/// does) that the zygote does not: the mapping is inherited, on the parent's file, so each side
+/// would write the other's file and see its later writes (SECURITY.md #301). The zygote's own
+/// (glibc's `gconv-modules.cache`, read-only) are files no session may open for writing.
+/// Read from the fork's `/proc/<pid>/maps` (it made itself dumpable) while it runs none of the
+/// session's code: what it maps then is what it inherited. Unreadable: refused.
+fn no_shared_file_mappings(session: &str, fork: i32, zygote: i32) -> Result<(), String> {
+    let theirs = shared_file_mappings(fork)
+        .map_err(|e| format!("session {session:?}'s fork's memory cannot be read: {e}"))?;
+    let ours = shared_file_mappings(zygote).unwrap_or_default();
+    let shared = theirs.iter().filter(|m| !ours.contains(m)).count();
+    if shared == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "session {session:?} maps {shared} file(s) shared (mmap; multiprocessing's pools, locks \
+         and shared values do too), which the fork would share with it, each side writing the \
+         other's: close them (m.close(), del pool) and fork again, or reset the session"
+    ))
+}
+
+/// The (device, inode) of each file process `pid` maps shared (`s` in its `/proc/<pid>/maps`),
+/// read as bytes: the path that ends a line is the process's to name.
+fn shared_file_mappings(pid: i32) -> std::io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let maps = std::fs::read(format!("/proc/{pid}/maps"))?;
+    Ok(maps
+        .split(|&b| b == b'\n')
+        .filter_map(|line| {
+            let mut fields = line.split(|&b| b == b' ').filter(|f| !f.is_empty());
+            let perms = fields.nth(1)?;
+            let (device, inode) = (fields.nth(1)?, fields.next()?);
+            (perms.get(3) == Some(&b's') && inode != b"0")
+                .then(|| (device.to_vec(), inode.to_vec()))
+        })
+        .collect())
+}
 
 /// The inodes of the sockets process `pid` holds (`None`: its descriptors cannot be read).
 fn sockets_held(pid: i32) -> Option<Vec<u64>> {

@@ -400,6 +400,25 @@ def test_300_files_the_parent_grows_while_the_fork_copies_them_stop_the_copy_at_
         b.close()
 
 
+def test_301_a_file_the_parent_maps_shared_is_refused_not_shared_with_the_fork(box):
+    # SECURITY.md #301: a fork inherits its parent's memory mappings, and a MAP_SHARED one maps
+    # the parent's own file: the fork wrote "B-WROT" into the parent's file through it, and saw
+    # the parent's later writes. Now such a fork is refused with the reason, and made once the
+    # mapping is closed; each side's file is then its own.
+    value(box.run("import mmap\nopen('shared.bin', 'wb').write(b'.' * 4096)\nf = open('shared.bin', 'r+b')\n"
+                  "m = mmap.mmap(f.fileno(), 4096)\nm[:6] = b'A-orig'", session="mapper"))
+    r = fork(box, "mapper", "mapper-kid", "m[:6] = b'B-WROT'; m.flush(); 'written'")
+    text = r["content"][0]["text"]
+    assert r["isError"] and "maps 1 file(s) shared" in text and "m.close()" in text, r
+    assert glob.glob(f"{box.dir / 'state'}/**/mapper-kid-*", recursive=True) == []
+    assert value(box.run("open('shared.bin', 'rb').read(6)", session="mapper")) == b"A-orig"
+    value(box.run("m.close(); f.close()", session="mapper"))
+    kid = fork(box, "mapper", "mapper-kid2", "f = open('shared.bin', 'r+b'); m = mmap.mmap(f.fileno(), 4096)\n"
+               "m[:6] = b'B-WROT'; m.flush(); bytes(m[:6])")
+    assert value(kid["structuredContent"]) == b"B-WROT", kid
+    assert value(box.run("open('shared.bin', 'rb').read(6)", session="mapper")) == b"A-orig"
+
+
 def test_refusals_say_why(box):
     cases = [
         ({"session": "r1", "fork_from": "nosuch"}, "there is no session"),
