@@ -490,6 +490,58 @@ def background_cpu(seconds: float = 1.0) -> tuple[float, float] | None:
     return 100.0 * (total - idle) / total, 100.0 * d[7] / total
 
 
+class Beside:
+    """CPU time used beside the benchmark: by every process that is not this one or a
+    descendant of it (its servers, zygotes, workers and peers are), kernel threads included,
+    and stolen by the hypervisor, between two `mark()`s. Read from /proc at the marks only: a
+    sampling thread would wake the CPUs that the idle rows measure. A process that starts and
+    ends between two marks is not seen, so it is a lower bound. Another user's build beside a
+    run moves a row by 2x: printed beside the rows, so such a row can be told from a slow one."""
+
+    def __init__(self) -> None:
+        self.me = os.getpid()
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _stat_cpu() -> tuple[int, int]:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return sum(int(x) for x in fields[1:9]), int(fields[8])
+
+    def _processes(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(pid, start time) -> (parent pid, CPU ticks used) for every process now."""
+        seen = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                raw = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            rest = raw[raw.rindex(")") + 2:].split()
+            seen[(int(d), int(rest[19]))] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+        return seen
+
+    def mark(self) -> tuple[float, tuple[int, int], dict]:
+        return time.monotonic(), self._stat_cpu(), self._processes()
+
+    def since(self, mark: tuple[float, tuple[int, int], dict]) -> tuple[float, float]:
+        """Since `mark`: (% of one CPU used by other processes, % of the CPUs' time stolen)."""
+        t0, (total0, steal0), before = mark
+        t1, (total1, steal1), now = self.mark()
+        parent = {pid: ppid for (pid, _), (ppid, _) in now.items()}
+        ours = {self.me}
+        for pid in parent:  # a process is ours if an ancestor is this one
+            chain, p = [], pid
+            while p > 1 and p not in ours and len(chain) < 64:
+                chain.append(p)
+                p = parent.get(p, 0)
+            if p in ours:
+                ours.update(chain)
+        ticks = sum(used - before.get(key, (0, 0))[1] for key, (_, used) in now.items() if key[0] not in ours)
+        stolen = 100.0 * (steal1 - steal0) / max(total1 - total0, 1)
+        return 100.0 * ticks / self.tick / max(t1 - t0, 1e-3), stolen
+
+
 PAUSE_S = 0.01
 # Before each server start and each `python3 -c` it is compared with.
 START_PAUSE_S = 0.5
@@ -737,7 +789,10 @@ json.dumps(_summary(search))
 # ---------------------------------------------------------------------------------------------
 
 BARE_FORK = """
-import os, sys, time
+import ctypes, os, sys, time
+if sys.argv[3] == "4k":
+    # PR_SET_THP_DISABLE, as every worker without a memory group of its own sets it (#132).
+    assert ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0) == 0
 if sys.argv[2] == "numpy":
     import numpy
     big = numpy.ones((int(sys.argv[1]) << 20) // 8)
@@ -768,11 +823,14 @@ class BareFork:
     #271): the kernel's copy of its page tables, the floor under forking a session that holds
     as much. The bytearray is in 4 KiB pages unless `huge` (where the server's workers advise
     their own large blocks, #276: this Python's malloc then does, `glibc.malloc.hugetlb=1`).
-    One fork per `fork()`, so they alternate with the session forks they are the floor of."""
+    Where the workers keep no huge pages (no memory group: `nobody`, `IRONCELL_CGROUPS=off`),
+    this Python refuses them too, as they do (`PR_SET_THP_DISABLE`), so numpy's array is in
+    4 KiB pages here as in the session. One fork per `fork()`, so they alternate with the
+    session forks they are the floor of."""
 
     def __init__(self, py: str, mib: int, kind: str = "bytearray", huge: bool = False):
         env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} if huge else None
-        self.p = subprocess.Popen([py, "-c", BARE_FORK, str(mib), kind], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([py, "-c", BARE_FORK, str(mib), kind, "2m" if huge else "4k"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
         assert self.p.stdout.readline().strip() == "ready"
 
@@ -829,17 +887,18 @@ def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table, py: s
     if numpy_in(py):
         sessions.append((f"{mib} MiB numpy array", small_cells + [
             f"import numpy\nbig = numpy.ones(({mib} << 20) // 8)"], "numpy"))
-    rows, bare = [], {}
+    rows, bare, others, beside = [], {}, {}, Beside()
     for name, cells, kind in sessions:
         bare_fork = BareFork(py, mib, kind, huge_pages) if kind else None
         parent = f"fork-parent-{len(rows)}"
         for cell in cells:
             c.run(cell, session=parent)
-        forked = []
+        forked, mark = [], beside.mark()
         for i in range(n):
             forked.append(fork_ms(parent, f"{parent}-k{i}"))
             if bare_fork:
                 bare.setdefault(kind, []).append(bare_fork.fork())
+        others[name] = beside.since(mark)
         if bare_fork:
             bare_fork.close()
         replayed = []
@@ -854,11 +913,13 @@ def fork_rows(binary: str, env: dict[str, str], quick: bool, table: Table, py: s
                  for i in range(n)])
     c.close()
     for name, forked, replayed, _ in rows:
+        cpu, stolen = others[name]
         table.row(f"fork -> first result, {name}", ms(forked),
-                  f"new session + replaying the parent's cells: {ms(replayed)}{ratio(forked, replayed)}")
-    workers = "which this server's workers keep" if huge_pages else "which this server's workers refuse (4 KiB pages)"
+                  f"new session + replaying the parent's cells: {ms(replayed)}{ratio(forked, replayed)}; "
+                  f"beside these forks, other processes used {cpu:.0f}% of a CPU ({stolen:.0f}% stolen)")
     pages = {"bytearray": "2 MiB pages, as this server's workers advise" if huge_pages else "4 KiB pages",
-             "numpy": f"2 MiB pages, {workers}",
+             "numpy": "2 MiB pages, which this server's workers keep" if huge_pages
+             else "4 KiB pages: huge pages refused, as this server's workers refuse them",
              "ints": "4 KiB pages: a plain Python's arenas are never advised"}
     for kind, times in bare.items():
         held = f"{mib * 12 // 512} M ints in a list" if kind == "ints" else f"{mib} MiB ({kind})"
@@ -1016,24 +1077,26 @@ class Bench:
         self.base_c = proc_ms([self.peer_py, "-c", "print(1)"], self.n_base)
         bw = bwrap_cmd(self.peer_py)
         self.base_bwrap = proc_ms(bw + ["-c", "print(1)"], self.n_base) if bw and "hot" in self.groups else None
+        beside, others = Beside(), []
+
+        def measured(what: str, rows) -> None:
+            mark = beside.mark()
+            rows()
+            cpu, stolen = beside.since(mark)
+            others.append(f"{what} {cpu:.0f}% ({stolen:.0f}% stolen)")
+
         if "start" in self.groups:
-            self.start_rows()
+            measured("start", self.start_rows)
         if "idle" in self.groups:
-            self.idle_rows()
+            measured("idle", self.idle_rows)
         if self.groups & {"hot", "memory", "plots", "files"}:
-            self.main_server_rows()
+            measured("hot/memory/plots/files", self.main_server_rows)
         if "memory" in self.groups:
-            self.preload_rows()
+            measured("preloaded", self.preload_rows)
         if "proxy" in self.groups:
-            try:
-                proxy_rows(self.binary, self.env, self.q, self.table)
-            except Exception as e:  # the other rows still print; say why these are missing
-                self.table.row("proxied call rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+            measured("proxy", self.proxy_rows)
         if "fork" in self.groups:
-            try:
-                fork_rows(self.binary, self.env, self.q, self.table, self.peer_py)
-            except Exception as e:  # the other rows still print; say why these are missing
-                self.table.row("fork rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+            measured("fork", self.fork_rows)
         # The targets of the rows above first (the proxy rows added theirs already).
         self.table.targets[:0] = self.t
         header = (f"ironcell benchmark ({'quick' if self.q else 'full'}; groups {','.join(g for g in GROUPS if g in self.groups)}; "
@@ -1043,10 +1106,23 @@ class Bench:
                   f"{self.n_start} starts, {self.n_plot} plots each way, {self.n_base} peer runs, after idle pauses "
                   + ", ".join(f"{n} x {p:g} s" for p, n in self.idle_n.items())
                   + (f"; before the run, with nothing of ours running, the CPUs were {background[0]:.0f}% busy "
-                     f"({background[1]:.0f}% stolen by the hypervisor)" if background else ""))
+                     f"({background[1]:.0f}% stolen by the hypervisor)" if background else "")
+                  + "; during the rows, processes other than the benchmark's own used, of one CPU: " + ", ".join(others))
         self.table.print(header, self.markdown)
         shutil.rmtree(self.state, ignore_errors=True)
         return 0
+
+    def proxy_rows(self) -> None:
+        try:
+            proxy_rows(self.binary, self.env, self.q, self.table)
+        except Exception as e:  # the other rows still print; say why these are missing
+            self.table.row("proxied call rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+
+    def fork_rows(self) -> None:
+        try:
+            fork_rows(self.binary, self.env, self.q, self.table, self.peer_py)
+        except Exception as e:  # the other rows still print; say why these are missing
+            self.table.row("fork rows", "failed", f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}")
 
     def start_rows(self) -> None:
         """Server start -> first result, each start after a pause (a client starts its servers
