@@ -21,6 +21,7 @@ use crate::sandbox::memcg;
 use crate::zygote::WorkerProcess;
 use quota::WorkerMark;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
 use std::sync::LazyLock;
 
 /// How often the watch looks for workers due a reading.
@@ -117,7 +118,12 @@ fn session_children_among(worker: i32, zygote_children: &[(i32, Option<i32>)]) -
 /// The fields of `/proc/<pid>/stat` after the command name (which the process chooses, so they
 /// are read after its last `)`): state, parent, process group, session.
 pub(super) fn stat_fields(pid: i32) -> Option<Vec<String>> {
-    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    stat_fields_at(Path::new(&format!("/proc/{pid}/stat")))
+}
+
+/// [`stat_fields`] of a `stat` file (a process's, or one thread's under `task/`).
+fn stat_fields_at(path: &Path) -> Option<Vec<String>> {
+    let stat = std::fs::read(path).ok()?;
     let end = stat.iter().rposition(|&b| b == b')')?;
     let rest = std::str::from_utf8(&stat[end + 1..]).ok()?;
     Some(
@@ -162,16 +168,9 @@ fn a_thread_runs(pid: i32) -> bool {
         .filter_map(Result::ok)
         .take(MAX_DESCENDANTS)
         .any(|task| {
-            let Ok(stat) = std::fs::read(task.path().join("stat")) else {
-                return false;
-            };
-            let Some(end) = stat.iter().rposition(|&b| b == b')') else {
-                return false;
-            };
-            stat[end + 1..]
-                .iter()
-                .find(|b| !b.is_ascii_whitespace())
-                .is_some_and(|&s| s != b'Z' && s != b'X')
+            stat_fields_at(&task.path().join("stat"))
+                .and_then(|f| f.first()?.chars().next())
+                .is_some_and(|s| s != 'Z' && s != 'X')
         })
 }
 
