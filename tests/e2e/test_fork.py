@@ -419,6 +419,34 @@ def test_301_a_file_the_parent_maps_shared_is_refused_not_shared_with_the_fork(b
     assert value(box.run("open('shared.bin', 'rb').read(6)", session="mapper")) == b"A-orig"
 
 
+def test_304_a_file_the_parent_deleted_but_holds_open_is_the_forks_own_copy(box):
+    # SECURITY.md #304: a descriptor on a file no longer in any folder (tempfile.TemporaryFile,
+    # or open then os.remove) is not among the files the fork copies; the fork kept the parent's
+    # read-only one and read the parent's later writes through it, and closed a read-write one
+    # (TemporaryFile's). Now each such file is the fork's own copy, as it was at the fork, with
+    # the same offset and mode, two descriptors on it still sharing it; neither side sees the
+    # other's later writes.
+    value(box.run(
+        "import tempfile\nt = tempfile.TemporaryFile(); t.write(b'T-before'); t.flush(); t.seek(2)\n"
+        "open('gone.txt', 'w').write('G-before')\nr = open('gone.txt'); rw = open('gone.txt', 'r+')\n"
+        "r.read(2); os.remove('gone.txt')", session="deleter"))
+    kid = fork(box, "deleter", "deleter-kid", "(t.tell(), r.tell(), sorted(os.listdir('.')))")
+    assert not kid["isError"], kid["content"][0]["text"]
+    assert value(kid["structuredContent"]) == (2, 2, []), kid
+    # Three descriptors (t, r, rw) on two files; nothing else a worker holds is copied.
+    assert "3 open file(s) the parent session had deleted" in json.dumps(kid["structuredContent"]), kid
+    value(box.run("1", session="plain"))
+    assert "had deleted" not in json.dumps(fork(box, "plain", "plain-kid")["structuredContent"])
+    value(box.run("t.seek(0); t.write(b'T-late-A'); t.flush(); rw.write('G-late-A'); rw.flush()",
+                  session="deleter"))
+    seen = "t.seek(0); r.seek(0); (t.read(), r.read())"
+    assert value(box.run(seen, session="deleter-kid")) == (b"T-before", "G-before")
+    value(box.run("t.seek(0); t.write(b'T-late-B'); t.flush(); rw.seek(0); rw.write('G-late-B'); rw.flush()",
+                  session="deleter-kid"))
+    assert value(box.run(seen, session="deleter-kid")) == (b"T-late-B", "G-late-B")
+    assert value(box.run(seen, session="deleter")) == (b"T-late-A", "G-late-A")
+
+
 def test_refusals_say_why(box):
     cases = [
         ({"session": "r1", "fork_from": "nosuch"}, "there is no session"),

@@ -32,22 +32,21 @@
 //! (then runs its `after_in_parent` hooks), so neither reaches the other's files from then on.
 
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, anyhow};
-use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::stat::{FileStat, Mode};
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use ironcell_core::frame::{ForkOrder, FromWorker};
 use ironcell_core::sandbox::landlock::FilesystemGrants;
 
+use super::fork_files::{CopyBudget, copy_contents, copy_tree};
 use super::inbox::Inbox;
 use super::output_pump::OutputPump;
 use super::{SESSION_FD, send_json};
@@ -409,18 +408,41 @@ fn become_the_fork(
 
     // Step 4: descriptors (the socket is on fd 3 already, where the writer and bridge write).
     let mut keep: Vec<RawFd> = vec![SESSION_FD];
-    let (reopened, closed) = replace_descriptors(&copied, fds, pipes, &mut keep)?;
-    if reopened > 0 {
-        notes.push(format!(
-            "{reopened} open file(s) of the parent session now read and write this session's copies"
-        ));
-    }
-    if closed > 0 {
-        notes.push(format!(
-            "{closed} descriptor(s) of the parent session (pipes, sockets, files open for writing elsewhere) were closed here; objects that used them raise OSError"
-        ));
-    }
+    let mut copies = Copies {
+        copied: &copied,
+        dir: &order.child_dir,
+        budget: &mut budget,
+        carried: HashMap::new(),
+        names_tried: 0,
+    };
+    let counts = replace_descriptors(&mut copies, fds, pipes, &mut keep)
+        .context("carrying the parent's open files over")?;
+    notes.extend(notes_on_descriptors(&counts));
     Ok(notes)
+}
+
+/// What B's first result says of the descriptors it inherited.
+fn notes_on_descriptors(counts: &Carried) -> Vec<String> {
+    let mut notes = Vec::new();
+    if counts.reopened > 0 {
+        notes.push(format!(
+            "{} open file(s) of the parent session now read and write this session's copies",
+            counts.reopened
+        ));
+    }
+    if counts.copied > 0 {
+        notes.push(format!(
+            "{} open file(s) the parent session had deleted (tempfile.TemporaryFile and the like) are this session's own copies, as they were at the fork",
+            counts.copied
+        ));
+    }
+    if counts.closed > 0 {
+        notes.push(format!(
+            "{} descriptor(s) of the parent session (pipes, sockets, files open for writing elsewhere) were closed here; objects that used them raise OSError",
+            counts.closed
+        ));
+    }
+    notes
 }
 
 /// Step 5: the session's name, environment and cwd, and a clear `/tmp` refusal.
@@ -460,13 +482,14 @@ fn wait_for_the_hosts_go(socket: RawFd) -> anyhow::Result<()> {
 
 /// Points B's pipes and wake-up pipe at fresh ones under the numbers A's objects use, puts the
 /// session socket on the inbox's numbers too, re-opens inherited files of A's directory on B's
-/// copies, and closes every other descriptor from 3 up. Returns (re-opened, closed).
+/// copies, puts B's own copies in place of deleted files A held open, and closes every other
+/// descriptor from 3 up ([`fate_of_a_descriptor`]).
 fn replace_descriptors(
-    copied: &HashMap<(u64, u64), PathBuf>,
+    copies: &mut Copies<'_>,
     (inbox_fds, pump_fds): ([RawFd; 4], [RawFd; 2]),
     [out_r, out_w, err_r, err_w]: [OwnedFd; 4],
     keep: &mut Vec<RawFd>,
-) -> anyhow::Result<(usize, usize)> {
+) -> anyhow::Result<Carried> {
     // The socket, on the inbox's copy and the reader thread's copy.
     for fd in [inbox_fds[0], inbox_fds[1]] {
         if fd >= 0 {
@@ -489,37 +512,141 @@ fn replace_descriptors(
         keep.push(pump_fd);
     }
     drop((kick_r, kick_w));
-    let mut reopened = 0;
-    let mut closed = 0;
+    let mut counts = Carried::default();
     for fd in open_descriptors_from(3) {
         if keep.contains(&fd) {
             continue;
         }
-        // SAFETY: fstat(2) into a zeroed stat buffer for an open descriptor.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let stat_ok = unsafe { libc::fstat(fd, &mut st) } == 0;
-        let kind = st.st_mode & libc::S_IFMT;
-        let copy = copied.get(&(st.st_dev, st.st_ino));
-        if stat_ok && kind == libc::S_IFREG && copy.is_some() {
-            if reopen_on(fd, copy.unwrap_or(&PathBuf::new())).is_ok() {
-                reopened += 1;
-                continue;
-            }
-        } else if stat_ok && (kind == libc::S_IFCHR || kind == libc::S_IFREG) {
-            // A device (/dev/null) or a file outside A's directory: kept when only read.
-            // SAFETY: fcntl(2) F_GETFL on an open descriptor.
-            let mode = unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_ACCMODE;
-            if kind == libc::S_IFCHR || mode == libc::O_RDONLY {
-                continue;
+        match fate_of_a_descriptor(fd, copies)? {
+            Fate::Reopened => counts.reopened += 1,
+            Fate::Copied => counts.copied += 1,
+            Fate::Kept => {}
+            Fate::Closed => {
+                // SAFETY: closes a descriptor this process inherited from A and does not keep.
+                unsafe { libc::close(fd) };
+                counts.closed += 1;
             }
         }
-        // SAFETY: closes a descriptor this process inherited from A and does not keep.
-        unsafe { libc::close(fd) };
-        closed += 1;
     }
-    closed += close_above_the_limit(keep);
-    Ok((reopened, closed))
+    counts.closed += close_above_the_limit(keep);
+    for copy in copies.carried.values() {
+        nix::unistd::unlink(copy).context("unlinking a copy of a file the parent deleted")?;
+    }
+    Ok(counts)
+}
+
+/// What B does with one descriptor it inherited from A (step 4), and what the copy needs for
+/// it: A's files copied ((device, inode) → B's copy), B's directory, and the copy's room.
+struct Copies<'a> {
+    copied: &'a HashMap<(u64, u64), PathBuf>,
+    dir: &'a Path,
+    budget: &'a mut CopyBudget,
+    /// Deleted files A held open ((device, inode) → B's copy, unlinked at the end of step 4).
+    carried: HashMap<(u64, u64), PathBuf>,
+    names_tried: usize,
+}
+
+/// How many inherited descriptors B re-opened on its copies, copied (files A had deleted), and
+/// closed.
+#[derive(Default)]
+struct Carried {
+    reopened: usize,
+    copied: usize,
+    closed: usize,
+}
+
+enum Fate {
+    Reopened,
+    Copied,
+    Kept,
+    Closed,
+}
+
+/// One inherited descriptor: a file of A's directory is re-opened on B's copy; a file no longer
+/// in any directory (A deleted it: `tempfile.TemporaryFile()`, or open then `os.remove`) that
+/// can still be written (by A through its own descriptor) becomes B's own copy of it
+/// ([`copy_an_unlinked_file`]: B kept A's and read A's later writes through it, SECURITY.md
+/// #304); a device or a file elsewhere (the Python installation, a read-only grant, a folder
+/// the user shares) is kept when only read; anything else is closed. An error fails the fork
+/// (the copy went past its room).
+fn fate_of_a_descriptor(fd: RawFd, copies: &mut Copies<'_>) -> anyhow::Result<Fate> {
+    // SAFETY: fstat(2) into a zeroed stat buffer for an open descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Ok(Fate::Closed);
+    }
+    let kind = st.st_mode & libc::S_IFMT;
+    // SAFETY: fcntl(2) F_GETFL on an open descriptor.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    let read_only = flags & libc::O_ACCMODE == libc::O_RDONLY;
+    if kind == libc::S_IFCHR {
+        return Ok(Fate::Kept);
+    }
+    if kind != libc::S_IFREG {
+        return Ok(Fate::Closed);
+    }
+    if let Some(copy) = copies.copied.get(&(st.st_dev, st.st_ino)) {
+        return Ok(match reopen_on(fd, copy) {
+            Ok(()) => Fate::Reopened,
+            Err(_) => Fate::Closed,
+        });
+    }
+    if st.st_nlink == 0 && !sealed_against_writes(fd) {
+        let key = (st.st_dev, st.st_ino);
+        if !copies.carried.contains_key(&key) {
+            let readable =
+                flags & libc::O_PATH == 0 && (read_only || flags & libc::O_ACCMODE == libc::O_RDWR);
+            if !readable {
+                return Ok(Fate::Closed);
+            }
+            let copy = copy_an_unlinked_file(fd, copies)?;
+            copies.carried.insert(key, copy);
+        }
+        return Ok(match reopen_on(fd, &copies.carried[&key]) {
+            Ok(()) => Fate::Copied,
+            Err(_) => Fate::Closed,
+        });
+    }
+    Ok(if read_only { Fate::Kept } else { Fate::Closed })
+}
+
+/// Whether no one can write the file any more: a memfd sealed against writes (the zygote's
+/// extension module is one). Such a file is kept, not copied.
+fn sealed_against_writes(fd: RawFd) -> bool {
+    // SAFETY: fcntl(2) F_GET_SEALS on an open descriptor (EINVAL where the file has no seals).
+    let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    seals >= 0 && seals & (libc::F_SEAL_WRITE | libc::F_SEAL_FUTURE_WRITE) != 0
+}
+
+/// B's own copy of the deleted file A held open on `fd`: a file in B's directory with the bytes
+/// the file holds now, counted against the copy's room, which every descriptor B inherited on
+/// that file is then re-opened on (so two of them still share it, each with its own offset and
+/// mode), and which [`replace_descriptors`] unlinks once they are. Named `.ironcell-deleted-N`,
+/// the first such name free (A's copied files may hold some). An error (past the room, a failed
+/// read) fails the fork.
+fn copy_an_unlinked_file(fd: RawFd, copies: &mut Copies<'_>) -> anyhow::Result<PathBuf> {
+    let (path, copy) = loop {
+        let path = copies
+            .dir
+            .join(format!(".ironcell-deleted-{}", copies.names_tried));
+        copies.names_tried += 1;
+        match nix::fcntl::open(
+            &path,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o600),
+        ) {
+            Ok(copy) => break (path, copy),
+            Err(nix::errno::Errno::EEXIST) if copies.names_tried < 1024 => {}
+            Err(e) => return Err(e).context("making a copy of a file the parent deleted"),
+        }
+    };
+    let named = Path::new("a file the parent deleted");
+    if let Err(e) = copy_contents(fd, copy.as_raw_fd(), copies.budget, named) {
+        let _ = nix::unistd::unlink(&path);
+        return Err(e);
+    }
+    Ok(path)
 }
 
 /// Closes every descriptor from the polled range's end ([`descriptor_limit`]) up but those in
@@ -593,18 +720,22 @@ fn reopen_on(fd: RawFd, path: &Path) -> anyhow::Result<()> {
     // SAFETY: fcntl(2) F_GETFL on an open descriptor.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
     let keep = flags & (libc::O_ACCMODE | libc::O_APPEND);
-    // SAFETY: lseek(2) asking the offset only.
-    let offset = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
     let new = nix::fcntl::open(
         path,
         OFlag::from_bits_truncate(keep) | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         Mode::empty(),
     )?;
+    put_in_place_of(new, fd)
+}
+
+/// Puts `new` on `fd`'s number, at `fd`'s offset, with `fd`'s own close-on-exec flag.
+fn put_in_place_of(new: OwnedFd, fd: RawFd) -> anyhow::Result<()> {
+    // SAFETY: lseek(2) asking the offset only.
+    let offset = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
     if offset > 0 {
-        // SAFETY: lseek(2) on the descriptor just opened.
+        // SAFETY: lseek(2) on a descriptor the caller just opened.
         unsafe { libc::lseek(new.as_raw_fd(), offset, libc::SEEK_SET) };
     }
-    // Keep fd's own close-on-exec flag: dup3 with it.
     // SAFETY: fcntl(2) F_GETFD on an open descriptor.
     let cloexec = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
     dup_onto(new.as_raw_fd(), fd)?;
@@ -625,181 +756,4 @@ fn dup_onto(from: RawFd, to: RawFd) -> anyhow::Result<()> {
         return Err(std::io::Error::last_os_error()).with_context(|| format!("dup3 onto fd {to}"));
     }
     Ok(())
-}
-
-/// Deepest directory nesting copied (the quota's walk bounds it too).
-const MAX_DEPTH: usize = 64;
-
-/// What is left of the bytes the host let the copy write (`ForkOrder::copy_limit_bytes`): the
-/// room it measured the parent's files against, before the order and again before the
-/// go-ahead. The parent, narrowed to its own directory, can still grow its files while the copy
-/// runs: `ftruncate` is free, and a signal handler of its code runs while it idles (SECURITY.md
-/// #300: four 4 KiB files grown to 60 MiB each once the copy had begun, 242 MiB copied under a
-/// 64 MiB quota). The copy stops past the room and the fork fails, as one refused up front.
-struct CopyBudget {
-    left: u64,
-    limit: u64,
-}
-
-impl CopyBudget {
-    fn of(limit: Option<u64>) -> CopyBudget {
-        let limit = limit.unwrap_or(u64::MAX);
-        CopyBudget { left: limit, limit }
-    }
-
-    /// How many bytes to ask one copy call for: one past what is left, so a file grown past
-    /// the room is seen (at most a GiB at a time).
-    fn ask(&self) -> usize {
-        self.left.saturating_add(1).min(1 << 30) as usize
-    }
-
-    /// Counts `n` bytes copied; an error once they pass the room.
-    fn take(&mut self, n: usize, src: &Path) -> anyhow::Result<()> {
-        match self.left.checked_sub(n as u64) {
-            Some(left) => {
-                self.left = left;
-                Ok(())
-            }
-            None => Err(anyhow!(
-                "the parent's files grew past the {} MiB they were measured to fit in while \
-                 the fork copied them ({} among them): the fork is refused",
-                self.limit >> 20,
-                src.display()
-            )),
-        }
-    }
-}
-
-/// Copies the tree `from` into the existing directory `to`: directories, regular files (their
-/// bytes, mode bits 0o777) and symlinks (as links), never following one; the host's own
-/// `.ironcell` folder (run spills) stays behind. Records each copied file's (device, inode) →
-/// its copy, for re-opening inherited descriptors.
-fn copy_tree(
-    from: &Path,
-    to: &Path,
-    (copied, notes, budget): (
-        &mut HashMap<(u64, u64), PathBuf>,
-        &mut Vec<String>,
-        &mut CopyBudget,
-    ),
-    depth: usize,
-) -> anyhow::Result<()> {
-    if depth > MAX_DEPTH {
-        notes.push(format!(
-            "folders nested deeper than {MAX_DEPTH} were not copied"
-        ));
-        return Ok(());
-    }
-    let dir = nix::dir::Dir::open(
-        from,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .with_context(|| format!("opening {}", from.display()))?;
-    let names: Vec<CString> = {
-        let mut dir = dir;
-        dir.iter()
-            .filter_map(Result::ok)
-            .map(|e| e.file_name().to_owned())
-            .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
-            .collect()
-    };
-    for name in names {
-        if depth == 0 && name.as_bytes() == b".ironcell" {
-            continue;
-        }
-        let os_name = std::ffi::OsStr::from_bytes(name.as_bytes());
-        let (src, dst) = (from.join(os_name), to.join(os_name));
-        let st: FileStat =
-            match nix::sys::stat::fstatat(nix::fcntl::AT_FDCWD, &src, AtFlags::AT_SYMLINK_NOFOLLOW)
-            {
-                Ok(st) => st,
-                Err(_) => continue,
-            };
-        match st.st_mode & libc::S_IFMT {
-            libc::S_IFDIR => {
-                nix::unistd::mkdir(&dst, Mode::from_bits_truncate(0o700))?;
-                copy_tree(
-                    &src,
-                    &dst,
-                    (&mut *copied, &mut *notes, &mut *budget),
-                    depth + 1,
-                )?;
-            }
-            libc::S_IFREG => {
-                copy_file(&src, &dst, st.st_mode & 0o777, budget)?;
-                copied.insert((st.st_dev, st.st_ino), dst);
-            }
-            libc::S_IFLNK => {
-                if let Ok(target) = nix::fcntl::readlink(&src) {
-                    let _ = nix::unistd::symlinkat(target.as_os_str(), nix::fcntl::AT_FDCWD, &dst);
-                }
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
-/// Copies one file: `copy_file_range`, which the kernel answers with a reflink where the
-/// filesystem can (it tries `remap_file_range` first: XFS, btrfs, bcachefs, NFS 4.2) and an
-/// in-kernel copy elsewhere; reads and writes where it refuses (across filesystems on older
-/// kernels, or a filesystem without it). Never more than `budget` leaves.
-fn copy_file(src: &Path, dst: &Path, mode: u32, budget: &mut CopyBudget) -> anyhow::Result<()> {
-    use std::io::{Read, Write};
-    let from = nix::fcntl::open(
-        src,
-        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .with_context(|| format!("opening {}", src.display()))?;
-    let to = nix::fcntl::open(
-        dst,
-        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::from_bits_truncate(mode),
-    )
-    .with_context(|| format!("creating {}", dst.display()))?;
-    loop {
-        // SAFETY: copy_file_range(2) between two descriptors this function owns, at their own
-        // offsets (null pointers), which it advances.
-        let n = unsafe {
-            libc::copy_file_range(
-                from.as_raw_fd(),
-                std::ptr::null_mut(),
-                to.as_raw_fd(),
-                std::ptr::null_mut(),
-                budget.ask(),
-                0,
-            )
-        };
-        match n {
-            0 => return Ok(()),
-            n if n > 0 => budget.take(n as usize, src)?,
-            _ => match nix::errno::Errno::last() {
-                nix::errno::Errno::EINTR => {}
-                // Not here: the bytes instead, from where it stopped.
-                nix::errno::Errno::EXDEV
-                | nix::errno::Errno::EINVAL
-                | nix::errno::Errno::ENOSYS
-                | nix::errno::Errno::EOPNOTSUPP => break,
-                e => {
-                    return Err(e).with_context(|| format!("copying {}", src.display()));
-                }
-            },
-        }
-    }
-    let mut from = std::fs::File::from(from);
-    let mut to = std::fs::File::from(to);
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = match from.read(&mut buf) {
-            Ok(0) => return Ok(()),
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e).with_context(|| format!("reading {}", src.display())),
-        };
-        budget.take(n, src)?;
-        to.write_all(&buf[..n])
-            .with_context(|| format!("writing {}", dst.display()))?;
-    }
 }

@@ -25,6 +25,7 @@
 //!   the threads then as ironcell's own), and serve `run` frames.
 
 mod fork;
+mod fork_files;
 mod inbox;
 mod output_pump;
 mod runner_calls;
