@@ -16,6 +16,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::sync::atomic::AtomicU64;
 
 use super::*;
+use ironcell_core::fork_remap;
 
 /// Numbers the forks areas of this server (their names only).
 static FORKS_AREAS: AtomicU64 = AtomicU64::new(0);
@@ -280,7 +281,7 @@ impl SessionManager {
         let lineage_sid = resident::stat_fields(p.pid)
             .and_then(|f| f.get(3)?.parse::<i32>().ok())
             .ok_or_else(|| RunRefusal::Fork(format!("session {from:?}'s worker is gone")))?;
-        let ordered_at = boot_ticks_now();
+        let ordered_at = fork_guard::boot_ticks_now();
         let started = Instant::now();
         let zygote = self
             .current_zygote()
@@ -344,6 +345,7 @@ impl SessionManager {
         let parent_pid = p.pid;
         let group = self.pids_group();
         let room = self.copy_room(&p.dir);
+        let parent_dir = p.dir.clone();
         let runtime = tokio::runtime::Handle::current();
         let (hello_ms, host_sock, grouping) = blocking_unless_cancelled(cancel, move || {
             read_byte(&host_sock, FORK_HELLO_TIMEOUT, "say it started")?;
@@ -362,9 +364,16 @@ impl SessionManager {
             if given_up.load(Ordering::SeqCst) {
                 return Err("the fork was given up".to_string());
             }
+            // With the go-ahead, the runs of the fork's memory to move onto its copies (#305).
+            let fork = fork_guard::Line::fork_process(&strays);
+            let go = fork_remap::go_ahead(fork, line.zygote, &parent_dir)
+                .map_err(|e| format!("session {from_name:?} cannot fork: {e}"))?;
+            // Written within the hello's time: a fork that does not read is not waited for.
+            let _ = host_sock.set_write_timeout(Some(FORK_HELLO_TIMEOUT));
             (&host_sock)
-                .write_all(b"g")
+                .write_all(&go)
                 .map_err(|e| format!("the fork ended before it began: {e}"))?;
+            let _ = host_sock.set_write_timeout(None);
             Ok((hello_ms, host_sock, grouping))
         })
         .await?;
@@ -737,24 +746,6 @@ async fn parent_answer(worker: &mut LiveWorker, from: &str) -> Result<(), String
         .unwrap_or_else(|_| Err("the parent's worker did not answer the fork within 30 s".into()))
 }
 
-/// Clock ticks since boot now (`/proc/uptime`, to its hundredth of a second), rounded down.
-fn boot_ticks_now() -> u64 {
-    // SAFETY: sysconf(3) with a valid name.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    std::fs::read_to_string("/proc/uptime")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0, |secs| ((secs - 0.02).max(0.0) * hz) as u64)
-}
-
-/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22).
-fn start_ticks(pid: i32) -> Option<u64> {
-    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
-    let end = stat.iter().rposition(|&b| b == b')')?;
-    let rest = std::str::from_utf8(&stat[end + 1..]).ok()?;
-    rest.split_ascii_whitespace().nth(19)?.parse().ok()
-}
-
 /// Runs `f` on a blocking thread; returns at once, `Cancelled`, if `cancel` fires first (the
 /// caller's [`fork_guard::EndUnlessTaken`] then ends the fork, which ends `f`'s reads).
 async fn blocking_unless_cancelled<T: Send + 'static>(
@@ -838,7 +829,7 @@ fn verified_fork(
                 "process {pid} is not a fork of this session (parent {ppid:?}, group {group:?}, session {sid:?})"
             ));
         }
-        if start_ticks(pid).is_none_or(|t| t < ordered_at) {
+        if fork_guard::start_ticks_of(pid).is_none_or(|t| t < ordered_at) {
             return Err(format!("process {pid} is older than the fork"));
         }
         if zygote.live_workers().iter().any(|w| w.pid() == pid) {

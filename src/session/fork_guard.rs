@@ -27,6 +27,24 @@ const MAX_TASKS: usize = 4096;
 /// The most names a refusal lists.
 const MAX_NAMED: usize = 4;
 
+/// Clock ticks since boot now (`/proc/uptime`, to its hundredth of a second), rounded down.
+pub(super) fn boot_ticks_now() -> u64 {
+    // SAFETY: sysconf(3) with a valid name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0, |secs| ((secs - 0.02).max(0.0) * hz) as u64)
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22).
+pub(super) fn start_ticks_of(pid: i32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let end = stat.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(&stat[end + 1..]).ok()?;
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
 /// The threads of process `pid` now (empty if it is gone).
 pub(super) fn tasks_of(pid: i32) -> Tasks {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {

@@ -24,7 +24,7 @@ from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="40")
+    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="48")
     yield b
     b.close()
 
@@ -436,7 +436,8 @@ def test_304_a_file_the_parent_deleted_but_holds_open_is_the_forks_own_copy(box)
     # Three descriptors (t, r, rw) on two files; nothing else a worker holds is copied.
     assert "3 open file(s) the parent session had deleted" in json.dumps(kid["structuredContent"]), kid
     value(box.run("1", session="plain"))
-    assert "had deleted" not in json.dumps(fork(box, "plain", "plain-kid")["structuredContent"])
+    plain = json.dumps(fork(box, "plain", "plain-kid")["structuredContent"])
+    assert "had deleted" not in plain and "now maps this session's copies" not in plain, plain
     value(box.run("t.seek(0); t.write(b'T-late-A'); t.flush(); rw.write('G-late-A'); rw.flush()",
                   session="deleter"))
     seen = "t.seek(0); r.seek(0); (t.read(), r.read())"
@@ -445,6 +446,49 @@ def test_304_a_file_the_parent_deleted_but_holds_open_is_the_forks_own_copy(box)
                   session="deleter-kid"))
     assert value(box.run(seen, session="deleter-kid")) == (b"T-late-B", "G-late-B")
     assert value(box.run(seen, session="deleter")) == (b"T-late-A", "G-late-A")
+
+
+def test_305_memory_the_parent_maps_privately_from_its_files_maps_the_forks_copies(box):
+    # SECURITY.md #305: a private mapping (mmap ACCESS_COPY, numpy memmap mode='c', arrow's
+    # memory maps) stays on the parent's file in the fork, so the pages the fork has not
+    # written showed the parent's later writes to the file. Now they map the fork's copy; the
+    # pages written before the fork stay as they were; the same for a deleted file's mapping.
+    value(box.run(
+        "import mmap, tempfile\nopen('data.bin', 'wb').write(b'A' * 8192)\nf = open('data.bin', 'rb')\n"
+        "m = mmap.mmap(f.fileno(), 8192, access=mmap.ACCESS_COPY); m[:6] = b'A-wrot'\n"
+        "t = tempfile.TemporaryFile(); t.write(b't' * 4096); t.flush()\n"
+        "tm = mmap.mmap(t.fileno(), 4096, access=mmap.ACCESS_COPY)", session="cow"))
+    seen = "(bytes(m[:6]), bytes(m[4096:4102]), bytes(tm[:4]))"
+    kid = fork(box, "cow", "cow-kid", seen)
+    assert not kid["isError"], kid["content"][0]["text"]
+    assert value(kid["structuredContent"]) == (b"A-wrot", b"AAAAAA", b"tttt"), kid
+    assert "now maps this session's copies" in json.dumps(kid["structuredContent"]), kid
+    value(box.run("w = open('data.bin', 'r+b'); w.write(b'A-late'); w.seek(4096); w.write(b'A-late'); w.close()\n"
+                  "t.seek(0); t.write(b'T-lt'); t.flush()", session="cow"))
+    assert value(box.run(seen, session="cow-kid")) == (b"A-wrot", b"AAAAAA", b"tttt")
+    # The fork's writes to its own files show in its mappings, never in the parent's.
+    value(box.run("w = open('data.bin', 'r+b'); w.seek(4096); w.write(b'B-late'); w.close()\n"
+                  "t.seek(0); t.write(b'B-lt'); t.flush()", session="cow-kid"))
+    assert value(box.run(seen, session="cow-kid")) == (b"A-wrot", b"B-late", b"B-lt")
+    assert value(box.run(seen, session="cow")) == (b"A-wrot", b"A-late", b"T-lt")
+
+
+def test_305_a_library_the_parent_loaded_from_its_directory_still_runs_in_the_fork(box):
+    # #305 moves the fork's private mappings of the parent's files onto its copies: a shared
+    # library loaded from the session's directory is such a file (its code, and its relocated
+    # data, written privately, which stays), and the fork calls into it as the parent did.
+    lib = next(p for p in ("/usr/lib/x86_64-linux-gnu/libz.so.1", "/lib/x86_64-linux-gnu/libz.so.1",
+                           "/usr/lib64/libz.so.1") if os.path.exists(p))
+    call = "z.crc32(0, b'abc', 3), z.zlibVersion()"
+    parent = value(box.run(
+        f"import ctypes, shutil\nshutil.copy({lib!r}, 'libz-copy.so')\nz = ctypes.CDLL('./libz-copy.so')\n"
+        f"z.crc32.restype = ctypes.c_ulong; z.zlibVersion.restype = ctypes.c_char_p\n({call})", session="lib"))
+    assert parent[0] == 891568578, parent
+    kid = fork(box, "lib", "lib-kid", f"({call})")
+    assert not kid["isError"], kid["content"][0]["text"]
+    assert value(kid["structuredContent"]) == parent
+    assert "now maps this session's copies" in json.dumps(kid["structuredContent"]), kid
+    assert value(box.run(f"({call})", session="lib")) == parent
 
 
 def test_refusals_say_why(box):

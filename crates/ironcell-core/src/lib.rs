@@ -16,6 +16,7 @@
 pub mod arenas;
 pub mod bridge;
 pub mod control;
+pub mod fork_remap;
 pub mod frame;
 pub mod hugepages;
 pub mod library_maps;

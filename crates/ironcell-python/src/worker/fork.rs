@@ -46,7 +46,9 @@ use pyo3::types::PyDict;
 use ironcell_core::frame::{ForkOrder, FromWorker};
 use ironcell_core::sandbox::landlock::FilesystemGrants;
 
-use super::fork_files::{CopyBudget, copy_contents, copy_tree};
+use super::fork_files::{
+    CopyBudget, copy_contents, copy_tree, read_the_runs_to_remap, remap_onto_copies,
+};
 use super::inbox::Inbox;
 use super::output_pump::OutputPump;
 use super::{SESSION_FD, send_json};
@@ -379,6 +381,7 @@ fn become_the_fork(
         return Err(std::io::Error::last_os_error()).context("telling the host");
     }
     wait_for_the_hosts_go(SESSION_FD)?;
+    let runs = read_the_runs_to_remap(SESSION_FD)?;
 
     // Step 2: the files, into a directory that must still be empty: anything in it was put
     // there by the parent after the host made it (a hard link to one of the parent's files
@@ -418,6 +421,20 @@ fn become_the_fork(
     let counts = replace_descriptors(&mut copies, fds, pipes, &mut keep)
         .context("carrying the parent's open files over")?;
     notes.extend(notes_on_descriptors(&counts));
+    // Then its memory that maps the parent's files privately, onto its copies (SECURITY.md
+    // #305), before the deleted files' copies lose their names.
+    let moved = remap_onto_copies(&runs, [&copied, &copies.carried]);
+    for copy in copies.carried.values() {
+        nix::unistd::unlink(copy).context("unlinking a copy of a file the parent deleted")?;
+    }
+    if moved? > 0 {
+        notes.push(
+            "memory that mapped the parent's files privately (mmap ACCESS_COPY, numpy memmap \
+             mode='c', pyarrow.memory_map) now maps this session's copies; pages it had \
+             written stay as they were"
+                .into(),
+        );
+    }
     Ok(notes)
 }
 
@@ -529,9 +546,6 @@ fn replace_descriptors(
         }
     }
     counts.closed += close_above_the_limit(keep);
-    for copy in copies.carried.values() {
-        nix::unistd::unlink(copy).context("unlinking a copy of a file the parent deleted")?;
-    }
     Ok(counts)
 }
 
@@ -622,7 +636,7 @@ fn sealed_against_writes(fd: RawFd) -> bool {
 /// B's own copy of the deleted file A held open on `fd`: a file in B's directory with the bytes
 /// the file holds now, counted against the copy's room, which every descriptor B inherited on
 /// that file is then re-opened on (so two of them still share it, each with its own offset and
-/// mode), and which [`replace_descriptors`] unlinks once they are. Named `.ironcell-deleted-N`,
+/// mode), and which step 4 unlinks once they are and its mappings moved (#305). Named `.ironcell-deleted-N`,
 /// the first such name free (A's copied files may hold some). An error (past the room, a failed
 /// read) fails the fork.
 fn copy_an_unlinked_file(fd: RawFd, copies: &mut Copies<'_>) -> anyhow::Result<PathBuf> {

@@ -3,14 +3,17 @@
 //! byte counted against the room the host measured the files against.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow};
 use nix::fcntl::{AtFlags, OFlag};
 use nix::sys::stat::{FileStat, Mode};
+
+use ironcell_core::fork_remap::{self, Remap};
 
 /// Deepest directory nesting copied (the quota's walk bounds it too).
 const MAX_DEPTH: usize = 64;
@@ -201,4 +204,84 @@ pub(super) fn copy_contents(
         }
         offset += n as libc::loff_t;
     }
+}
+
+/// Reads the runs of memory to move onto the copies that the host sends right after its
+/// go-ahead byte (SECURITY.md #305; `ironcell_core::fork_remap`).
+pub(super) fn read_the_runs_to_remap(socket: RawFd) -> anyhow::Result<Vec<Remap>> {
+    let mut count = [0u8; 4];
+    read_exactly(socket, &mut count)?;
+    let len = fork_remap::records_len(count)
+        .ok_or_else(|| anyhow!("the host sent more runs to map than it may"))?;
+    let mut records = vec![0u8; len];
+    read_exactly(socket, &mut records)?;
+    Ok(fork_remap::decode(&records))
+}
+
+fn read_exactly(fd: RawFd, buf: &mut [u8]) -> anyhow::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let rest = &mut buf[got..];
+        // SAFETY: read(2) into the unfilled rest of a buffer this function borrows mutably.
+        let n = unsafe { libc::read(fd, rest.as_mut_ptr().cast(), rest.len()) };
+        match n {
+            0 => anyhow::bail!("the host closed the fork's socket"),
+            n if n > 0 => got += n as usize,
+            _ if nix::errno::Errno::last() == nix::errno::Errno::EINTR => {}
+            _ => return Err(std::io::Error::last_os_error()).context("reading the runs to map"),
+        }
+    }
+    Ok(())
+}
+
+/// Maps each run whose file B copied (`copies`: the directory's, then the deleted files') onto
+/// B's copy: the same address (`MAP_FIXED`, which replaces the run on the parent's file), the
+/// same protection and file offset, private. Runs of other files (the Python installation, a
+/// read-only grant, a shared folder) stay. Returns how many were moved; an error fails the fork
+/// (a run half-moved is never served).
+pub(super) fn remap_onto_copies(
+    runs: &[Remap],
+    copies: [&HashMap<(u64, u64), PathBuf>; 2],
+) -> anyhow::Result<usize> {
+    let mut opened: HashMap<(u64, u64), OwnedFd> = HashMap::new();
+    let mut moved = 0;
+    for r in runs {
+        let key = (libc::makedev(r.major as u32, r.minor as u32), r.inode);
+        let Some(path) = copies.iter().find_map(|c| c.get(&key)) else {
+            continue;
+        };
+        let fd = match opened.entry(key) {
+            Entry::Occupied(file) => file.get().as_raw_fd(),
+            Entry::Vacant(slot) => {
+                let file = nix::fcntl::open(
+                    path,
+                    OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )
+                .with_context(|| format!("opening {} to map it", path.display()))?;
+                slot.insert(file).as_raw_fd()
+            }
+        };
+        // SAFETY: mmap(2) over a run of this process's own memory that maps the same bytes of
+        // the parent's file (the host read it while this process ran nothing): the run is
+        // replaced by the same bytes of this session's copy; nothing here holds a reference
+        // into it that the bytes changing would break.
+        let at = unsafe {
+            libc::mmap(
+                r.start as *mut libc::c_void,
+                r.len as usize,
+                r.prot as i32,
+                libc::MAP_PRIVATE | libc::MAP_FIXED,
+                fd,
+                r.offset as libc::off_t,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error()).with_context(|| {
+                format!("mapping {} again on this session's copy", path.display())
+            });
+        }
+        moved += 1;
+    }
+    Ok(moved)
 }
