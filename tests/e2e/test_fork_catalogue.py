@@ -6,6 +6,7 @@ uid's kernel memory. As root and as `nobody`; test_fork.py holds the fork's own 
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -1146,3 +1147,76 @@ def test_226_a_thread_a_before_hook_starts_in_the_parent_stops_the_fork(pair):
     assert r["isError"] and "1 thread of its own code" in text, text
     assert value(b.run("hold.set()\n'served'", session="before-hook")) == "served"
     assert "before-hook-kid" not in [f["name"] for f in b.srv.info()["sessions"]["forks"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# #311: ironcell's own threads of a parent keep its pre-fork domain; no code of the session runs there
+# ---------------------------------------------------------------------------------------------
+
+# Run in A after the fork (A's later code): a native (ctypes) handler for SIGUSR1, and the same
+# handler for glibc's two internal signals through the raw call (glibc's `sigaction` refuses
+# them, and its `pthread_sigmask` never blocks them). Then each of A's threads but the main one
+# is sent SIGUSR1; the handler lists and writes B's directory from whichever thread it runs on.
+# The main thread (narrowed) is sent one too: the handler does run, and is refused there.
+HANDLER_ON_OWN_THREADS = r'''
+import ctypes, errno, os, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+B = BDIR
+seen = []
+def attempt(f):
+    try:
+        return ('ok', f())
+    except OSError as e:
+        return (type(e).__name__, e.errno)
+def on_signal(signum):
+    seen.append((signum, threading.get_native_id() == main,
+                 attempt(lambda: sorted(os.listdir(B))),
+                 attempt(lambda: open(B + '/planted-by-A', 'w').write('A'))))
+handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(on_signal)
+libc.signal(10, handler)
+class Action(ctypes.Structure):
+    _fields_ = [('handler', ctypes.c_void_p), ('flags', ctypes.c_ulong),
+                ('restorer', ctypes.c_void_p), ('mask', ctypes.c_ulong)]
+usr1 = Action()
+libc.syscall(13, 10, None, ctypes.byref(usr1), 8)   # rt_sigaction: SIGUSR1's, as glibc set it
+installed = {}
+for internal in (32, 33):
+    ctypes.set_errno(0)
+    got = libc.syscall(13, internal, ctypes.byref(usr1), None, 8)
+    installed[internal] = (got, ctypes.get_errno())
+main = threading.get_native_id()
+me = os.getpid()
+others = [t for t in TIDS if t != main]   # read by the test from /proc/<pid>/task
+for t in others:
+    libc.syscall(234, me, t, 10)
+libc.syscall(234, me, main, 10)
+time.sleep(0.5)
+(installed, len(others), seen)
+'''
+
+
+@pytest.mark.parametrize("abi", [None, 6], ids=["abi-of-the-host", "abi-6"])
+@pytest.mark.parametrize("user", USERS)
+def test_311_no_handler_of_the_parents_code_runs_on_its_own_pre_fork_threads(user, abi):
+    b = start(user, abi)
+    try:
+        a_pid, _ = pid_and_dir(b, "sig-a")
+        fork(b, "sig-a", "sig-b", "open('b-secret.txt', 'w').write('B only')")
+        _, b_dir = pid_and_dir(b, "sig-b")
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{a_pid}/task"))
+        code = HANDLER_ON_OWN_THREADS.replace("BDIR", repr(b_dir)).replace("TIDS", repr(tids))
+        installed, others, seen = value(b.run(code, session="sig-a", timeout_s=60))
+        eperm = (-1, errno.EPERM)
+        assert installed == {32: eperm, 33: eperm}, installed
+        assert others >= 2, others                     # the reader and the output pump
+        # The handler ran on the main thread only (so it does run), refused there by its domain.
+        assert [s[:2] for s in seen] == [(10, True)], seen
+        assert seen[0][2][0] == "PermissionError" and seen[0][3][0] == "PermissionError", seen
+        assert value(b.run("sorted(os.listdir('.'))", session="sig-b")) == ["b-secret.txt"]
+        # glibc's own handler of SIGSETXID is in place (the zygote had it installed): `setuid`,
+        # which sends it to every other thread, is refused by the filter, not killed by it.
+        assert value(b.run("try:\n    os.setuid(os.getuid())\nexcept PermissionError:\n    r = 'refused'\nr",
+                           session="sig-b")) == "refused"
+    finally:
+        b.close()

@@ -83,6 +83,7 @@ fn run(py: Python<'_>, preload: &[String], code_cache: Option<&Path>) -> anyhow:
     // SAFETY: the host placed the control socket at fd 3 before exec; nothing else owns it.
     let ctl = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
     set_parent_death_signal()?;
+    install_glibcs_thread_signal_handler();
     // Before the warm-up allocates the zygote's heap: its arenas then fill whole 2 MiB ranges,
     // which the collapse after the plot warm-up makes huge pages.
     let chunked_arenas = crate::arenas::install();
@@ -114,6 +115,17 @@ fn run(py: Python<'_>, preload: &[String], code_cache: Option<&Path>) -> anyhow:
     }
     send_event(ctl.as_raw_fd(), &ready)?;
     serve_spawn_requests(py, &ctl)
+}
+
+/// Has glibc install its handler of SIGSETXID (which `setuid` and the like send to every other
+/// thread) here, before any fork: glibc does it at a process's first `pthread_create`, which in
+/// a worker comes after its seccomp filter refuses a handler for that signal (SECURITY.md #311),
+/// and a worker's `os.setuid` was then killed by it instead of raising PermissionError. One
+/// thread that returns at once, joined: the zygote stays single-threaded.
+fn install_glibcs_thread_signal_handler() {
+    if let Ok(t) = std::thread::Builder::new().spawn(|| {}) {
+        let _ = t.join();
+    }
 }
 
 /// The workers' seccomp programs, compiled once by the zygote (a fork inherits them).

@@ -398,7 +398,7 @@ fn busy(shared: &Shared, mut st: std::sync::MutexGuard<'_, State>) {
 
 /// Body of the reader thread: reads and dispatches frames whenever it owns the socket.
 fn read_while_a_cell_runs(shared: &Shared, sock: UnixStream) {
-    super::block_sigint_on_this_thread();
+    super::block_signals_on_this_thread();
     *crate::lock(&shared.reader) = Some(std::thread::current().id());
     loop {
         {

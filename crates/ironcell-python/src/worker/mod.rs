@@ -471,10 +471,14 @@ fn bind_session(
 }
 
 /// Helper threads leave SIGINT to the main thread, where it becomes a KeyboardInterrupt.
-pub(crate) fn block_sigint_on_this_thread() {
-    let mut set = nix::sys::signal::SigSet::empty();
-    set.add(nix::sys::signal::Signal::SIGINT);
-    let _ = set.thread_block();
+/// Blocks every signal the calling thread may block, for ironcell's own reader and output-pump
+/// threads (SECURITY.md #311): a handler the session's code installs (ctypes can install a
+/// native one) then never runs on them. In a forked session's parent they keep its pre-fork
+/// Landlock domain, which reaches the fork's directory; a signal sent to one of them with
+/// `tgkill` stays pending, and a process-wide one goes to another thread. glibc leaves its own
+/// two signals deliverable, and the seccomp filter refuses a handler for them.
+pub(crate) fn block_signals_on_this_thread() {
+    let _ = nix::sys::signal::SigSet::all().thread_block();
 }
 
 fn run_cell(runner: &Bound<'_, PyModule>, id: u64, code: &str) -> FromWorker {

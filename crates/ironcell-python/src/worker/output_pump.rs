@@ -124,7 +124,7 @@ impl OutputPump {
 
 impl Inner {
     fn pump_forever(&self) {
-        super::block_sigint_on_this_thread();
+        super::block_signals_on_this_thread();
         loop {
             let mut fds = [
                 PollFd::new(self.stdout.as_fd(), PollFlags::POLLIN),

@@ -562,6 +562,21 @@ fn refusals(processes: Processes) -> Result<Rules, SeccompError> {
             )?;
         }
     }
+    // A handler for glibc's two internal signals (SIGCANCEL 32, SIGSETXID 33), which glibc's
+    // `pthread_sigmask` never lets a thread block (SECURITY.md #311): ironcell's own reader and
+    // output-pump threads block every other signal, so no handler of the session's code runs on
+    // them (in a forked session's parent they keep its pre-fork Landlock domain). glibc's
+    // `sigaction` refuses these two numbers too; reading the handler stays allowed.
+    for signal in [32u64, 33] {
+        when(
+            &mut rules,
+            libc::SYS_rt_sigaction,
+            vec![
+                arg32(0, Op::Eq, signal)?,
+                Cond::new(1, Len::Qword, Op::Ne, 0)?,
+            ],
+        )?;
+    }
     // Signals only to itself when alone (with children, Landlock's signal scope fences them:
     // see [`Processes::WithChildren`]); rlimits only its own (0 means "self" for prlimit64).
     if let Processes::Alone { own_pid } = processes {
@@ -1369,6 +1384,18 @@ mod tests {
         assert_eq!(call(with, libc::SYS_tgkill, [4322, 4322, 15, 0, 0, 0]), ok);
         assert_eq!(call(alone, libc::SYS_kill, [4322, 15, 0, 0, 0, 0]), eperm);
         assert_eq!(call(with, libc::SYS_wait4, [u64::MAX, 0, 0, 0, 0, 0]), ok);
+        // A handler for glibc's internal signals is refused, reading one is not (#311).
+        let action = 0x7f00_0000_1000u64;
+        for p in [with, alone] {
+            for internal in [32, 33] {
+                let new = [internal, action, 0, 8, 0, 0];
+                assert_eq!(call(p, libc::SYS_rt_sigaction, new), eperm);
+                let read = [internal, 0, action, 8, 0, 0];
+                assert_eq!(call(p, libc::SYS_rt_sigaction, read), ok);
+            }
+            let usr1 = [libc::SIGUSR1 as u64, action, 0, 8, 0, 0];
+            assert_eq!(call(p, libc::SYS_rt_sigaction, usr1), ok);
+        }
         let dumpable = |p: &BpfProgram, v: u64| {
             call(
                 p,
