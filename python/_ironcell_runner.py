@@ -1182,12 +1182,40 @@ def became_a_fork(env, scratch):
             sys.modules["_ironcell_bridge"] = _real_bridge[0]
     import os
 
+    _forget_the_parents_loop()
     bind_session(env, scratch)
     if _tmp_hooked[0]:  # the parent had no /tmp of its own either; its grant is gone
         _tmp_allowed[:] = [os.path.normpath(scratch)]
     else:
         _refuse_host_tmp("a forked session has no /tmp of its own: its files are in its own "
                          "directory", [scratch])
+
+
+def _forget_the_parents_loop():
+    """The loop of the parent's top-level `await`s polled the parent's epoll instance and
+    self-pipe sockets, which the fork closed (worker/fork.rs): their numbers go to the fork's own
+    descriptors next, so that loop would poll, read and close the fork's session socket. Its
+    objects let go of those numbers unclosed, and the fork's next `await` makes a new loop; a
+    task of the parent's awaited there raises (it belongs to the old loop) instead of hanging."""
+    global _loop
+    loop, _loop = _loop, None
+    if loop is None:
+        return
+    for name in ("_ssock", "_csock"):
+        sock = getattr(loop, name, None)
+        if sock is not None:
+            sock.detach()
+    # An epoll instance is a descriptor (a `poll` object is not): closed already, not yet reused.
+    close = getattr(getattr(getattr(loop, "_selector", None), "_selector", None), "close", None)
+    if close is not None:
+        try:
+            close()
+        except OSError:
+            pass
+    try:
+        loop.close()
+    except Exception:  # noqa: BLE001 - a loop the parent left running cannot run here
+        pass
 
 
 def _leave_child(out):

@@ -115,6 +115,52 @@ def test_mcp_fork_from_code_forks_the_session_as_the_run_leaves_it(box):
     assert forks["ck"] == ["cp"], forks
 
 
+def test_a_fork_of_a_session_that_awaited_at_top_level_awaits_on_a_loop_of_its_own(box):
+    # The parent's top-level `await` left a loop polling the parent's epoll instance and
+    # self-pipe, which the fork closes; their numbers went to the fork's own descriptors, and the
+    # fork's loop then waited on its own session socket: a thread's result handed to it
+    # (`to_thread`, as the bridge hands answers) never came (h97: until the run's timeout).
+    value(box.run("import asyncio\nawait asyncio.sleep(0)\n'a loop'", session="aw"))
+    first = fork(box, "aw", "aw-kid", "1")
+    assert not first["isError"], first["content"][0]["text"]
+    cell = "import time\nawait asyncio.to_thread(lambda: time.sleep(0.05) or 'from a thread')"
+    for _ in range(2):
+        assert value(box.run(cell, session="aw-kid", timeout_s=20)) == "from a thread"
+        assert value(box.run(cell, session="aw", timeout_s=20)) == "from a thread"
+    assert value(box.run("'still serving'", session="aw-kid")) == "still serving"
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_call_through_the_bridge_the_parent_left_open_fails_in_the_fork_and_says_so(user):
+    d = shared_tmp_dir()
+    cfg = d / "servers.json"
+    server = Path(__file__).parent / "servers" / "plain_server.py"
+    log = d / "upstream.jsonl"
+    log.touch()
+    log.chmod(0o666)
+    cfg.write_text(json.dumps({"mcpServers": {"plain": {"command": "/usr/bin/python3", "args": [str(server)],
+                                                        "env": {"PLAIN_SERVER_LOG": str(log)}}}}))
+    cfg.chmod(0o644)
+    b = forking_sandbox(user, IRONCELL_MAX_SESSIONS="10", MCP_BRIDGE_CONFIG=str(cfg))
+    try:
+        value(b.run("import asyncio\nawait mcp_plain.echo(text='warm')\n1", session="open-a"))
+        value(b.run("t = asyncio.ensure_future(mcp_plain.sleep(seconds=3))\nawait asyncio.sleep(0.3)\nt.done()",
+                    session="open-a"))
+        first = fork(b, "open-a", "open-b", "1")
+        rec = first["structuredContent"]
+        assert any("1 call(s) through the bridge the parent had not had answered fail here" in n
+                   for n in rec["notices"]), rec["notices"]
+        # The inherited task belongs to the parent's loop: awaiting it raises at once, no hang.
+        got = value(b.run("try:\n    await asyncio.wait_for(t, 10)\n    r = 'answered'\n"
+                          "except Exception as e:\n    r = type(e).__name__ + ': ' + str(e)\nr", session="open-b", timeout_s=30))
+        assert got.startswith("ValueError: The future belongs to a different loop"), got
+        # The fork's own calls work; the parent's call is answered to the parent.
+        assert "warm-b" in str(value(b.run("await mcp_plain.echo(text='warm-b')", session="open-b", timeout_s=30)))
+        assert "slept" in str(value(b.run("await t", session="open-a", timeout_s=30)))
+    finally:
+        b.close()
+
+
 def test_mcp_fork_is_refused_at_once_with_the_reason(box):
     value(box.run("1", session="taken2"))
     cases = [

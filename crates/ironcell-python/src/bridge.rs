@@ -163,14 +163,16 @@ fn resolve_with_error(id: u64, message: &str) {
     resolve(id, BridgeError::unavailable(message).payload().to_string());
 }
 
-/// Fails every waiting request (the host went away).
-pub fn fail_all(reason: &str) {
-    let Some(bridge) = BRIDGE.get() else { return };
-    let waiters: Vec<(u64, Waiter)> = {
+/// Fails every waiting request (the host went away; in a fork, the parent's). Returns how many
+/// were sent or queued and not answered.
+pub fn fail_all(reason: &str) -> usize {
+    let Some(bridge) = BRIDGE.get() else { return 0 };
+    let (open, waiters): (usize, Vec<(u64, Waiter)>) = {
         let mut p = bridge.pending();
+        let open = p.open.len() + p.queued.len();
         p.open.clear();
         p.queued.clear();
-        p.waiters.drain().collect()
+        (open, p.waiters.drain().collect())
     };
     let payload = BridgeError::unavailable(reason).payload().to_string();
     for (_, w) in waiters {
@@ -183,6 +185,7 @@ pub fn fail_all(reason: &str) {
             }),
         }
     }
+    open
 }
 
 /// Forgets a request whose caller gave up (KeyboardInterrupt). One already sent stays open

@@ -124,6 +124,16 @@ pub(super) fn fork_session(
                 unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
                 // The runner's own hook (for a session's children) put /dev/null on fd 3.
                 dup_onto(socket_copy, SESSION_FD)?;
+                // Calls through the bridge the parent still waited for: their answers go to it.
+                let mut notes = notes;
+                let open = crate::bridge::fail_all(
+                    "made by the parent session before the fork; its answer goes to the parent",
+                );
+                if open > 0 {
+                    notes.push(format!(
+                        "{open} call(s) through the bridge the parent had not had answered fail here (their answers go to the parent)"
+                    ));
+                }
                 bind_the_fork(py, runner, &order)?;
                 Ok(notes)
             });
