@@ -203,7 +203,8 @@ impl Line {
             "session {session:?} has {}; a fork copies only the thread that runs cells, and these \
              would keep the parent's wider sandbox, which reaches the fork's files: end them \
              (pool.close(); pool.join(), stop the thread, wait for the process) and fork again \
-             (a session that imported polars keeps its thread pool: fork it before that import)",
+             (some libraries start threads at import and keep them, polars among them: fork \
+             the session before that import)",
             parts.join(" and ")
         ))
     }

@@ -229,6 +229,12 @@ pub(super) fn worker_environment(session: &str, scratch: &Path) -> Vec<(String, 
     // fork (OpenBLAS stops its own), which would make every pandas session unforkable
     // (fork_guard.rs): one thread, as pandas' `eval` is rarely the bottleneck.
     env.push(("NUMEXPR_NUM_THREADS".to_string(), "1".to_string()));
+    // pyarrow's bundled jemalloc (pandas 3 imports pyarrow) starts a background purging thread
+    // at its first allocation, with the same effect: it purges inline instead.
+    env.push((
+        "JE_ARROW_MALLOC_CONF".to_string(),
+        "background_thread:false".to_string(),
+    ));
     env.extend(session_environment(session, scratch));
     env
 }
