@@ -24,7 +24,7 @@ from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="48")
+    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="52")
     yield b
     b.close()
 
