@@ -571,6 +571,8 @@ impl SessionManager {
             }
             let w = self.spawn_worker(&session, &req.code).await?;
             state.worker = Some(w);
+            // A fresh interpreter from the zygote (a reset, a lost worker): no longer a fork.
+            lock(&session.lineage).clear();
             session_state = crate::output::SessionState::Restarted;
             if notices.is_empty() {
                 session_state = crate::output::SessionState::New;

@@ -24,7 +24,7 @@ from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="52")
+    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="54")
     yield b
     b.close()
 
@@ -159,6 +159,15 @@ def test_a_call_through_the_bridge_the_parent_left_open_fails_in_the_fork_and_sa
         assert "slept" in str(value(b.run("await t", session="open-a", timeout_s=30)))
     finally:
         b.close()
+
+
+def test_a_fork_that_is_reset_is_a_fork_no_longer(box):
+    value(box.run("x = 'parent'", session="rl"))
+    assert fork(box, "rl", "rl-kid", "x")["structuredContent"]["lineage"] == ["rl"]
+    assert ["rl-kid", ["rl"]] in [[f["name"], f["lineage"]] for f in box.srv.info()["sessions"]["forks"]]
+    rec = box.srv.call("'x' in globals()", session="rl-kid", reset=True)["structuredContent"]
+    assert rec["result"] == "False" and not rec.get("lineage"), rec
+    assert "rl-kid" not in [f["name"] for f in box.srv.info()["sessions"]["forks"]]
 
 
 def test_mcp_fork_is_refused_at_once_with_the_reason(box):
