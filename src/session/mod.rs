@@ -563,6 +563,15 @@ impl SessionManager {
         let mut session_state = crate::output::SessionState::Kept;
         if let Some(mut notes) = state.fork_notes.take() {
             session_state = crate::output::SessionState::Forked;
+            // Said in the text the model reads too, not only in the record's `lineage`.
+            let lineage = lock(&session.lineage).clone();
+            if let Some(parent) = lineage.first() {
+                notices.push(format!(
+                    "session {:?} is a fork of {parent:?} (lineage: {}): it starts as that session's copy at the end of its last run; the two are independent from here on",
+                    session.name,
+                    lineage.join(" <- ")
+                ));
+            }
             notices.append(&mut notes);
         }
         if state.worker.is_none() {

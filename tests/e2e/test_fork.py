@@ -24,7 +24,7 @@ from test_sandbox import USERS, Sandboxed, forking_sandbox
 
 @pytest.fixture(scope="module", params=USERS)
 def box(request):
-    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="54")
+    b = forking_sandbox(request.param, IRONCELL_MAX_SESSIONS="56")
     yield b
     b.close()
 
@@ -163,7 +163,10 @@ def test_a_call_through_the_bridge_the_parent_left_open_fails_in_the_fork_and_sa
 
 def test_a_fork_that_is_reset_is_a_fork_no_longer(box):
     value(box.run("x = 'parent'", session="rl"))
-    assert fork(box, "rl", "rl-kid", "x")["structuredContent"]["lineage"] == ["rl"]
+    first = fork(box, "rl", "rl-kid", "x")
+    assert first["structuredContent"]["lineage"] == ["rl"]
+    # The text the model reads says so too.
+    assert '[note] session "rl-kid" is a fork of "rl" (lineage: rl)' in first["content"][0]["text"]
     assert ["rl-kid", ["rl"]] in [[f["name"], f["lineage"]] for f in box.srv.info()["sessions"]["forks"]]
     rec = box.srv.call("'x' in globals()", session="rl-kid", reset=True)["structuredContent"]
     assert rec["result"] == "False" and not rec.get("lineage"), rec
@@ -232,6 +235,12 @@ def test_timing_out_resetting_or_killing_one_leaves_the_other(box):
     fork(box, "p3", "k3b")
     box.run("1", session="p3", reset=True)
     assert value(box.run("state", session="k3b")) == "again"
+    # The parent timing out, and killed for it (SIGINT ignored), leaves its fork as it was.
+    fork(box, "k3b", "k3c")
+    rec = box.run("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
+                  session="k3b", timeout_s=1)
+    assert rec["status"] == "timeout", rec
+    assert value(box.run("state", session="k3c")) == "again"
 
 
 def test_forks_of_forks_work_to_the_stated_depth_then_are_refused_with_the_reason(box):
