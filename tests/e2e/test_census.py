@@ -261,19 +261,25 @@ def test_a_library_an_earlier_refusal_broke_says_the_session_must_restart(pypi_b
     assert "stays broken until the session restarts" in notes and "reset=true" in notes, second
 
 
-def test_a_pandas_3_session_forks_and_a_polars_one_is_refused_with_the_way_out(pypi_box):
+@pytest.mark.parametrize("user", USERS)
+def test_a_pandas_3_session_forks_and_a_polars_one_is_refused_with_the_way_out(user, census_venv):
     """pandas 3 imports pyarrow, whose jemalloc started a purging thread that made the session
-    unforkable (h97); polars keeps a thread pool from its import on."""
-    if not pypi_box.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
-        pytest.skip("sessions cannot fork on this host")
-    rec = pypi_box.run("import pandas as pd\nd = pd.DataFrame({'s': ['x', 'y'] * 1000, 'a': range(2000)})\n"
-                       "(int(d.a.sum()), str(d.s.dtype))", session="pd3", timeout_s=120)
-    assert rec["status"] == "ok", rec.get("error")
-    r = pypi_box.srv.call("(int(d.a.sum()), len(d))", session="pd3-kid", fork_from="pd3")
-    pypi_box.sessions.add("pd3-kid")
-    assert not r["isError"] and r["structuredContent"]["result"] == "(1999000, 2000)", r["content"][0]["text"]
-    rec = pypi_box.run("import polars as pl\npl.DataFrame({'a': [1, 2]}).sum().item()", session="pl", timeout_s=120)
-    assert rec["status"] == "ok", rec.get("error")
-    r = pypi_box.srv.call("1", session="pl-kid", fork_from="pl")
-    text = r["content"][0]["text"]
-    assert r["isError"] and "threads of its own code" in text and "polars among them" in text, text
+    unforkable (h97); polars keeps a thread pool from its import on. A server of its own: the
+    PyPI census's sessions fill the default session cap, past which a fork is refused."""
+    box = Sandboxed(user, IRONCELL_PYTHON=str(census_venv), IRONCELL_MAX_SESSIONS="8")
+    try:
+        if not box.srv.info()["sandbox"]["child_processes"].startswith("allowed"):
+            pytest.skip("sessions cannot fork on this host")
+        rec = box.run("import pandas as pd\nd = pd.DataFrame({'s': ['x', 'y'] * 1000, 'a': range(2000)})\n"
+                      "(int(d.a.sum()), str(d.s.dtype))", session="pd3", timeout_s=120)
+        assert rec["status"] == "ok", rec.get("error")
+        r = box.srv.call("(int(d.a.sum()), len(d))", session="pd3-kid", fork_from="pd3")
+        box.sessions.add("pd3-kid")
+        assert not r["isError"] and r["structuredContent"]["result"] == "(1999000, 2000)", r["content"][0]["text"]
+        rec = box.run("import polars as pl\npl.DataFrame({'a': [1, 2]}).sum().item()", session="pl", timeout_s=120)
+        assert rec["status"] == "ok", rec.get("error")
+        r = box.srv.call("1", session="pl-kid", fork_from="pl")
+        text = r["content"][0]["text"]
+        assert r["isError"] and "threads of its own code" in text and "polars among them" in text, text
+    finally:
+        box.close()
