@@ -1103,7 +1103,7 @@ def test_36_the_environment_holds_only_the_fixed_variables(box_with_secret):
     env = ast.literal_eval(box_with_secret.run("dict(os.environ)")["result"])
     assert set(env) <= {"PATH", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
                         "PYTHONIOENCODING", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                        "NUMEXPR_NUM_THREADS",
+                        "NUMEXPR_NUM_THREADS", "JE_ARROW_MALLOC_CONF",
                         "MPLBACKEND", "HOME", "TMPDIR", "POLARS_OOC_SPILL_DIR", "PWD", "TERM", "IRONCELL_SESSION",
                         "IRONCELL_PACKAGES_DIR"}, env
     assert TOKEN not in json.dumps(env)
