@@ -470,9 +470,9 @@ fn bind_session(
     Ok(())
 }
 
-/// Helper threads leave SIGINT to the main thread, where it becomes a KeyboardInterrupt.
 /// Blocks every signal the calling thread may block, for ironcell's own reader and output-pump
-/// threads (SECURITY.md #311): a handler the session's code installs (ctypes can install a
+/// threads: SIGINT goes to the main thread, where it becomes a KeyboardInterrupt, and
+/// (SECURITY.md #311) a handler the session's code installs (ctypes can install a
 /// native one) then never runs on them. In a forked session's parent they keep its pre-fork
 /// Landlock domain, which reaches the fork's directory; a signal sent to one of them with
 /// `tgkill` stays pending, and a process-wide one goes to another thread. glibc leaves its own
